@@ -1,0 +1,325 @@
+"""The model the runtime executes: plain torch, fp32 on CPU, one small module per block.
+
+Shapes: B batch, T new tokens, S cached tokens, C hidden, H heads, Hkv KV heads, D head dim.
+Every linear is a `QuantLinear` holding the dequantized fp32 weight and the activation fake-quantizer its
+format asks for, so a Triton kernel reading packed bytes can replace it one module at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.spec import AttentionSpec, LinearSpec, MlpSpec, ModelSpec
+from runtime.weights import activation_quantizer, dequantize_weight
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 input_quantizer: Callable[[torch.Tensor], torch.Tensor] | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in] fp32
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.input_quantizer = input_quantizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_quantizer is not None:
+            x = self.input_quantizer(x)
+        return F.linear(x, self.weight, self.bias)
+
+
+class Weights:
+    """Resolves module names to runtime modules from the artifact's tensors and format table."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping], spec: ModelSpec):
+        self.tensors = tensors
+        self.formats = formats
+        self.spec = spec
+
+    def linear(self, lin: LinearSpec) -> QuantLinear:
+        name = lin.name
+        entry = self.formats.get(name, {"format": "dense"})
+        if name == "lm_head" and f"{name}.weight" not in self.tensors and self.spec.tie_word_embeddings:
+            weight = self.tensors[self.spec.embedding].float()
+        else:
+            weight = dequantize_weight(name, entry, self.tensors)
+        bias = self.tensors.get(f"{name}.bias") if lin.bias else None
+        return QuantLinear(weight, bias, activation_quantizer(name, entry, self.tensors))
+
+    def norm(self, name: str) -> RMSNorm:
+        return RMSNorm(self.tensors[name], self.spec.rms_norm_eps)
+
+
+class Rotary:
+    """cos/sin tables for given positions. Non-default RoPE types use transformers' init functions."""
+
+    def __init__(self, spec: ModelSpec, dim: int):
+        cfg = spec.hf_config
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            base = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+            self.inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            self.attention_scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            self.inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    # x: [B, T, H, D]; cos/sin: [B, T, D]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    if interleaved:
+        # DeepSeek: pairs (x0, x1), (x2, x3), ...; output de-interleaved as transformers does
+        half = cos.shape[-1] // 2
+        cos, sin = cos[..., :half], sin[..., :half]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    # [B, 1, T, S]: a query attends keys at positions <= its own (and within the sliding window)
+    q = query_positions[:, None, :, None]
+    k = key_positions[:, None, None, :]
+    mask = k <= q
+    if window is not None:
+        mask &= k > q - window
+    return mask
+
+
+class GqaAttention(nn.Module):
+    def __init__(self, spec: AttentionSpec, weights: Weights, layer_prefix: str):
+        super().__init__()
+        self.spec = spec
+        lin = spec.linears
+        self.q_proj, self.k_proj = weights.linear(lin["q"]), weights.linear(lin["k"])
+        self.v_proj, self.o_proj = weights.linear(lin["v"]), weights.linear(lin["o"])
+        self.q_norm = weights.norm(f"{layer_prefix}.self_attn.q_norm.weight") if spec.qk_norm else None
+        self.k_norm = weights.norm(f"{layer_prefix}.self_attn.k_norm.weight") if spec.qk_norm else None
+
+    def stream_shapes(self) -> tuple[tuple[int, int], ...]:
+        return ((self.spec.num_kv_heads, self.spec.head_dim), (self.spec.num_kv_heads, self.spec.v_head_dim))
+
+    def forward(self, x, rope, positions, cache, layer):
+        B, T, _ = x.shape
+        s = self.spec
+        q = self.q_proj(x).view(B, T, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(B, T, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(B, T, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        key_positions = positions
+        if cache is not None:
+            k, v = cache.update(layer, (k, v), positions)
+            key_positions = torch.arange(k.shape[1]).expand(B, -1)
+        out = _attend(q, k, v, attention_mask(positions, key_positions, s.sliding_window), s.head_dim**-0.5)
+        return self.o_proj(out.reshape(B, T, s.num_heads * s.v_head_dim))
+
+
+class MlaAttention(nn.Module):
+    """DeepSeek-V3 multi-head latent attention; the cache holds the latent and the roped key part."""
+
+    def __init__(self, spec: AttentionSpec, weights: Weights, layer_prefix: str, softmax_scale: float):
+        super().__init__()
+        self.spec = spec
+        lin = spec.linears
+        p = f"{layer_prefix}.self_attn"
+        if spec.q_lora_rank is None:
+            self.q_proj = weights.linear(lin["q"])
+        else:
+            self.q_a_proj = weights.linear(lin["q_a"])
+            self.q_a_layernorm = weights.norm(f"{p}.q_a_layernorm.weight")
+            self.q_b_proj = weights.linear(lin["q_b"])
+        self.kv_a_proj = weights.linear(lin["kv_a"])
+        self.kv_a_layernorm = weights.norm(f"{p}.kv_a_layernorm.weight")
+        self.kv_b_proj = weights.linear(lin["kv_b"])
+        self.o_proj = weights.linear(lin["o"])
+        self.softmax_scale = softmax_scale
+
+    def stream_shapes(self) -> tuple[tuple[int, int], ...]:
+        return ((1, self.spec.kv_lora_rank), (1, self.spec.qk_rope_head_dim))
+
+    def forward(self, x, rope, positions, cache, layer):
+        B, T, _ = x.shape
+        s = self.spec
+        H, nope, rope_dim = s.num_heads, s.qk_nope_head_dim, s.qk_rope_head_dim
+        if s.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, H, nope + rope_dim)
+        q_pass, q_rot = q.split([nope, rope_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj(x).split([s.kv_lora_rank, rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent).view(B, T, 1, s.kv_lora_rank)
+        cos, sin = rope
+        q_rot = apply_rope(q_rot, cos, sin, s.rope_interleave)
+        k_rot = apply_rope(k_rot.view(B, T, 1, rope_dim), cos, sin, s.rope_interleave)
+        key_positions = positions
+        if cache is not None:
+            latent, k_rot = cache.update(layer, (latent, k_rot), positions)
+            key_positions = torch.arange(latent.shape[1]).expand(B, -1)
+        S = latent.shape[1]
+        kv = self.kv_b_proj(latent.view(B, S, s.kv_lora_rank)).view(B, S, H, nope + s.v_head_dim)
+        k_pass, v = kv.split([nope, s.v_head_dim], dim=-1)
+        k = torch.cat([k_pass, k_rot.expand(B, S, H, rope_dim)], dim=-1)
+        q = torch.cat([q_pass, q_rot], dim=-1)
+        out = _attend(q, k, v, attention_mask(positions, key_positions, None), self.softmax_scale)
+        return self.o_proj(out.reshape(B, T, H * s.v_head_dim))
+
+
+def _attend(q, k, v, mask, scale):
+    # q: [B, T, H, D]; k: [B, S, Hkv, D]; v: [B, S, Hkv, Dv]; mask: [B, 1, T, S] -> [B, T, H, Dv]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+class DenseMlp(nn.Module):
+    def __init__(self, linears: Mapping[str, LinearSpec], weights: Weights, prefix: str = ""):
+        super().__init__()
+        self.gate_proj = weights.linear(linears[f"{prefix}gate"])
+        self.up_proj = weights.linear(linears[f"{prefix}up"])
+        self.down_proj = weights.linear(linears[f"{prefix}down"])
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoeMlp(nn.Module):
+    def __init__(self, spec: MlpSpec, weights: Weights):
+        super().__init__()
+        self.spec = spec
+        self.router = weights.linear(spec.linears["router"])
+        self.experts = nn.ModuleList(DenseMlp(e, weights) for e in spec.experts)
+        self.shared = DenseMlp(spec.linears, weights, "shared_") if "shared_gate" in spec.linears else None
+        self.shared_gate = weights.linear(spec.linears["shared_gate_router"]) if spec.shared_expert_gate else None
+        bias = spec.score_correction_bias
+        self.score_bias = weights.tensors[bias].float() if bias and bias in weights.tensors else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [N, C] -> (weights [N, k], expert indices [N, k])
+        s = self.spec
+        logits = self.router(x).float()
+        if s.routing == "softmax_topk":
+            probs = logits.softmax(dim=-1)
+            top_w, top_i = probs.topk(s.top_k, dim=-1)
+            if s.norm_topk_prob:
+                top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+            return top_w, top_i
+        scores = logits.sigmoid()
+        choice = scores + self.score_bias if self.score_bias is not None else scores
+        n, E = choice.shape
+        group_scores = choice.view(n, s.n_group, E // s.n_group).topk(min(2, E // s.n_group), dim=-1)[0].sum(-1)
+        group_idx = group_scores.topk(s.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(n, s.n_group, E // s.n_group).reshape(n, E)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        top_i = choice.topk(s.top_k, dim=-1, sorted=False)[1]
+        top_w = scores.gather(1, top_i)
+        if s.norm_topk_prob:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_w * s.routed_scaling_factor, top_i
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        top_w, top_i = self.route(x)
+        out = torch.zeros_like(x)
+        for e in top_i.unique().tolist():
+            token, slot = (top_i == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, self.experts[e](x[token]) * top_w[token, slot, None])
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(x))
+            out = out + shared
+        return out.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, attention: nn.Module, mlp: nn.Module, input_norm: RMSNorm, post_norm: RMSNorm):
+        super().__init__()
+        self.attention, self.mlp = attention, mlp
+        self.input_norm, self.post_norm = input_norm, post_norm
+
+    def forward(self, x, rope, positions, cache, layer):
+        x = x + self.attention(self.input_norm(x), rope, positions, cache, layer)
+        return x + self.mlp(self.post_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping]):
+        super().__init__()
+        self.spec = spec
+        weights = Weights(tensors, formats, spec)
+        self.embed = nn.Parameter(tensors[spec.embedding].float(), requires_grad=False)
+        blocks = []
+        first = spec.layers[0].attention
+        if first.kind == "mla":
+            self.rotary = Rotary(spec, first.qk_rope_head_dim)
+            scale = _mla_softmax_scale(spec, first.head_dim)
+        else:
+            self.rotary = Rotary(spec, first.head_dim)
+        for layer in spec.layers:
+            a = layer.attention
+            attention = (MlaAttention(a, weights, layer.prefix, scale) if a.kind == "mla"
+                         else GqaAttention(a, weights, layer.prefix))
+            mlp = DenseMlp(layer.mlp.linears, weights) if layer.mlp.kind == "dense" else MoeMlp(layer.mlp, weights)
+            blocks.append(Block(attention, mlp, weights.norm(layer.norms[0]), weights.norm(layer.norms[1])))
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = weights.norm(spec.final_norm)
+        self.lm_head = weights.linear(spec.lm_head)
+
+    def stream_shapes(self) -> list[tuple[tuple[int, int], ...]]:
+        return [b.attention.stream_shapes() for b in self.blocks]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        # tokens, positions: [B, T] -> logits [B, T, V]
+        x = F.embedding(tokens, self.embed)
+        rope = self.rotary(positions)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, positions, cache, i)
+        return self.lm_head(self.norm(x))
+
+
+def _mla_softmax_scale(spec: ModelSpec, qk_head_dim: int) -> float:
+    import math
+
+    scale = qk_head_dim**-0.5
+    rope = dict(getattr(spec.hf_config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        factor = float(rope["factor"])
+        mscale = 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale

@@ -1,0 +1,302 @@
+"""Architecture specs: how a Hugging Face config and its tensor names map onto the blocks Kiln runs.
+
+This is the single place that knows each supported architecture's layout. The runtime builds its modules
+from a `ModelSpec`; the optimizer's loader builds the IR (`passes.graph.ModelGraph`) from the same spec,
+so the two can never disagree about which tensor is which.
+
+Defaults come from transformers' own config classes (`AutoConfig.for_model`), so a config.json that leaves
+a field out means what it means to transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kernels.errors import KilnError
+
+SUPPORTED_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
+)
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One linear layer: its module path (tensor `<name>.weight`), role and shape."""
+
+    name: str
+    role: str  # q, k, v, o, q_a, q_b, kv_a, kv_b, gate, up, down, expert, router, lm_head
+    in_features: int
+    out_features: int
+    layer: int | None = None  # None for lm_head
+    expert: int | None = None  # routed expert index
+    proj: str | None = None  # for experts and shared experts: gate, up or down
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    kind: str  # "mha", "gqa" or "mla"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # q/k head dim (for MLA: nope + rope)
+    v_head_dim: int
+    linears: dict[str, LinearSpec]  # keyed by role
+    qk_norm: bool = False  # Qwen3: RMSNorm on each q/k head
+    sliding_window: int | None = None
+    # MLA only
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    rope_interleave: bool = False
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    kind: str  # "dense" or "moe"
+    intermediate_size: int
+    linears: dict[str, LinearSpec]  # dense: gate/up/down; moe: router (+ shared gate/up/down)
+    experts: tuple[dict[str, LinearSpec], ...] = ()  # each: gate/up/down
+    top_k: int = 0
+    routing: str = ""  # "softmax_topk" (Mixtral/Qwen) or "sigmoid_group_topk" (DeepSeek-V3)
+    norm_topk_prob: bool = False
+    shared_expert_gate: str | None = None  # Qwen2-MoE: sigmoid gate on the shared expert
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    score_correction_bias: str | None = None  # DeepSeek-V3 e_score_correction_bias tensor
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    index: int
+    prefix: str
+    attention: AttentionSpec
+    mlp: MlpSpec
+    norms: tuple[str, ...]  # tensor names of the layer's norm weights
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    embedding: str
+    final_norm: str
+    lm_head: LinearSpec
+    layers: tuple[LayerSpec, ...]
+    max_position_embeddings: int
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hf_config: object = field(default=None, repr=False, compare=False)
+
+    def linears(self) -> list[LinearSpec]:
+        out: list[LinearSpec] = []
+        for layer in self.layers:
+            out.extend(layer.attention.linears.values())
+            out.extend(layer.mlp.linears.values())
+            for expert in layer.mlp.experts:
+                out.extend(expert.values())
+        out.append(self.lm_head)
+        return out
+
+
+def load_hf_config(config_dict: dict, trust_remote_code: bool = False):
+    """A transformers config object for a supported model type, or a one-line KilnError."""
+    model_type = config_dict.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise KilnError(
+            f"unsupported architecture {model_type!r}; Kiln supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    from transformers import AutoConfig
+
+    kwargs = {k: v for k, v in config_dict.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise KilnError(f"invalid {model_type} config.json: {exc}".splitlines()[0]) from None
+
+
+def _lin(name, role, fin, fout, layer=None, expert=None, proj=None, bias=False) -> LinearSpec:
+    return LinearSpec(name, role, int(fin), int(fout), layer, expert, proj, bias)
+
+
+def _dense_mlp(prefix: str, i: int, hidden: int, inter: int, names=("gate_proj", "up_proj", "down_proj"),
+               bias: bool = False) -> dict[str, LinearSpec]:
+    g, u, d = names
+    return {
+        "gate": _lin(f"{prefix}.{g}", "gate", hidden, inter, i, proj="gate", bias=bias),
+        "up": _lin(f"{prefix}.{u}", "up", hidden, inter, i, proj="up", bias=bias),
+        "down": _lin(f"{prefix}.{d}", "down", inter, hidden, i, proj="down", bias=bias),
+    }
+
+
+def _experts(prefix: str, i: int, n: int, hidden: int, inter: int, names) -> tuple[dict[str, LinearSpec], ...]:
+    g, u, d = names
+    return tuple(
+        {
+            "gate": _lin(f"{prefix}.{e}.{g}", "expert", hidden, inter, i, e, "gate"),
+            "up": _lin(f"{prefix}.{e}.{u}", "expert", hidden, inter, i, e, "up"),
+            "down": _lin(f"{prefix}.{e}.{d}", "expert", inter, hidden, i, e, "down"),
+        }
+        for e in range(n)
+    )
+
+
+def _gqa_attention(cfg, prefix: str, i: int, qk_norm: bool) -> AttentionSpec:
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type in ("qwen2", "qwen2_moe")
+    hidden = cfg.hidden_size
+    window = None
+    layer_types = getattr(cfg, "layer_types", None)
+    if getattr(cfg, "sliding_window", None) and (layer_types is None or layer_types[i] == "sliding_attention"):
+        window = int(cfg.sliding_window)
+    return AttentionSpec(
+        kind="mha" if kv_heads == heads else "gqa",
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        linears={
+            "q": _lin(f"{prefix}.q_proj", "q", hidden, heads * head_dim, i, bias=bias),
+            "k": _lin(f"{prefix}.k_proj", "k", hidden, kv_heads * head_dim, i, bias=bias),
+            "v": _lin(f"{prefix}.v_proj", "v", hidden, kv_heads * head_dim, i, bias=bias),
+            "o": _lin(f"{prefix}.o_proj", "o", heads * head_dim, hidden, i,
+                      bias=bool(getattr(cfg, "attention_bias", False)) and cfg.model_type not in ("qwen2", "qwen2_moe")),
+        },
+        qk_norm=qk_norm,
+        sliding_window=window,
+    )
+
+
+def _mla_attention(cfg, prefix: str, i: int) -> AttentionSpec:
+    heads = cfg.num_attention_heads
+    hidden = cfg.hidden_size
+    nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    qk_dim = nope + rope
+    linears = {}
+    if cfg.q_lora_rank is None:
+        linears["q"] = _lin(f"{prefix}.q_proj", "q", hidden, heads * qk_dim, i)
+    else:
+        linears["q_a"] = _lin(f"{prefix}.q_a_proj", "q_a", hidden, cfg.q_lora_rank, i, bias=cfg.attention_bias)
+        linears["q_b"] = _lin(f"{prefix}.q_b_proj", "q_b", cfg.q_lora_rank, heads * qk_dim, i)
+    linears["kv_a"] = _lin(f"{prefix}.kv_a_proj_with_mqa", "kv_a", hidden, cfg.kv_lora_rank + rope, i,
+                           bias=cfg.attention_bias)
+    linears["kv_b"] = _lin(f"{prefix}.kv_b_proj", "kv_b", cfg.kv_lora_rank, heads * (nope + v_dim), i)
+    linears["o"] = _lin(f"{prefix}.o_proj", "o", heads * v_dim, hidden, i, bias=cfg.attention_bias)
+    return AttentionSpec(
+        kind="mla",
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=qk_dim,
+        v_head_dim=v_dim,
+        linears=linears,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=nope,
+        rope_interleave=bool(getattr(cfg, "rope_interleave", True)),
+    )
+
+
+def _mlp(cfg, prefix: str, i: int) -> MlpSpec:
+    mt = cfg.model_type
+    hidden = cfg.hidden_size
+    if mt in ("llama", "mistral", "qwen2", "qwen3"):
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        return MlpSpec("dense", cfg.intermediate_size, _dense_mlp(f"{prefix}.mlp", i, hidden, cfg.intermediate_size,
+                                                                  bias=bias))
+    if mt == "mixtral":
+        p = f"{prefix}.block_sparse_moe"
+        n = cfg.num_local_experts
+        return MlpSpec(
+            "moe", cfg.intermediate_size,
+            {"router": _lin(f"{p}.gate", "router", hidden, n, i)},
+            _experts(f"{p}.experts", i, n, hidden, cfg.intermediate_size, ("w1", "w3", "w2")),
+            top_k=cfg.num_experts_per_tok, routing="softmax_topk", norm_topk_prob=True,
+        )
+    if mt in ("qwen2_moe", "qwen3_moe"):
+        sparse = (
+            i not in (getattr(cfg, "mlp_only_layers", None) or [])
+            and cfg.num_experts > 0
+            and (i + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
+        )
+        if not sparse:
+            return MlpSpec("dense", cfg.intermediate_size,
+                           _dense_mlp(f"{prefix}.mlp", i, hidden, cfg.intermediate_size))
+        p = f"{prefix}.mlp"
+        linears = {"router": _lin(f"{p}.gate", "router", hidden, cfg.num_experts, i)}
+        shared_gate = None
+        if mt == "qwen2_moe" and cfg.shared_expert_intermediate_size:
+            linears.update({f"shared_{k}": v for k, v in _dense_mlp(
+                f"{p}.shared_expert", i, hidden, cfg.shared_expert_intermediate_size).items()})
+            shared_gate = f"{p}.shared_expert_gate"
+            linears["shared_gate_router"] = _lin(shared_gate, "router", hidden, 1, i)
+        return MlpSpec(
+            "moe", cfg.moe_intermediate_size, linears,
+            _experts(f"{p}.experts", i, cfg.num_experts, hidden, cfg.moe_intermediate_size,
+                     ("gate_proj", "up_proj", "down_proj")),
+            top_k=cfg.num_experts_per_tok, routing="softmax_topk", norm_topk_prob=bool(cfg.norm_topk_prob),
+            shared_expert_gate=shared_gate,
+        )
+    if mt == "deepseek_v3":
+        moe = (cfg.n_routed_experts is not None and i >= cfg.first_k_dense_replace
+               and i % getattr(cfg, "moe_layer_freq", 1) == 0)
+        if not moe:
+            return MlpSpec("dense", cfg.intermediate_size,
+                           _dense_mlp(f"{prefix}.mlp", i, hidden, cfg.intermediate_size))
+        p = f"{prefix}.mlp"
+        linears = {"router": _lin(f"{p}.gate", "router", hidden, cfg.n_routed_experts, i)}
+        if cfg.n_shared_experts:
+            linears.update({f"shared_{k}": v for k, v in _dense_mlp(
+                f"{p}.shared_experts", i, hidden, cfg.moe_intermediate_size * cfg.n_shared_experts).items()})
+        return MlpSpec(
+            "moe", cfg.moe_intermediate_size, linears,
+            _experts(f"{p}.experts", i, cfg.n_routed_experts, hidden, cfg.moe_intermediate_size,
+                     ("gate_proj", "up_proj", "down_proj")),
+            top_k=cfg.num_experts_per_tok, routing="sigmoid_group_topk", norm_topk_prob=bool(cfg.norm_topk_prob),
+            routed_scaling_factor=float(cfg.routed_scaling_factor), n_group=cfg.n_group or 1,
+            topk_group=cfg.topk_group or 1, score_correction_bias=f"{p}.gate.e_score_correction_bias",
+        )
+    raise KilnError(f"unsupported architecture {mt!r}")  # unreachable: load_hf_config checked
+
+
+def build_spec(config_dict: dict, trust_remote_code: bool = False) -> ModelSpec:
+    cfg = load_hf_config(config_dict, trust_remote_code)
+    mt = cfg.model_type
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{i}"
+        attn_prefix = f"{prefix}.self_attn"
+        if mt == "deepseek_v3":
+            attention = _mla_attention(cfg, attn_prefix, i)
+            norms = [f"{attn_prefix}.kv_a_layernorm.weight"]
+            if cfg.q_lora_rank is not None:
+                norms.append(f"{attn_prefix}.q_a_layernorm.weight")
+        else:
+            qk_norm = mt in ("qwen3", "qwen3_moe")
+            attention = _gqa_attention(cfg, attn_prefix, i, qk_norm)
+            norms = [f"{attn_prefix}.q_norm.weight", f"{attn_prefix}.k_norm.weight"] if qk_norm else []
+        norms = [f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight", *norms]
+        layers.append(LayerSpec(i, prefix, attention, _mlp(cfg, prefix, i), tuple(norms)))
+    eos = cfg.eos_token_id if hasattr(cfg, "eos_token_id") else None
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return ModelSpec(
+        model_type=mt,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        embedding="model.embed_tokens.weight",
+        final_norm="model.norm.weight",
+        lm_head=_lin("lm_head", "lm_head", cfg.hidden_size, cfg.vocab_size),
+        layers=tuple(layers),
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048)),
+        bos_token_id=getattr(cfg, "bos_token_id", None),
+        eos_token_ids=eos_ids,
+        hf_config=cfg,
+    )
