@@ -1,0 +1,93 @@
+"""The build driver: load -> check -> run the gated pipeline -> lower -> write the artifact."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from calibration.data import DEFAULT_PARAGRAPHS, load_token_lists
+from kernels.errors import KilnError
+from kernels.targets import get_target
+from optimizer.gate import AccuracyGate, engine_from_graph
+from optimizer.loader import load_checkpoint
+from optimizer.lower import lower_tensors, tensor_bytes, write_artifact
+from optimizer.recipes import Recipe, resolve_recipe
+from optimizer.report import render_report
+from passes.base import PassContext, PassRecord, Pipeline
+from passes.graph import ModelGraph
+from runtime.engine import load_tokenizer
+
+
+class StrictRevert(Exception):
+    """--strict and a pass was reverted: exit 1, write nothing."""
+
+
+@dataclass
+class BuildResult:
+    path: Path | None
+    graph: ModelGraph
+    records: list[PassRecord]
+    manifest: dict
+    weight_bytes: int
+
+
+def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Path | None, *,
+          eval_data: Path | None = None, calib_data: Path | None = None, paragraphs: int = DEFAULT_PARAGRAPHS,
+          calib_paragraphs: int = 256, min_recovery: float | None = None, strict: bool = False,
+          gate: bool = True, reproducible: bool = False, overwrite: bool = False,
+          trust_remote_code: bool = False, log: Callable[[str], None] = lambda m: None,
+          progress_factory=None) -> BuildResult:
+    tgt = get_target(target)
+    rec = recipe if isinstance(recipe, Recipe) else resolve_recipe(recipe)
+    pipeline = Pipeline(rec.passes)  # ordering rules checked here, before anything loads
+    if min_recovery is not None and not 0 < min_recovery <= 1.5:
+        raise KilnError(f"--min-recovery must be in (0, 1.5], got {min_recovery}")
+    if output is not None and Path(output).exists() and not overwrite:
+        raise KilnError(f"output {output} already exists; pass --overwrite to replace it")
+    graph = load_checkpoint(checkpoint, trust_remote_code)
+    pipeline.check(graph, tgt)
+    tokenizer = load_tokenizer(graph.source.path)
+
+    gate_fn = None
+    eval_info = None
+    if gate and pipeline.passes:
+        if eval_data is None:
+            raise KilnError("the gate needs held-out text: pass --eval-data FILE (or --no-gate)")
+        tokens = load_token_lists(tokenizer, eval_data, paragraphs)
+        log(f"gate data: {len(tokens)} paragraphs of {eval_data}")
+        progress = progress_factory(len(tokens)) if progress_factory else None
+        gate_fn = AccuracyGate(engine_from_graph(graph), tokens, progress)
+        eval_info = {"data": Path(eval_data).name, "paragraphs": len(tokens), "tokens": gate_fn.baseline.tokens,
+                     "baseline_perplexity": round(gate_fn.baseline.perplexity, 6)}
+    calib_tokens = load_token_lists(tokenizer, calib_data, calib_paragraphs) if calib_data else []
+    ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, calibration_tokens=calib_tokens, log=log)
+
+    start = time.perf_counter()
+    records = pipeline.run(graph, ctx)
+    build_seconds = time.perf_counter() - start
+    reverted = [r.name for r in records if r.decision == "reverted"]
+    if strict and reverted:
+        raise StrictRevert(f"--strict: pass(es) {', '.join(reverted)} failed the gate and were reverted; "
+                           "no artifact written")
+
+    timings = not reproducible
+    manifest = {
+        "source": {"checkpoint": graph.source.name, "model_type": graph.model_type,
+                   "weight_files": dict(graph.source.weight_files)},
+        "target": tgt.name,
+        "recipe": {"name": rec.name, "passes": [r.config for r in records] if records else []},
+        "passes": [r.to_json(timings) for r in records],
+        "evaluation": eval_info,
+        "build_seconds": round(build_seconds, 3) if timings else None,
+        "reproducible": reproducible,
+    }
+    tensors, formats = lower_tensors(graph)
+    weight_bytes = tensor_bytes(tensors)
+    manifest_preview = {**manifest, "formats": formats,
+                        "sizes": {"weight_bytes": weight_bytes, "source_weight_bytes": graph.source.weight_bytes}}
+    path = None
+    if output is not None:
+        path = write_artifact(graph, Path(output), manifest, render_report(manifest_preview), overwrite)
+    return BuildResult(path, graph, records, manifest_preview, weight_bytes)

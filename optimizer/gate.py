@@ -1,0 +1,104 @@
+"""The accuracy gate: baseline vs candidate on held-out text, computed by the runtime's own numerics.
+
+The candidate graph is lowered to the artifact's tensors, round-tripped through safetensors, and loaded by
+`runtime.Engine` exactly as `runtime.load` would; no fake-quant stand-in. Metrics per the fixed protocol
+(calibration.data): perplexity, mean per-token KL(baseline || candidate), top-1 agreement.
+Recovery = ppl_baseline / ppl_candidate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from optimizer.lower import lower_tensors, roundtrip
+from passes.base import GateResult
+from passes.graph import ModelGraph
+from runtime.engine import Engine
+
+
+def engine_from_graph(graph: ModelGraph, tokenizer=None) -> Engine:
+    tensors, formats = lower_tensors(graph)
+    return Engine.from_tensors(graph.config, roundtrip(tensors), formats, tokenizer)
+
+
+def _batches(token_lists: Sequence[Sequence[int]], max_tokens: int = 8192):
+    # sort by length so padding stays small; yield (indices, lists)
+    order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
+    batch: list[int] = []
+    for i in order:
+        if batch and (len(batch) + 1) * len(token_lists[i]) > max_tokens:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+@dataclass
+class Score:
+    nll: float  # summed over tokens
+    tokens: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.tokens)
+
+
+def log_probs(engine: Engine, token_lists: Sequence[Sequence[int]], progress: Callable[[int], None] | None = None):
+    """Yield (index, log-probs [n-1, V] for next tokens, targets [n-1]) per token list."""
+    for batch in _batches(token_lists):
+        logits = engine.logits([token_lists[i] for i in batch])
+        for i, lg in zip(batch, logits, strict=True):
+            targets = torch.as_tensor(token_lists[i][1:], dtype=torch.long)
+            yield i, torch.log_softmax(lg[:-1].float(), dim=-1), targets
+        if progress is not None:
+            progress(len(batch))
+
+
+def score(engine: Engine, token_lists: Sequence[Sequence[int]], progress=None) -> Score:
+    nll, count = 0.0, 0
+    for _, lp, targets in log_probs(engine, token_lists, progress):
+        nll -= float(lp.gather(1, targets[:, None]).sum())
+        count += len(targets)
+    return Score(nll, count)
+
+
+class AccuracyGate:
+    """Callable gate: holds the baseline's log-probs once, scores each candidate graph against them."""
+
+    def __init__(self, baseline: Engine, token_lists: Sequence[Sequence[int]], progress=None):
+        self.token_lists = list(token_lists)
+        self.progress = progress
+        self.baseline_lp: list[torch.Tensor | None] = [None] * len(self.token_lists)
+        nll, count = 0.0, 0
+        for i, lp, targets in log_probs(baseline, self.token_lists, progress):
+            self.baseline_lp[i] = lp
+            nll -= float(lp.gather(1, targets[:, None]).sum())
+            count += len(targets)
+        self.baseline = Score(nll, count)
+
+    def compare(self, candidate: Engine, floor: float) -> GateResult:
+        start = time.perf_counter()
+        nll, kl, agree, count = 0.0, 0.0, 0, 0
+        for i, lp, targets in log_probs(candidate, self.token_lists, self.progress):
+            base = self.baseline_lp[i]
+            nll -= float(lp.gather(1, targets[:, None]).sum())
+            kl += float((base.exp() * (base - lp)).sum())
+            agree += int((base.argmax(-1) == lp.argmax(-1)).sum())
+            count += len(targets)
+        return GateResult(
+            perplexity=math.exp(nll / count), baseline_perplexity=self.baseline.perplexity,
+            kl=kl / count, top1=agree / count, tokens=count, floor=floor,
+            seconds=time.perf_counter() - start,
+        )
+
+    def __call__(self, graph: ModelGraph, floor: float) -> GateResult:
+        start = time.perf_counter()
+        result = self.compare(engine_from_graph(graph), floor)
+        return dataclasses.replace(result, seconds=time.perf_counter() - start)

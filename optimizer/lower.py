@@ -1,0 +1,98 @@
+"""ModelGraph -> engine artifact (the contract in `runtime.artifact`).
+
+`lower_tensors` produces exactly the tensors and format table the artifact stores; the gate builds its
+engine from the same pair (after a safetensors round trip), so the gate measures what ships.
+`write_artifact` writes into a temporary sibling directory and renames it into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save, save_file
+
+from kernels.errors import KilnError
+from optimizer import __version__
+from passes.graph import ModelGraph
+from runtime.artifact import MANIFEST, SCHEMA_VERSION, WEIGHTS, sha256_file
+
+
+def lower_tensors(graph: ModelGraph) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """(tensors to store, per-module format table). Quantized linears replace their source weight."""
+    tensors: dict[str, torch.Tensor] = {}
+    formats: dict[str, dict] = {}
+    replaced = set()
+    for lin in graph.linears.values():
+        if lin.quant is None:
+            formats[lin.name] = {"format": "dense", "activation": "none", "role": lin.role}
+            continue
+        q = lin.quant
+        entry = {"format": q.format, "activation": q.activation, "role": lin.role, "method": q.method}
+        if q.in_features is not None:
+            entry["in_features"] = int(q.in_features)
+        formats[lin.name] = entry
+        for key, value in q.tensors.items():
+            tensors[f"{lin.name}.{key}"] = value.contiguous()
+        if lin.tied_to is None:
+            replaced.add(lin.weight_name)
+    for name, value in graph.tensors.items():
+        if name not in replaced:
+            tensors[name] = value.contiguous()
+    return tensors, formats
+
+
+def roundtrip(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as the runtime will read them back from model.safetensors."""
+    from safetensors.torch import load
+
+    return load(save(tensors))
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _json(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, overwrite: bool = False) -> Path:
+    """Write the artifact atomically: everything into `.<name>.tmp-*` beside `out`, then rename."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise KilnError(f"output {out} already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors, formats = lower_tensors(graph)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "kiln"})
+        shutil.copyfile(graph.source.path / "config.json", tmp / "config.json")
+        for f in graph.source.tokenizer_files:
+            shutil.copyfile(f, tmp / f.name)
+        (tmp / "report.md").write_text(report)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {
+            **manifest,
+            "schema_version": SCHEMA_VERSION,
+            "kiln_version": __version__,
+            "formats": formats,
+            "sizes": {"weight_bytes": tensor_bytes(tensors), "source_weight_bytes": graph.source.weight_bytes},
+            "files": files,
+        }
+        (tmp / MANIFEST).write_text(_json(manifest))
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, trash / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

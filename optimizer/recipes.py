@@ -1,0 +1,115 @@
+"""Recipes: named lists of configured passes, or YAML files listing passes and their configs.
+
+    --recipe fp8-weights                 a built-in
+    --recipe nvfp4-w4a16,fp8-kv          built-ins applied in order
+    --recipe my_recipe.yaml              a file:
+        name: my-recipe
+        passes:
+          - pass: weight-quant           # a built-in pass...
+            format: fp8
+          - pass: examples.custom_pass:ScaleEmbedding   # ...or module:Class (resolved from the cwd too)
+            factor: 1.0
+The built-in tables are plain dicts filled here, explicitly; nothing registers itself on import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from kernels.errors import KilnError
+from passes.base import Pass
+from passes.mixed_precision import WeightQuantization
+
+BUILTIN_PASSES: dict[str, type[Pass]] = {
+    WeightQuantization.name: WeightQuantization,
+}
+
+BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
+    "none": lambda: [],
+    "fp8-weights": lambda: [WeightQuantization(format="fp8")],
+    "fp8": lambda: [WeightQuantization(format="fp8", activations="dynamic")],
+    "nvfp4-w4a16": lambda: [WeightQuantization(format="nvfp4")],
+    "mxfp4-w4a16": lambda: [WeightQuantization(format="mxfp4")],
+    "nvfp4": lambda: [WeightQuantization(format="nvfp4", activations="dynamic")],
+    "mxfp4": lambda: [WeightQuantization(format="mxfp4", activations="dynamic")],
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    passes: tuple[Pass, ...]
+
+
+def _import_pass(ref: str, base_dir: Path | None) -> type[Pass]:
+    module_name, _, class_name = ref.partition(":")
+    if not module_name or not class_name:
+        raise KilnError(f"custom pass {ref!r} must be written module:Class")
+    for extra in (str(Path.cwd()), str(base_dir) if base_dir else None, str(base_dir.parent) if base_dir else None):
+        if extra and extra not in sys.path:
+            sys.path.append(extra)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise KilnError(f"cannot import custom pass module {module_name!r}: {exc}") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Pass) and dataclasses.is_dataclass(cls)):
+        raise KilnError(f"{ref} is not a Pass dataclass (subclass passes.base.Pass, decorate with @dataclass)")
+    return cls
+
+
+def build_pass(entry: dict, base_dir: Path | None = None) -> Pass:
+    if not isinstance(entry, dict) or "pass" not in entry:
+        raise KilnError(f"each recipe entry needs a 'pass' key, got {entry!r}")
+    config = {k: v for k, v in entry.items() if k != "pass"}
+    ref = str(entry["pass"])
+    if ":" in ref:
+        cls = _import_pass(ref, base_dir)
+    elif ref in BUILTIN_PASSES:
+        cls = BUILTIN_PASSES[ref]
+    else:
+        raise KilnError(f"unknown pass {ref!r}; built-in passes: {', '.join(sorted(BUILTIN_PASSES))} "
+                        "(or module:Class for a custom pass)")
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise KilnError(f"pass {ref!r} has no field(s) {', '.join(unknown)}; its fields: {', '.join(sorted(fields))}")
+    config = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
+    try:
+        return cls(**config)
+    except (TypeError, ValueError) as exc:
+        raise KilnError(f"pass {ref!r}: {exc}") from None
+
+
+def load_recipe_file(path: Path) -> Recipe:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise KilnError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("passes"), list):
+        raise KilnError(f"{path}: a recipe file needs a 'passes' list")
+    passes = tuple(build_pass(entry, path.parent.resolve()) for entry in data["passes"])
+    return Recipe(str(data.get("name", path.stem)), passes)
+
+
+def resolve_recipe(spec: str) -> Recipe:
+    """A built-in name, a comma-separated list of built-in names, or a YAML file."""
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        if not path.is_file():
+            raise KilnError(f"recipe file {spec} not found")
+        return load_recipe_file(path)
+    passes: list[Pass] = []
+    for name in (n.strip() for n in spec.split(",")):
+        if name not in BUILTIN_RECIPES:
+            raise KilnError(f"unknown recipe {name!r}; built-in recipes: {', '.join(sorted(BUILTIN_RECIPES))} "
+                            "(or a .yaml file)")
+        passes.extend(BUILTIN_RECIPES[name]())
+    return Recipe(spec, tuple(passes))

@@ -1,0 +1,225 @@
+"""The pass protocol, pass results, the gate hook and `Pipeline` (a sequence of passes is itself a pass).
+
+A pass is a frozen dataclass whose fields are its config, validated in `__post_init__` with messages that
+name the bad value and the allowed set, plus `apply(graph, ctx) -> PassResult`. It keeps no state between
+runs. It declares:
+    name            how recipes and reports call it
+    default_floor   the minimum recovery its gate accepts unless the user sets one
+    runs_after      names of passes that must come earlier when both are in a pipeline
+    must_be_last    e.g. kernel fusion
+    back_offs()     an ordered series of more conservative configs to try when the gate fails
+
+`Pipeline.apply` checks the ordering rules before anything runs, then for each pass: snapshot, apply, gate;
+on failure, restore and try each back-off in turn; if none passes, restore and record "reverted".
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kernels.errors import KilnError
+from kernels.targets import Target
+from passes.graph import ModelGraph
+
+
+@dataclass
+class PassResult:
+    """What a pass did: every module it changed (and to what), every one it skipped (and why)."""
+
+    name: str
+    changed: dict[str, str] = field(default_factory=dict)  # module -> what it became
+    skipped: dict[str, str] = field(default_factory=dict)  # module -> why it was left alone
+    metrics: dict[str, float] = field(default_factory=dict)  # e.g. module -> relative weight error
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "changed": dict(sorted(self.changed.items())),
+                "skipped": dict(sorted(self.skipped.items())),
+                "metrics": {k: round(float(v), 8) for k, v in sorted(self.metrics.items())},
+                "notes": list(self.notes)}
+
+
+@dataclass(frozen=True)
+class GateResult:
+    perplexity: float
+    baseline_perplexity: float
+    kl: float  # mean per-token KL(baseline || candidate), nats
+    top1: float  # fraction of positions whose argmax agrees with the baseline
+    tokens: int
+    floor: float
+    seconds: float | None = None
+
+    @property
+    def recovery(self) -> float:
+        return self.baseline_perplexity / self.perplexity
+
+    @property
+    def passed(self) -> bool:
+        return self.recovery >= self.floor
+
+    def to_json(self, timings: bool = True) -> dict:
+        out = {"perplexity": round(self.perplexity, 6), "baseline_perplexity": round(self.baseline_perplexity, 6),
+               "recovery": round(self.recovery, 6), "kl": round(self.kl, 8), "top1": round(self.top1, 6),
+               "tokens": self.tokens, "floor": self.floor, "passed": self.passed}
+        if timings:
+            out["seconds"] = None if self.seconds is None else round(self.seconds, 3)
+        return out
+
+
+Gate = Callable[[ModelGraph, float], GateResult]
+
+
+@dataclass
+class PassContext:
+    """What the driver hands every pass. Passes read it; they never keep it."""
+
+    target: Target
+    gate: Gate | None = None  # evaluates the graph through the runtime's numerics
+    floor: float | None = None  # overrides every pass's default_floor when set
+    calibration_tokens: Sequence[Sequence[int]] = ()  # tokenized calibration paragraphs (calibration.txt)
+    log: Callable[[str], None] = lambda message: None
+
+
+@dataclass
+class PassRecord:
+    """One pass's life in a pipeline: the configs tried, their results and gates, and the decision."""
+
+    name: str
+    config: dict
+    decision: str  # "kept", "backed-off", "reverted", "ungated"
+    result: PassResult
+    gate: GateResult | None
+    attempts: list[dict] = field(default_factory=list)
+
+    def to_json(self, timings: bool = True) -> dict:
+        return {"name": self.name, "config": self.config, "decision": self.decision,
+                "result": self.result.to_json(),
+                "gate": None if self.gate is None else self.gate.to_json(timings),
+                "attempts": [{**a, "gate": None if a["gate"] is None else a["gate"].to_json(timings)}
+                             for a in self.attempts]}
+
+
+def config_dict(p: Pass) -> dict:
+    return {"pass": p.name, **{f.name: _jsonable(getattr(p, f.name)) for f in dataclasses.fields(p)}}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, Pass):
+        return config_dict(value)
+    return value
+
+
+class Pass(abc.ABC):
+    """Base for passes. Subclasses are `@dataclass(frozen=True)` and implement `apply`."""
+
+    name: ClassVar[str] = "pass"
+    default_floor: ClassVar[float] = 0.99
+    runs_after: ClassVar[frozenset[str]] = frozenset()
+    must_be_last: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
+        """Rewrite `graph` in place and report every change and skip."""
+
+    def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
+        """More conservative configs, most aggressive first. The default: none (a failed gate reverts)."""
+        return iter(())
+
+    def check(self, graph: ModelGraph, target: Target) -> None:
+        """Refuse, before anything runs, what this graph or target cannot do. Raise KilnError."""
+
+    def floor(self, ctx: PassContext) -> float:
+        return ctx.floor if ctx.floor is not None else self.default_floor
+
+
+@dataclass(frozen=True)
+class Pipeline(Pass):
+    """An ordered list of passes; itself a pass. Ordering rules are checked on construction."""
+
+    passes: tuple[Pass, ...] = ()
+    name: ClassVar[str] = "pipeline"
+
+    def __post_init__(self):
+        object.__setattr__(self, "passes", tuple(self.passes))
+        for p in self.passes:
+            if not isinstance(p, Pass):
+                raise TypeError(f"Pipeline takes Pass instances, got {type(p).__name__}")
+        flat = self.flat()
+        names = [p.name for p in flat]
+        for i, p in enumerate(flat):
+            for earlier in p.runs_after:
+                if earlier in names[i + 1:]:
+                    raise KilnError(f"pass order: {p.name!r} must run after {earlier!r}; "
+                                    f"got order {' -> '.join(names)}")
+            if p.must_be_last and i != len(flat) - 1:
+                raise KilnError(f"pass order: {p.name!r} must be the last pass; got order {' -> '.join(names)}")
+
+    def flat(self) -> list[Pass]:
+        out: list[Pass] = []
+        for p in self.passes:
+            out.extend(p.flat() if isinstance(p, Pipeline) else [p])
+        return out
+
+    def check(self, graph: ModelGraph, target: Target) -> None:
+        for p in self.flat():
+            p.check(graph, target)
+
+    def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
+        records = self.run(graph, ctx)
+        result = PassResult(self.name)
+        for rec in records:
+            for module, what in rec.result.changed.items():
+                result.changed[module] = f"{rec.name}: {what}"
+            result.notes.append(f"{rec.name}: {rec.decision}")
+        return result
+
+    def run(self, graph: ModelGraph, ctx: PassContext) -> list[PassRecord]:
+        """Apply every pass with its gate and back-offs; return one record per pass."""
+        self.check(graph, ctx.target)
+        return [run_gated(p, graph, ctx) for p in self.flat()]
+
+
+def run_gated(p: Pass, graph: ModelGraph, ctx: PassContext) -> PassRecord:
+    state = graph.snapshot()
+    floor = p.floor(ctx)
+    attempts: list[dict] = []
+
+    def attempt(candidate: Pass) -> tuple[PassResult, GateResult | None]:
+        start = time.perf_counter()
+        result = candidate.apply(graph, ctx)
+        if not result.changed:
+            raise KilnError(f"pass {candidate.name!r} matched no layers: "
+                            + ("; ".join(f"{k}: {v}" for k, v in list(result.skipped.items())[:3]) or "nothing to do"))
+        gate = ctx.gate(graph, floor) if ctx.gate is not None else None
+        attempts.append({"config": config_dict(candidate), "changed": len(result.changed),
+                         "skipped": len(result.skipped), "gate": gate,
+                         "apply_seconds": round(time.perf_counter() - start, 3)})
+        if gate is not None:
+            ctx.log(f"{candidate.name}: recovery {gate.recovery:.4f} (floor {floor}) "
+                    f"ppl {gate.perplexity:.4f} vs {gate.baseline_perplexity:.4f} -> "
+                    f"{'pass' if gate.passed else 'FAIL'}")
+        return result, gate
+
+    result, gate = attempt(p)
+    if gate is None:
+        return PassRecord(p.name, config_dict(p), "ungated", result, None, attempts)
+    if gate.passed:
+        return PassRecord(p.name, config_dict(p), "kept", result, gate, attempts)
+    for candidate in p.back_offs(graph, result):
+        graph.restore(state)
+        ctx.log(f"{p.name}: gate failed; backing off")
+        cand_result, cand_gate = attempt(candidate)
+        if cand_gate.passed:
+            return PassRecord(p.name, config_dict(candidate), "backed-off", cand_result, cand_gate, attempts)
+    graph.restore(state)
+    ctx.log(f"{p.name}: no back-off passed the gate; reverted")
+    return PassRecord(p.name, config_dict(p), "reverted", result, gate, attempts)
