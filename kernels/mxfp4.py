@@ -1,0 +1,239 @@
+"""MXFP4 (OCP Microscaling v1.0): E2M1 values, one E8M0 power-of-two scale per 32 values along K.
+
+Storage: `weight` uint8 [N, Kp/2] (two E2M1 codes a byte, see kernels/fp4.py) and `weight_scale` uint8
+[N, Kp/32] holding the biased E8M0 exponent (scale = 2^(e - 127); 255 is NaN and never produced), where
+Kp is K rounded up to a multiple of 32 with zeros.
+
+    quantize(w [N, K]):                                        # all arithmetic in float32
+        w = pad K with zeros to Kp
+        for each block b of 32:
+            amax = max(|w_b|)
+            e = floor(log2(amax)) - 2                          # 2 = floor(log2(6)), E2M1's top exponent;
+                                                               #   read off amax's float32 exponent field,
+                                                               #   which gives -127 for 0 and subnormals
+            e = max(e, -127)                                   # weight_scale = e + 127
+            codes_b = e2m1_encode(w_b / 2^e)                   # |w_b / 2^e| < 8: values in (6, 8) saturate
+        return pack(codes), e + 127
+    dequantize: value = e2m1 * 2^e, padding columns dropped
+
+This is torchao's `to_mx` in its default ScaleCalculationMode.FLOOR, bit for bit, with one exception:
+for scale code 0 (2^-127, a float32 subnormal; only blocks with amax < 2^-124) torchao divides by 2^-126
+when quantizing while still multiplying by 2^-127 when dequantizing. Kiln uses 2^-127 both ways, so
+quantize(dequantize(q)) == q holds for every block. tests/kernels/test_mxfp4.py checks both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.fp4 import e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
+
+MXFP4_BLOCK_SIZE = 32
+"""Values per E8M0 block scale, along the last (K) dimension."""
+
+E8M0_BIAS = 127
+"""A biased E8M0 code e means the scale 2^(e - 127)."""
+
+E8M0_NAN = 255
+"""The E8M0 NaN code; rejected as a scale."""
+
+E2M1_MAX_EXPONENT = 2
+"""floor(log2(6)): the exponent of E2M1's largest power of two (4)."""
+
+MXFP4_TENSOR_NAMES = ("weight", "weight_scale")
+"""Keys of `Mxfp4Weight.tensors()`."""
+
+_FLOAT_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT32_MANTISSA_BITS = 23
+_FLOAT32_SUBNORMAL_2_POW_MINUS_127 = 0x00400000  # the float32 bit pattern of 2^-127
+
+
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    """A linear weight [N, K] in MXFP4.
+
+    Attributes:
+        packed: uint8 [N, Kp / 2], two E2M1 codes a byte, element 2i in the low nibble.
+        scale_e8m0: uint8 [N, Kp / 32], biased exponents 0..254 (scale = 2^(e - 127)).
+        in_features: K before padding; Kp = in_features rounded up to a multiple of 32.
+    """
+
+    packed: Tensor
+    scale_e8m0: Tensor
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.in_features, bool) or not isinstance(self.in_features, int):
+            raise TypeError(f"in_features must be an int, got {type(self.in_features).__name__}")
+        if self.in_features <= 0:
+            raise ValueError(f"in_features must be positive, got {self.in_features}")
+        padded = padded_in_features(self.in_features)
+        _check_tensor("packed", self.packed, torch.uint8)
+        _check_tensor("scale_e8m0", self.scale_e8m0, torch.uint8)
+        if self.packed.ndim != 2 or self.packed.shape[1] != padded // 2:
+            raise ValueError(
+                f"packed must be [N, {padded // 2}] for in_features={self.in_features}, "
+                f"got {tuple(self.packed.shape)}"
+            )
+        expected_scale_shape = (self.packed.shape[0], padded // MXFP4_BLOCK_SIZE)
+        if tuple(self.scale_e8m0.shape) != expected_scale_shape:
+            raise ValueError(
+                f"scale_e8m0 must have shape {expected_scale_shape}, got {tuple(self.scale_e8m0.shape)}"
+            )
+        _check_scale_values(self.scale_e8m0)
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def padded_in_features(self) -> int:
+        return padded_in_features(self.in_features)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The tensors under their export names: weight (packed codes), weight_scale (E8M0 as uint8)."""
+        return {"weight": self.packed, "weight_scale": self.scale_e8m0}
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, Tensor], in_features: int) -> Mxfp4Weight:
+        """Rebuild from exactly the keys of `tensors()`."""
+        keys = set(tensors)
+        if keys != set(MXFP4_TENSOR_NAMES):
+            raise ValueError(
+                f"MXFP4 tensors must have exactly the keys {MXFP4_TENSOR_NAMES}; "
+                f"missing {sorted(set(MXFP4_TENSOR_NAMES) - keys)}, "
+                f"unexpected {sorted(keys - set(MXFP4_TENSOR_NAMES))}"
+            )
+        return cls(packed=tensors["weight"], scale_e8m0=tensors["weight_scale"], in_features=in_features)
+
+
+def padded_in_features(in_features: int) -> int:
+    """`in_features` rounded up to a multiple of the MXFP4 block size (32)."""
+    return -(-in_features // MXFP4_BLOCK_SIZE) * MXFP4_BLOCK_SIZE
+
+
+def mxfp4_block_scales(w_padded: Tensor) -> Tensor:
+    """Biased E8M0 scales uint8 [..., Kp / 32] for `w_padded` [..., Kp] (Kp a multiple of 32)."""
+    _check_float_input("w_padded", w_padded, min_ndim=1)
+    if w_padded.shape[-1] % MXFP4_BLOCK_SIZE != 0:
+        raise ValueError(
+            f"w_padded's last dimension must be a multiple of {MXFP4_BLOCK_SIZE}, "
+            f"got shape {tuple(w_padded.shape)}"
+        )
+    blocks = w_padded.float().reshape(*w_padded.shape[:-1], -1, MXFP4_BLOCK_SIZE)
+    low, high = torch.aminmax(blocks, dim=-1)  # max(-min, max) == max(|x|) without an |x| copy
+    block_amax = torch.maximum(-low, high).abs().contiguous()  # abs: an all -0.0 block gives +0.0
+    if not torch.isfinite(block_amax).all():
+        raise ValueError("w_padded must be finite, but contains NaN or inf")
+    # The float32 exponent field is floor(log2(amax)) + 127 for a normal amax, and 0 for 0 or a subnormal.
+    biased_floor_log2 = (block_amax.view(torch.int32) >> _FLOAT32_MANTISSA_BITS) & 0xFF
+    return (biased_floor_log2 - E2M1_MAX_EXPONENT).clamp(min=0).to(torch.uint8)
+
+
+def mxfp4_quantize(w: Tensor, scale_e8m0: Tensor | None = None) -> Mxfp4Weight:
+    """Quantize a weight [N, K] to MXFP4 (K is padded to a multiple of 32 with zeros).
+
+    Args:
+        w: float32/bfloat16/float16 [N, K], finite.
+        scale_e8m0: uint8 [N, Kp / 32] biased exponents (0..254); None computes `mxfp4_block_scales`.
+    """
+    _check_float_input("w", w, min_ndim=2)
+    if w.ndim != 2:
+        raise ValueError(f"w must be a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    in_features = w.shape[1]
+    w_padded = _pad_last_dim(w.float(), padded_in_features(in_features))
+    if scale_e8m0 is None:
+        scale_e8m0 = mxfp4_block_scales(w_padded)
+    else:
+        _check_tensor("scale_e8m0", scale_e8m0, torch.uint8)
+        expected_shape = (w.shape[0], w_padded.shape[1] // MXFP4_BLOCK_SIZE)
+        if tuple(scale_e8m0.shape) != expected_shape:
+            raise ValueError(
+                f"scale_e8m0 must have shape {expected_shape} for w of shape "
+                f"{tuple(w.shape)}, got {tuple(scale_e8m0.shape)}"
+            )
+        _check_scale_values(scale_e8m0)
+        low, high = torch.aminmax(w_padded)
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            raise ValueError("w must be finite, but contains NaN or inf")
+    codes = _encode_blocks(w_padded, scale_e8m0)
+    return Mxfp4Weight(packed=pack_fp4(codes), scale_e8m0=scale_e8m0, in_features=in_features)
+
+
+def mxfp4_dequantize(q: Mxfp4Weight) -> Tensor:
+    """float32 [N, K] (padding columns removed): e2m1 * 2^(scale_e8m0 - 127)."""
+    if not isinstance(q, Mxfp4Weight):
+        raise TypeError(f"q must be an Mxfp4Weight, got {type(q).__name__}")
+    values = e2m1_decode(unpack_fp4(q.packed))
+    return _drop_padding(_scale_blocks(values, q.scale_e8m0), q.in_features)
+
+
+def mxfp4_fake_quantize(x: Tensor) -> Tensor:
+    """Quantize `x` [..., K] to MXFP4 along its last dimension and dequantize again, in float32.
+
+    Equal to `mxfp4_dequantize(mxfp4_quantize(x))` for a 2-D x.
+    """
+    _check_float_input("x", x, min_ndim=1)
+    in_features = x.shape[-1]
+    x_padded = _pad_last_dim(x.float(), padded_in_features(in_features))
+    scale_e8m0 = mxfp4_block_scales(x_padded)
+    values = e2m1_decode(_encode_blocks(x_padded, scale_e8m0))
+    return _drop_padding(_scale_blocks(values, scale_e8m0), in_features)
+
+
+def e8m0_to_float32(scale_e8m0: Tensor) -> Tensor:
+    """Exact float32 2^(e - 127) for biased E8M0 codes 0..254 (code 0 is the subnormal 2^-127)."""
+    _check_tensor("scale_e8m0", scale_e8m0, torch.uint8)
+    codes = scale_e8m0.to(torch.int32)
+    bits = torch.where(codes == 0, _FLOAT32_SUBNORMAL_2_POW_MINUS_127, codes << _FLOAT32_MANTISSA_BITS)
+    return bits.view(torch.float32)
+
+
+def _encode_blocks(w_padded: Tensor, scale_e8m0: Tensor) -> Tensor:
+    blocks = w_padded.reshape(*w_padded.shape[:-1], -1, MXFP4_BLOCK_SIZE)  # [..., Kp/32, 32]
+    scaled = blocks / e8m0_to_float32(scale_e8m0).unsqueeze(-1)
+    return e2m1_encode(scaled).reshape(w_padded.shape)
+
+
+def _scale_blocks(values: Tensor, scale_e8m0: Tensor) -> Tensor:
+    blocks = values.reshape(*values.shape[:-1], -1, MXFP4_BLOCK_SIZE)  # [..., Kp/32, 32]
+    return (blocks * e8m0_to_float32(scale_e8m0).unsqueeze(-1)).reshape(values.shape)
+
+
+def _pad_last_dim(x: Tensor, padded: int) -> Tensor:
+    if x.shape[-1] == padded:
+        return x
+    return torch.nn.functional.pad(x, (0, padded - x.shape[-1]))
+
+
+def _drop_padding(x: Tensor, in_features: int) -> Tensor:
+    if x.shape[-1] == in_features:
+        return x
+    return x[..., :in_features].contiguous()
+
+
+def _check_scale_values(scale_e8m0: Tensor) -> None:
+    if scale_e8m0.numel() and int(scale_e8m0.max()) == E8M0_NAN:
+        raise ValueError(f"scale_e8m0 must hold exponents 0..254; {E8M0_NAN} is the E8M0 NaN")
+
+
+def _check_tensor(name: str, t: object, dtype: torch.dtype) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+
+
+def _check_float_input(name: str, x: object, min_ndim: int) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_INPUT_DTYPES:
+        raise TypeError(f"{name} must have dtype in {_FLOAT_INPUT_DTYPES}, got {x.dtype}")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")

@@ -1,0 +1,310 @@
+"""NVFP4: E2M1 values, one float8 E4M3 scale per 16 values along K, one float32 scale per tensor.
+
+Storage is NVIDIA ModelOpt's unified Hugging Face export, which vLLM, SGLang and TensorRT-LLM load:
+`weight` uint8 [N, Kp/2] (two E2M1 codes a byte, see kernels/fp4.py), `weight_scale` float8_e4m3fn
+[N, Kp/16], `weight_scale_2` float32 0-dim, where Kp is K rounded up to a multiple of 16 with zeros.
+
+    quantize(w [N, K]):                                        # all arithmetic in float32
+        w = pad K with zeros to Kp
+        g = amax(|w|) / (6 * 448)                              # weight_scale_2 (1.0 for an all-zero w)
+        for each block b of 16:
+            s = amax(|w_b|) / (6 * g)
+            s = 1.0 if s == 0 else clamp(s, 2^-9, 448)          # 2^-9: smallest E4M3 subnormal
+            s = cast_e4m3(s)                                   # weight_scale, round to nearest even
+            codes_b = e2m1_encode(w_b / (float32(s) * g))      # saturates at +-6
+        return pack(codes), s, g
+    dequantize: value = e2m1 * (float32(s) * g), padding columns dropped
+
+This is ModelOpt's `NVFP4QTensor` arithmetic, operation for operation, except that -0.0 keeps its sign
+(code 8, see kernels/fp4.py) and an all-zero weight gets g = 1.0 where ModelOpt would divide by 0.
+torchao's `NVFP4Tensor` with per_tensor_scale = g stores the same bytes and dequantizes to the same
+floats, except that (a) it floors block scales at 2^-6 (the smallest E4M3 *normal*), so all-zero blocks
+get 2^-6 rather than 1.0 and blocks needing a scale below 2^-6 get 2^-6; (b) it computes the block scale
+as amax / 6 / g and the element scaling as w * ((1 / g) / s), which round differently from
+amax / (6 * g) and w / (s * g) within an ulp of a rounding midpoint. For float32 weights that is rare;
+bfloat16 weights often scale to exactly a midpoint (1.75, 3.5, ...), where w / (s * g) ties to the even
+code and torchao's reciprocal, an ulp off, picks the odd neighbour. tests/kernels/test_nvfp4.py checks
+all of these.
+
+Dequantization rounds s * g once and multiplies by the E2M1 value, as ModelOpt and torchao do; a GEMM
+that applies g in its epilogue, after the exact product e2m1 * s, can differ from that by one ulp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.fp4 import E2M1_MAX, e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
+
+NVFP4_BLOCK_SIZE = 16
+"""Values per E4M3 block scale, along the last (K) dimension."""
+
+E4M3_MAX = 448.0
+"""Largest float8_e4m3fn value."""
+
+E4M3_MIN_SUBNORMAL = 2.0**-9
+"""Smallest positive float8_e4m3fn value; block scales are floored here so they never round to 0."""
+
+NVFP4_TENSOR_NAMES = ("weight", "weight_scale", "weight_scale_2")
+"""Keys of `Nvfp4Weight.tensors()`, as in ModelOpt's export."""
+
+_FLOAT_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Nvfp4Weight:
+    """A linear weight [N, K] in NVFP4.
+
+    Attributes:
+        packed: uint8 [N, Kp / 2], two E2M1 codes a byte, element 2i in the low nibble.
+        block_scale: float8_e4m3fn [N, Kp / 16], non-negative, no NaN.
+        global_scale: float32 0-dim, positive and finite.
+        in_features: K before padding; Kp = in_features rounded up to a multiple of 16.
+    """
+
+    packed: Tensor
+    block_scale: Tensor
+    global_scale: Tensor
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.in_features, bool) or not isinstance(self.in_features, int):
+            raise TypeError(f"in_features must be an int, got {type(self.in_features).__name__}")
+        if self.in_features <= 0:
+            raise ValueError(f"in_features must be positive, got {self.in_features}")
+        padded = padded_in_features(self.in_features)
+        _check_tensor("packed", self.packed, torch.uint8)
+        _check_tensor("block_scale", self.block_scale, torch.float8_e4m3fn)
+        _check_tensor("global_scale", self.global_scale, torch.float32)
+        if self.packed.ndim != 2 or self.packed.shape[1] != padded // 2:
+            raise ValueError(
+                f"packed must be [N, {padded // 2}] for in_features={self.in_features}, "
+                f"got {tuple(self.packed.shape)}"
+            )
+        expected_scale_shape = (self.packed.shape[0], padded // NVFP4_BLOCK_SIZE)
+        if tuple(self.block_scale.shape) != expected_scale_shape:
+            raise ValueError(
+                f"block_scale must have shape {expected_scale_shape}, got {tuple(self.block_scale.shape)}"
+            )
+        _check_block_scale_values(self.block_scale)
+        if self.global_scale.ndim != 0:
+            raise ValueError(f"global_scale must be 0-dim, got shape {tuple(self.global_scale.shape)}")
+        _check_global_scale_value(self.global_scale)
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def padded_in_features(self) -> int:
+        return padded_in_features(self.in_features)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The tensors under ModelOpt's export names: weight, weight_scale, weight_scale_2."""
+        return {"weight": self.packed, "weight_scale": self.block_scale, "weight_scale_2": self.global_scale}
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, Tensor], in_features: int) -> Nvfp4Weight:
+        """Rebuild from exactly the keys of `tensors()`; a weight_scale_2 of shape [1] is accepted too."""
+        keys = set(tensors)
+        if keys != set(NVFP4_TENSOR_NAMES):
+            raise ValueError(
+                f"NVFP4 tensors must have exactly the keys {NVFP4_TENSOR_NAMES}; "
+                f"missing {sorted(set(NVFP4_TENSOR_NAMES) - keys)}, "
+                f"unexpected {sorted(keys - set(NVFP4_TENSOR_NAMES))}"
+            )
+        global_scale = tensors["weight_scale_2"]
+        if isinstance(global_scale, Tensor) and tuple(global_scale.shape) == (1,):
+            global_scale = global_scale.reshape(())
+        return cls(
+            packed=tensors["weight"],
+            block_scale=tensors["weight_scale"],
+            global_scale=global_scale,
+            in_features=in_features,
+        )
+
+
+def padded_in_features(in_features: int) -> int:
+    """`in_features` rounded up to a multiple of the NVFP4 block size (16)."""
+    return -(-in_features // NVFP4_BLOCK_SIZE) * NVFP4_BLOCK_SIZE
+
+
+def nvfp4_global_scale(w: Tensor) -> Tensor:
+    """Per-tensor scale amax(|w|) / (6 * 448) as a float32 0-dim tensor; 1.0 when w is all zero.
+
+    An all-zero tensor has no natural scale; any positive one gives all-zero codes, and 1.0 keeps
+    quantize from dividing by zero.
+    """
+    _check_float_input("w", w, min_ndim=1)
+    amax = _abs_max(w).float()
+    _check_finite_amax("w", amax)
+    if amax == 0:
+        return torch.ones((), dtype=torch.float32, device=w.device)
+    return amax / (E2M1_MAX * E4M3_MAX)
+
+
+def nvfp4_block_scales(w_padded: Tensor, global_scale: Tensor | float) -> Tensor:
+    """E4M3 block scales [..., Kp / 16] for `w_padded` [..., Kp] (Kp a multiple of 16) and `global_scale`."""
+    _check_float_input("w_padded", w_padded, min_ndim=1)
+    if w_padded.shape[-1] % NVFP4_BLOCK_SIZE != 0:
+        raise ValueError(
+            f"w_padded's last dimension must be a multiple of {NVFP4_BLOCK_SIZE}, "
+            f"got shape {tuple(w_padded.shape)}"
+        )
+    g = _as_global_scale(global_scale, w_padded.device)
+    blocks = w_padded.float().reshape(*w_padded.shape[:-1], -1, NVFP4_BLOCK_SIZE)
+    block_amax = _abs_max(blocks, dim=-1)
+    _check_finite_amax("w_padded", block_amax.amax())
+    scale = block_amax / (E2M1_MAX * g)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return scale.clamp(min=E4M3_MIN_SUBNORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def nvfp4_quantize(
+    w: Tensor, global_scale: Tensor | float | None = None, block_scale: Tensor | None = None
+) -> Nvfp4Weight:
+    """Quantize a weight [N, K] to NVFP4 (K is padded to a multiple of 16 with zeros).
+
+    Args:
+        w: float32/bfloat16/float16 [N, K], finite.
+        global_scale: the per-tensor scale g; None computes `nvfp4_global_scale(w)`.
+        block_scale: float8_e4m3fn [N, Kp / 16], positive; None computes `nvfp4_block_scales`.
+            Explicit scales let a calibration algorithm (e.g. an MSE search) choose them.
+    """
+    _check_float_input("w", w, min_ndim=2)
+    if w.ndim != 2:
+        raise ValueError(f"w must be a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    in_features = w.shape[1]
+    w_padded = _pad_last_dim(w.float(), padded_in_features(in_features))
+    g = nvfp4_global_scale(w) if global_scale is None else _as_global_scale(global_scale, w.device)
+    if block_scale is None:
+        block_scale = nvfp4_block_scales(w_padded, g)
+    else:
+        _check_tensor("block_scale", block_scale, torch.float8_e4m3fn)
+        expected_shape = (w.shape[0], w_padded.shape[1] // NVFP4_BLOCK_SIZE)
+        if tuple(block_scale.shape) != expected_shape:
+            raise ValueError(
+                f"block_scale must have shape {expected_shape} for w of shape "
+                f"{tuple(w.shape)}, got {tuple(block_scale.shape)}"
+            )
+        _check_block_scale_values(block_scale, strictly_positive=True)
+        _check_finite_amax("w", _abs_max(w_padded))
+    codes = _encode_blocks(w_padded, block_scale, g)
+    return Nvfp4Weight(
+        packed=pack_fp4(codes), block_scale=block_scale, global_scale=g, in_features=in_features
+    )
+
+
+def nvfp4_dequantize(q: Nvfp4Weight) -> Tensor:
+    """float32 [N, K] (padding columns removed): e2m1 * (float32(block_scale) * global_scale)."""
+    if not isinstance(q, Nvfp4Weight):
+        raise TypeError(f"q must be an Nvfp4Weight, got {type(q).__name__}")
+    values = e2m1_decode(unpack_fp4(q.packed))
+    return _drop_padding(_scale_blocks(values, q.block_scale, q.global_scale), q.in_features)
+
+
+def nvfp4_fake_quantize(x: Tensor, global_scale: Tensor | float | None = None) -> Tensor:
+    """Quantize `x` [..., K] to NVFP4 along its last dimension and dequantize again, in float32.
+
+    Blocks of 16 run along the last dimension (padded with zeros, then dropped); all leading dimensions
+    share one per-tensor scale: `global_scale` when given, else `nvfp4_global_scale(x)`. Equal to
+    `nvfp4_dequantize(nvfp4_quantize(x))` for a 2-D x.
+    """
+    _check_float_input("x", x, min_ndim=1)
+    in_features = x.shape[-1]
+    x_padded = _pad_last_dim(x.float(), padded_in_features(in_features))
+    g = nvfp4_global_scale(x) if global_scale is None else _as_global_scale(global_scale, x.device)
+    block_scale = nvfp4_block_scales(x_padded, g)
+    values = e2m1_decode(_encode_blocks(x_padded, block_scale, g))
+    return _drop_padding(_scale_blocks(values, block_scale, g), in_features)
+
+
+def _encode_blocks(w_padded: Tensor, block_scale: Tensor, g: Tensor) -> Tensor:
+    blocks = w_padded.reshape(*w_padded.shape[:-1], -1, NVFP4_BLOCK_SIZE)  # [..., Kp/16, 16]
+    scaled = blocks / (block_scale.float() * g).unsqueeze(-1)
+    return e2m1_encode(scaled).reshape(w_padded.shape)
+
+
+def _scale_blocks(values: Tensor, block_scale: Tensor, g: Tensor) -> Tensor:
+    blocks = values.reshape(*values.shape[:-1], -1, NVFP4_BLOCK_SIZE)  # [..., Kp/16, 16]
+    return (blocks * (block_scale.float() * g).unsqueeze(-1)).reshape(values.shape)
+
+
+def _pad_last_dim(x: Tensor, padded: int) -> Tensor:
+    if x.shape[-1] == padded:
+        return x
+    return torch.nn.functional.pad(x, (0, padded - x.shape[-1]))
+
+
+def _abs_max(x: Tensor, dim: int | None = None) -> Tensor:
+    """max(|x|) over `dim` (all of x when None), exactly; NaN if any element is NaN.
+
+    max(-min, max) reads x once and allocates nothing the size of x, unlike x.abs().amax().
+    """
+    low, high = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
+    return torch.maximum(-low, high).abs()  # abs: an all -0.0 input gives +0.0
+
+
+def _drop_padding(x: Tensor, in_features: int) -> Tensor:
+    if x.shape[-1] == in_features:
+        return x
+    return x[..., :in_features].contiguous()
+
+
+def _as_global_scale(global_scale: Tensor | float, device: torch.device) -> Tensor:
+    if isinstance(global_scale, Tensor):
+        if global_scale.numel() != 1:
+            raise ValueError(f"global_scale must be a scalar, got shape {tuple(global_scale.shape)}")
+        if not global_scale.dtype.is_floating_point:
+            raise TypeError(f"global_scale must be a float tensor, got {global_scale.dtype}")
+        g = global_scale.detach().reshape(()).to(device=device, dtype=torch.float32)
+    elif isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
+        g = torch.tensor(float(global_scale), dtype=torch.float32, device=device)
+    else:
+        raise TypeError(f"global_scale must be a float or a scalar tensor, got {type(global_scale).__name__}")
+    _check_global_scale_value(g)
+    return g
+
+
+def _check_global_scale_value(g: Tensor) -> None:
+    value = float(g)
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"global_scale must be positive and finite, got {value}")
+
+
+def _check_block_scale_values(block_scale: Tensor, strictly_positive: bool = False) -> None:
+    scale = block_scale.float()
+    if torch.isnan(scale).any():
+        raise ValueError("block_scale contains NaN")
+    smallest = float(scale.min()) if scale.numel() else 1.0
+    if smallest < 0 or (strictly_positive and smallest == 0):
+        allowed = "positive" if strictly_positive else "non-negative"
+        raise ValueError(f"block_scale must be {allowed}, got a minimum of {smallest}")
+
+
+def _check_finite_amax(name: str, amax: Tensor) -> None:
+    # amax is NaN when any element is NaN, inf when any element is infinite.
+    if not torch.isfinite(amax).all():
+        raise ValueError(f"{name} must be finite, but contains NaN or inf")
+
+
+def _check_tensor(name: str, t: object, dtype: torch.dtype) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+
+
+def _check_float_input(name: str, x: object, min_ndim: int) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_INPUT_DTYPES:
+        raise TypeError(f"{name} must have dtype in {_FLOAT_INPUT_DTYPES}, got {x.dtype}")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
