@@ -148,8 +148,10 @@ class Engine:
         results = self.generate_ids(ids, max_new_tokens, temperature, top_p, self.spec.eos_token_ids, seed,
                                     stop_check if stop else None)
         generations = []
-        for out, reason in results:
-            text = tok.decode(out, skip_special_tokens=True)
+        for prompt_ids, (out, reason) in zip(ids, results, strict=True):
+            # decode prompt + continuation together so word-boundary spaces survive, then drop the prompt
+            prefix = tok.decode(prompt_ids, skip_special_tokens=True)
+            text = tok.decode(list(prompt_ids) + out, skip_special_tokens=True)[len(prefix):]
             if reason == "stop":
                 cut = min(text.index(s) for s in stop if s in text)
                 text = text[:cut]
