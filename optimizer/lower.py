@@ -70,7 +70,8 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
     tensors, formats = lower_tensors(graph)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "kiln"})
+        # one metadata key only: safetensors writes metadata in a nondeterministic order
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         shutil.copyfile(graph.source.path / "config.json", tmp / "config.json")
         for f in graph.source.tokenizer_files:
             shutil.copyfile(f, tmp / f.name)

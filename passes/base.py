@@ -100,7 +100,8 @@ class PassRecord:
         return {"name": self.name, "config": self.config, "decision": self.decision,
                 "result": self.result.to_json(),
                 "gate": None if self.gate is None else self.gate.to_json(timings),
-                "attempts": [{**a, "gate": None if a["gate"] is None else a["gate"].to_json(timings)}
+                "attempts": [{**{k: v for k, v in a.items() if timings or k != "apply_seconds"},
+                              "gate": None if a["gate"] is None else a["gate"].to_json(timings)}
                              for a in self.attempts]}
 
 

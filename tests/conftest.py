@@ -38,3 +38,31 @@ def stories_graph():
     if not (STORIES / "config.json").is_file():
         pytest.skip("../shared/models absent")
     return load_checkpoint(STORIES)
+
+
+@pytest.fixture(scope="session")
+def generated_checkpoint(tmp_path_factory):
+    """The embedded fallback checkpoint (random Llama with a real tokenizer): usable without ../shared."""
+    from optimizer.defaults import generated_checkpoint as make
+
+    return make(tmp_path_factory.mktemp("generated") / "ckpt")
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """Run `optimize ARGS...` in-process; returns (exit code, stdout, stderr)."""
+    import sys
+
+    from optimizer.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["optimize", *map(str, args)])
+        code = 0
+        try:
+            main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run

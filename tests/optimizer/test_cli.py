@@ -1,0 +1,147 @@
+"""The `optimize` CLI end to end: build/inspect/eval/generate/gate, bad input, strict reverts, determinism."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from optimizer.defaults import SAMPLE_TEXT
+from tests.conftest import EVAL_TEXT, ROOT, STORIES, needs_stories
+
+
+def _no_leftovers(parent, name):
+    return not [p.name for p in parent.iterdir() if p.name.startswith((name, f".{name}"))]
+
+
+def test_build_inspect_eval_generate(cli, generated_checkpoint, tmp_path):
+    out = tmp_path / "art"
+    code, stdout, stderr = cli("build", generated_checkpoint, "--recipe", "fp8-weights", "-o", out,
+                               "--eval-data", SAMPLE_TEXT, "--min-recovery", "0.5")
+    assert code == 0, stderr
+    assert "weight-quant" in stdout and "ratio" in stdout
+    code, stdout, _ = cli("inspect", out, "--json")
+    info = json.loads(stdout)
+    assert info["weight_bytes"] < info["source_weight_bytes"]
+    quantizable = [n for n in info["layers"] if n != "lm_head"]
+    assert quantizable and all(info["layers"][n] == "fp8_e4m3" for n in quantizable)
+    code, stdout, _ = cli("eval", out, "--data", SAMPLE_TEXT, "--json")
+    ev = json.loads(stdout)
+    assert code == 0 and ev["tokens"] > 50 and ev["perplexity"] > 1
+    code, stdout, _ = cli("generate", out, "Once upon a time", "--max-new-tokens", "5")
+    assert code == 0 and stdout.startswith("Once upon a time")
+
+
+def test_two_builds_are_byte_identical(cli, generated_checkpoint, tmp_path):
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        code, _, err = cli("build", generated_checkpoint, "--recipe", "fp8", "-o", d, "--eval-data", SAMPLE_TEXT,
+                           "--min-recovery", "0.5", "--reproducible", "--target", "hopper")
+        assert code == 0, err
+    names = sorted(p.name for p in dirs[0].iterdir())
+    assert names == sorted(p.name for p in dirs[1].iterdir())
+    assert {"manifest.json", "model.safetensors", "config.json", "report.md", "tokenizer.json"} <= set(names)
+    for name in names:
+        assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes(), name
+
+
+def _break(kind, src, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    weights = ckpt / "model.safetensors"
+    if kind == "missing config.json":
+        (ckpt / "config.json").unlink()
+    elif kind == "truncated safetensors":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif kind == "NaN weight":
+        t = load_file(weights)
+        t["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+        save_file(t, weights)
+    elif kind == "unknown architecture":
+        cfg = json.loads((ckpt / "config.json").read_text())
+        cfg["model_type"] = "bloom"
+        (ckpt / "config.json").write_text(json.dumps(cfg))
+    elif kind == "pickle-only checkpoint":
+        weights.unlink()
+        (ckpt / "pytorch_model.bin").write_bytes(b"\x80\x04not-unpickled")
+    return ckpt
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing config.json", "no config.json"),
+    ("truncated safetensors", "corrupt or truncated"),
+    ("NaN weight", "contains NaN"),
+    ("unknown architecture", "unsupported architecture 'bloom'"),
+    ("pickle-only checkpoint", "only pickle weights"),
+    ("unknown recipe", "unknown recipe 'fp7'"),
+])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(cli, generated_checkpoint, tmp_path, kind, message):
+    ckpt = _break(kind, generated_checkpoint, tmp_path)
+    recipe = "fp7" if kind == "unknown recipe" else "fp8-weights"
+    outdir = tmp_path / "outs"
+    outdir.mkdir()
+    code, stdout, stderr = cli("build", ckpt, "--recipe", recipe, "-o", outdir / "art", "--eval-data", SAMPLE_TEXT)
+    assert code == 2
+    assert stderr.startswith("error: ") and message in stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr
+    assert list(outdir.iterdir()) == []
+
+
+def test_corrupted_artifact_is_refused(cli, generated_checkpoint, tmp_path):
+    out = tmp_path / "art"
+    assert cli("build", generated_checkpoint, "--recipe", "none", "-o", out, "--no-gate")[0] == 0
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (out / "model.safetensors").write_bytes(bytes(data))
+    for args in (("inspect", out), ("generate", out, "hi"), ("eval", out, "--data", SAMPLE_TEXT)):
+        code, _, stderr = cli(*args)
+        assert code == 2 and "checksum mismatch for model.safetensors" in stderr and stderr.count("\n") == 1
+
+
+@needs_stories
+def test_strict_revert_exits_1_and_writes_nothing(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the recipe names its custom pass as module:Class, resolved from the cwd
+    recipe = tmp_path / "destructive.yaml"
+    recipe.write_text("passes:\n  - pass: tests.passes.destructive:Scramble\n    noise: 3.0\n")
+    common = ("--recipe", recipe, "--eval-data", EVAL_TEXT, "--paragraphs", "60", "--min-recovery", "0.9")
+    code, stdout, stderr = cli("build", STORIES, "-o", tmp_path / "strict", "--strict", *common)
+    assert code == 1 and "reverted" in stderr and "Traceback" not in stderr
+    assert _no_leftovers(tmp_path, "strict")
+    code, stdout, stderr = cli("build", STORIES, "-o", tmp_path / "lenient", *common)
+    assert code == 0, stderr
+    manifest = json.loads((tmp_path / "lenient" / "manifest.json").read_text())
+    (record,) = manifest["passes"]
+    assert record["decision"] == "reverted" and len(record["attempts"]) == 3
+    assert [a["config"]["noise"] for a in record["attempts"]] == [3.0, 1.5, 1.5]
+    assert all(not a["gate"]["passed"] for a in record["attempts"])
+    # reverted: the artifact holds the source weights unchanged
+    stored = load_file(tmp_path / "lenient" / "model.safetensors")
+    source = load_file(STORIES / "model.safetensors")
+    assert all(torch.equal(stored[k], v) for k, v in source.items())
+
+
+@needs_stories
+def test_gate_command_on_the_real_model(cli, tmp_path):
+    out = tmp_path / "fp8"
+    assert cli("build", STORIES, "--recipe", "fp8-weights", "-o", out, "--paragraphs", "100",
+               "--eval-data", EVAL_TEXT)[0] == 0
+    args = ("gate", out, "--baseline", STORIES, "--data", EVAL_TEXT, "--paragraphs", "100", "--json")
+    code, stdout, _ = cli(*args, "--min-recovery", "0.98")
+    result = json.loads(stdout)
+    assert code == 0 and {"recovery", "perplexity", "baseline_perplexity", "kl", "top1"} <= set(result)
+    assert 0.98 < result["recovery"] < 1.0 and 0 < result["kl"] < 0.05 and 0.9 < result["top1"] < 1
+    code, stdout, stderr = cli(*args, "--min-recovery", "0.9999")
+    assert code == 1 and "below the floor" in stderr
+
+
+def test_console_script_prints_no_traceback(tmp_path):
+    exe = shutil.which("optimize") or str(__import__("pathlib").Path(sys.executable).parent / "optimize")
+    proc = subprocess.run([exe, "build", str(tmp_path / "missing"), "-o", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
