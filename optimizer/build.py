@@ -48,7 +48,7 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         raise KilnError(f"output {output} already exists; pass --overwrite to replace it")
     graph = load_checkpoint(checkpoint, trust_remote_code)
     pipeline.check(graph, tgt)
-    tokenizer = load_tokenizer(graph.source.path)
+    tokenizer = load_tokenizer(graph.source.path, trust_remote_code)
 
     gate_fn = None
     eval_info = None

@@ -83,6 +83,8 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
             "kiln_version": __version__,
             "formats": formats,
             "sizes": {"weight_bytes": tensor_bytes(tensors), "source_weight_bytes": graph.source.weight_bytes},
+            "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                        for name, t in sorted(tensors.items())},
             "files": files,
         }
         (tmp / MANIFEST).write_text(_json(manifest))

@@ -24,6 +24,9 @@ def test_manifest_contents(artifact):
     assert manifest["target"] == "hopper" and manifest["recipe"]["name"] == "fp8-weights"
     assert set(manifest["files"]) == {p.name for p in artifact.iterdir()} - {"manifest.json"}
     assert manifest["source"]["weight_files"]["model.safetensors"]
+    tensors = manifest["tensors"]
+    assert tensors["model.layers.0.self_attn.q_proj.weight"]["dtype"] == "float8_e4m3fn"
+    assert tensors["model.layers.0.self_attn.q_proj.weight_scale"]["shape"] == [64, 1]  # per output channel
     (p,) = manifest["passes"]
     assert p["gate"]["seconds"] is not None and p["decision"] == "kept" and p["result"]["changed"]
     assert "## Gate" in (artifact / "report.md").read_text()
