@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,9 @@ import torch
 
 from kernels.errors import KilnError
 from runtime.artifact import WEIGHTS, read_manifest
-from runtime.kv_cache import ContiguousKVCache
+from runtime.kv_format import resolve_kv_streams
 from runtime.model import Transformer
+from runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, stored_bytes_per_token
 from runtime.spec import ModelSpec, build_spec
 
 
@@ -49,33 +51,73 @@ class Generation:
     finish_reason: str  # "stop", "eos" or "length"
 
 
+DEFAULT_KV_CACHE_BYTES = 64 * 2**20
+"""Size of the runtime's KV block pool when the caller names no block count (CPU reference runtime)."""
+
+
 class Engine:
-    """An artifact loaded for execution. Holds the model (fp32 on CPU), its tokenizer and its manifest."""
+    """An artifact loaded for execution. Holds the model (fp32 on CPU), its tokenizer and its manifest.
+
+    The KV cache is paged (runtime.paged_kv_cache) and stored in the artifact's KV format (manifest
+    "kv_cache"; `kv_cache` overrides it): `kv_cache_blocks` blocks of `kv_block_size` tokens, by default
+    as many as fit in DEFAULT_KV_CACHE_BYTES. `generate_ids` admits sequences while their worst case fits,
+    makes the others wait for blocks to free up, and refuses a request that could never fit.
+    """
 
     def __init__(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping],
-                 tokenizer=None, manifest: dict | None = None):
+                 tokenizer=None, manifest: dict | None = None, kv_cache: Mapping | None = None,
+                 kv_block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_blocks: int | None = None):
         self.spec = spec
         self.model = Transformer(spec, tensors, formats).eval()
         self.tokenizer = tokenizer
         self.manifest = manifest or {}
+        self.kv_table = dict(kv_cache if kv_cache is not None else self.manifest.get("kv_cache") or {})
+        self.kv_streams = resolve_kv_streams(spec, self.kv_table, tensors)
+        self.kv_block_size = kv_block_size
+        if kv_cache_blocks is None:
+            block_bytes = kv_block_size * stored_bytes_per_token(self.kv_streams)
+            kv_cache_blocks = max(1, DEFAULT_KV_CACHE_BYTES // block_bytes)
+        self.kv_cache_blocks = kv_cache_blocks
+        self._kv_pool: PagedKVCache | None = None
 
     @classmethod
     def from_tensors(cls, config: dict, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping],
-                     tokenizer=None, manifest: dict | None = None) -> Engine:
+                     tokenizer=None, manifest: dict | None = None, kv_cache: Mapping | None = None,
+                     **kv_options) -> Engine:
         """Build from in-memory tensors exactly as they would be read from the artifact's files."""
-        return cls(build_spec(config), tensors, formats, tokenizer, manifest)
+        return cls(build_spec(config), tensors, formats, tokenizer, manifest, kv_cache, **kv_options)
+
+    def new_kv_cache(self, num_blocks: int, block_size: int | None = None) -> PagedKVCache:
+        """An empty paged cache in this engine's KV formats."""
+        return PagedKVCache(self.kv_streams, num_blocks, block_size or self.kv_block_size)
+
+    @property
+    def kv_pool(self) -> PagedKVCache:
+        """The block pool `generate_ids` serves from (created on first use, kept between calls)."""
+        if self._kv_pool is None:
+            self._kv_pool = self.new_kv_cache(self.kv_cache_blocks)
+        return self._kv_pool
 
     # --- scoring -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, token_lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Full-sequence logits for each token list ([len, V] each), batched with right padding."""
+        """Full-sequence logits for each token list ([len, V] each), batched with right padding.
+
+        Attention reads K/V back from a paged cache in the artifact's KV format (a scratch pool sized to the
+        batch), so scoring sees the same cached values as token-by-token decoding.
+        """
         lengths = [len(t) for t in token_lists]
         T = max(lengths)
         tokens = torch.zeros(len(token_lists), T, dtype=torch.long)
         for row, ids in enumerate(token_lists):
             tokens[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
         positions = torch.arange(T).expand(len(token_lists), -1)
-        logits = self.model(tokens, positions)
+        cache = self.new_kv_cache(sum(-(-n // self.kv_block_size) for n in lengths))
+        rows = list(range(len(token_lists)))
+        for row in rows:
+            cache.add_sequence(row)
+        cache.prepare(rows, positions, positions < torch.tensor(lengths).unsqueeze(1))
+        logits = self.model(tokens, positions, cache)
         return [logits[row, :n] for row, n in enumerate(lengths)]
 
     # --- generation ----------------------------------------------------------------------------------------
@@ -95,42 +137,83 @@ class Engine:
         if any(len(p) == 0 for p in prompts):
             raise KilnError("every prompt needs at least one token")
         B = len(prompts)
-        lengths = torch.tensor([len(p) for p in prompts])
-        T = int(lengths.max())
-        total = T + max_new_tokens
+        total = max(len(p) for p in prompts) + max_new_tokens if prompts else 0
         if total > self.spec.max_position_embeddings:
             raise KilnError(f"prompt + max_new_tokens = {total} exceeds the model's context "
                             f"{self.spec.max_position_embeddings}")
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        cache = ContiguousKVCache(self.model.stream_shapes(), B, max(total, 1))
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            tokens[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        positions = torch.arange(T).expand(B, -1)
-        logits = prefill(self.model, tokens, positions, cache)
-        next_logits = logits[torch.arange(B), lengths - 1]
         outputs: list[list[int]] = [[] for _ in range(B)]
         reasons = ["length"] * B
-        done = [False] * B
+        if B == 0 or max_new_tokens == 0:
+            return list(zip(outputs, reasons, strict=True))
+        cache = self.kv_pool
+        # A sequence writes its prompt and every generated token but the last: reserve that many blocks.
+        need = [cache.blocks_for(len(p) + max_new_tokens - 1) for p in prompts]
+        for row, blocks in enumerate(need):
+            if blocks > cache.num_blocks:
+                raise KilnError(f"prompt {row} ({len(prompts[row])} tokens + {max_new_tokens} new) needs {blocks} "
+                                f"KV-cache blocks of {cache.block_size} tokens; the cache has {cache.num_blocks} "
+                                "(raise kv_cache_blocks or shorten the request)")
         stop_ids = set(stop_ids)
-        position = lengths.clone()
-        for _ in range(max_new_tokens):
-            next_tokens = sample(next_logits, temperature, top_p, generator)
-            for row in range(B):
-                if done[row]:
-                    continue
-                token = int(next_tokens[row])
-                if token in stop_ids:
-                    done[row], reasons[row] = True, "eos"
-                    continue
-                outputs[row].append(token)
-                if stop_check is not None and stop_check(outputs[row]):
-                    done[row], reasons[row] = True, "stop"
-            if all(done):
-                break
-            next_logits = decode_one_token(self.model, next_tokens.unsqueeze(1), position.unsqueeze(1), cache)
-            position = position + 1
+        waiting = deque(range(B))  # first come, first served: a request waits until its blocks are free
+        running: list[int] = []
+        reserved = 0
+        next_logits: dict[int, torch.Tensor] = {}
+        position: dict[int, int] = {}
+        live: set[int] = set()  # rows holding blocks; freed here even when a step raises
+        try:
+            while waiting or running:
+                admitted = []
+                while waiting and reserved + need[waiting[0]] <= cache.num_blocks:
+                    row = waiting.popleft()
+                    reserved += need[row]
+                    cache.add_sequence(row)
+                    live.add(row)
+                    admitted.append(row)
+                if admitted:
+                    for row, logits in zip(admitted, self._prefill_rows(cache, admitted, prompts), strict=True):
+                        next_logits[row], position[row] = logits, len(prompts[row])
+                active = sorted(running + admitted)
+                next_tokens = sample(torch.stack([next_logits.pop(row) for row in active]), temperature, top_p,
+                                     generator).tolist()
+                running = []
+                for row, token in zip(active, next_tokens, strict=True):
+                    if token in stop_ids:
+                        reasons[row] = "eos"
+                    else:
+                        outputs[row].append(token)
+                        if stop_check is not None and stop_check(outputs[row]):
+                            reasons[row] = "stop"
+                        elif len(outputs[row]) < max_new_tokens:
+                            running.append(row)
+                            continue
+                    cache.free_sequence(row)  # finished: its blocks serve the waiting requests
+                    live.discard(row)
+                    reserved -= need[row]
+                if running:
+                    tokens = torch.tensor([[outputs[row][-1]] for row in running])
+                    positions = torch.tensor([[position[row]] for row in running])
+                    cache.prepare(running, positions)
+                    logits = decode_one_token(self.model, tokens, positions, cache)
+                    for row, row_logits in zip(running, logits, strict=True):
+                        next_logits[row] = row_logits
+                        position[row] += 1
+        finally:
+            for row in live:
+                cache.free_sequence(row)
         return list(zip(outputs, reasons, strict=True))
+
+    def _prefill_rows(self, cache: PagedKVCache, rows: list[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Prefill the prompts of `rows` (right-padded, padding never cached); the logits after each prompt."""
+        lengths = torch.tensor([len(prompts[row]) for row in rows])
+        T = int(lengths.max())
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        for i, row in enumerate(rows):
+            tokens[i, : len(prompts[row])] = torch.as_tensor(prompts[row], dtype=torch.long)
+        positions = torch.arange(T).expand(len(rows), -1)
+        cache.prepare(rows, positions, positions < lengths.unsqueeze(1))
+        logits = prefill(self.model, tokens, positions, cache)
+        return logits[torch.arange(len(rows)), lengths - 1]
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None) -> list[Generation]:

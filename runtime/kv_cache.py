@@ -4,6 +4,8 @@ A layer caches one or more "streams" per token: GQA/MHA layers cache K [Hkv, D] 
 layers cache the compressed latent [1, kv_lora_rank] and the roped key part [1, rope_dim]. A cache's
 `update(layer, new, positions)` writes the new tokens' streams at their positions and returns every
 stream for the whole batch up to the longest position, which attention masks by position.
+The engine serves from `runtime.paged_kv_cache.PagedKVCache` (blocks, quantized storage); this contiguous
+cache is the plain reference it is tested and benchmarked against.
 """
 
 from __future__ import annotations

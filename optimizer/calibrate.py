@@ -1,0 +1,58 @@
+"""Calibration activations for passes, computed by the runtime's own modules (optimizer may import runtime).
+
+    KvCapture      `PassContext.capture_kv`: K/V cache activations on the calibration tokens
+    RuntimeCalibrator (optimizer.calibrator)  `PassContext.calibrator`: per-linear inputs, block by block
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.errors import KilnError
+from optimizer.calibrator import RuntimeCalibrationSession
+from optimizer.lower import lower_tensors
+from passes.graph import ModelGraph
+from runtime.spec import build_spec
+
+
+class _RecordingCache:
+    """A stand-in KV cache for one prefill: returns each layer's new streams unchanged (a fresh prefill's
+    cache holds exactly them) and keeps the real tokens' rows."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask  # [B, T] real tokens
+        self.streams: dict[int, list[torch.Tensor]] = {}
+
+    def update(self, layer: int, new: tuple[torch.Tensor, ...], positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.streams[layer] = [value[self.mask] for value in new]  # [tokens, heads, dim] each
+        return new
+
+
+class KvCapture:
+    """`PassContext.capture_kv`: K/V activations on the calibration tokens as the runtime's cache would receive
+    them (post-RoPE; for MLA the latent and the roped key part), through the graph as it stands now:
+    layer -> one [tokens, heads, dim] tensor per cached stream."""
+
+    def __init__(self, token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 8192):
+        self.token_lists = [list(t) for t in token_lists if len(t) > 0]
+        if not self.token_lists:
+            raise KilnError("KV calibration needs at least one non-empty token list")
+        self.max_batch_tokens = max_batch_tokens
+
+    @torch.inference_mode()
+    def __call__(self, graph: ModelGraph) -> dict[int, tuple[torch.Tensor, ...]]:
+        from runtime.model import Transformer
+
+        tensors, formats = lower_tensors(graph)
+        model = Transformer(build_spec(graph.config), tensors, formats).eval()
+        session = RuntimeCalibrationSession(graph, self.token_lists, self.max_batch_tokens)
+        collected: dict[int, list[list[torch.Tensor]]] = {}
+        for b in session.batches:
+            cache = _RecordingCache(b.mask)
+            model(b.tokens, b.positions, cache)
+            for layer, streams in cache.streams.items():
+                collected.setdefault(layer, []).append(streams)
+        return {layer: tuple(torch.cat(parts, dim=0) for parts in zip(*batches, strict=True))
+                for layer, batches in sorted(collected.items())}

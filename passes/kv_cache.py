@@ -1,0 +1,206 @@
+"""KV-cache quantization: each layer's KV cache stored as FP8 E4M3 or NVFP4 instead of BF16.
+
+Preconditions: a loaded graph; MLA conversion, when in the pipeline, has run (the cache of an MLA layer is
+its compressed latent and roped key part, and their dims decide what fits). Static scales need K/V
+activations on calibration text, which the driver provides as `ctx.capture_kv` (optimizer.calibrate).
+What it does: annotates `graph.kv_cache[layer]` with the format the runtime stores that layer's cache in
+(the artifact's manifest "kv_cache" table, runtime.kv_format) and its calibrated scales:
+    fp8    E4M3 values; scales per tensor (amax / 448 over the calibration tokens), per KV head, or
+           dynamic (one per token, computed as the token is written; nothing calibrated)
+    nvfp4  E2M1 values in 16-value blocks along head_dim, an E4M3 scale per block and a calibrated fp32
+           global scale per stream (amax / (6 * 448)). A layer whose cached dims are not multiples of 16
+           backs off to FP8 with `scaling`, and the result says why.
+With `center` (the default) it also stores each stream's per-channel mean over the calibration tokens
+[heads, dim] as an offset taken off before quantizing and added back on reading (kernels/kv_quant.py): post-
+RoPE keys carry large, nearly constant means in their slowly rotating channels, which FP8's relative
+rounding would otherwise spend its precision on. It costs no bytes per token.
+It measures each layer's sensitivity into `result.metrics["model.layers.{i}.kv_cache"]`: the mean per-token
+KL of the final logits on calibration paragraphs with only that layer's cache quantized (`ctx.logit_kl`),
+or, without that hook, the relative squared error of its quantized K and V on the calibration activations
+(always recorded as `...kv_cache.relative_error`).
+What it does not handle: weights (weight-quant), MLA conversion (the mla pass), attention kernels.
+Back-off: keep the most sensitive layers' caches in BF16, 1, 2, 4, ... of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+
+from kernels.errors import KilnError
+from kernels.fp8 import E4M3_MAX
+from kernels.kv_quant import KV_FP8_SCALINGS, kv_fake_quantize, nvfp4_kv_global_scale
+from kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from kernels.targets import Target
+from passes.base import Pass, PassContext, PassResult
+from passes.graph import Attention, ModelGraph
+
+KV_FORMATS = ("fp8", "nvfp4")
+
+
+def _choice(field_name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise KilnError(f"{field_name}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}")
+
+
+def kv_streams(attention: Attention) -> tuple[tuple[str, int, int], ...]:
+    """(name, heads, dim) of each stream a layer caches; the same order as runtime.kv_format.kv_streams."""
+    if attention.kind == "mla":
+        return (("latent", 1, attention.kv_lora_rank), ("k_rope", 1, attention.qk_rope_head_dim))
+    return (("k", attention.num_kv_heads, attention.head_dim), ("v", attention.num_kv_heads, attention.v_head_dim))
+
+
+def layer_key(layer: int) -> str:
+    return f"model.layers.{layer}.kv_cache"
+
+
+def _fp8_scale(x: torch.Tensor, scaling: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(scale to store: 0-dim or [H], scale to compute with: 0-dim or [H, 1]) for activations x [N, H, D]."""
+    if scaling == "dynamic":
+        return None, None
+    amax = x.abs().amax() if scaling == "per_tensor" else x.abs().amax(dim=(0, 2))
+    scale = amax.float() / E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, (scale if scaling == "per_tensor" else scale.reshape(-1, 1))
+
+
+def _relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    return float((x_hat - x.float()).pow(2).sum() / x.float().pow(2).sum().clamp_min(1e-30))
+
+
+@dataclass(frozen=True)
+class KvCacheQuantization(Pass):
+    """Store the KV cache of every layer not kept in FP8 E4M3 or NVFP4.
+
+    Fields:
+        format        "fp8" (E4M3) or "nvfp4" (16-value blocks along head_dim; FP8 where dims do not allow)
+        scaling       FP8 scales: "per_tensor" or "per_head" (calibrated), or "dynamic" (one per token)
+        center        subtract a calibrated per-channel offset (the calibration mean) before quantizing
+        keep          layer indices whose cache stays BF16
+        max_back_offs how many back-off steps (BF16 for the 1, 2, 4, ... most sensitive layers) to try
+        sensitivity_paragraphs  calibration paragraphs the per-layer logit-KL sensitivity is measured on
+    """
+
+    format: str = "fp8"
+    scaling: str = "per_tensor"
+    center: bool = True
+    keep: tuple[int, ...] = ()
+    max_back_offs: int = 3
+    sensitivity_paragraphs: int = 32
+
+    name: ClassVar[str] = "kv-cache"
+    default_floor: ClassVar[float] = 0.99
+    runs_after: ClassVar[frozenset[str]] = frozenset({"mla"})
+
+    def __post_init__(self):
+        _choice("format", self.format, KV_FORMATS)
+        _choice("scaling", self.scaling, KV_FP8_SCALINGS)
+        _choice("center", self.center, (True, False))
+        keep = tuple(self.keep)
+        for layer in keep:
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                raise KilnError(f"keep takes layer indices (non-negative integers), got {layer!r}")
+        object.__setattr__(self, "keep", tuple(sorted(set(keep))))
+        if isinstance(self.max_back_offs, bool) or not isinstance(self.max_back_offs, int) or self.max_back_offs < 0:
+            raise KilnError(f"max_back_offs must be a non-negative integer, got {self.max_back_offs!r}")
+        if (isinstance(self.sensitivity_paragraphs, bool) or not isinstance(self.sensitivity_paragraphs, int)
+                or self.sensitivity_paragraphs < 1):
+            raise KilnError(f"sensitivity_paragraphs must be a positive integer, got {self.sensitivity_paragraphs!r}")
+
+    def check(self, graph: ModelGraph, target: Target) -> None:
+        layers = {b.index for b in graph.blocks}
+        unknown = sorted(set(self.keep) - layers)
+        if unknown:
+            raise KilnError(f"keep names layers this model does not have: {unknown[:5]} "
+                            f"(it has layers 0..{len(layers) - 1})")
+
+    def _layer_format(self, attention: Attention) -> tuple[str, str, str | None]:
+        """(stored format, scaling, why it differs from the requested format or None)."""
+        if self.format == "nvfp4":
+            bad = [f"{name} dim {dim}" for name, _, dim in kv_streams(attention) if dim % NVFP4_BLOCK_SIZE]
+            if not bad:
+                return "nvfp4", "e4m3_block16", None
+            dims = "head_dim" if attention.kind != "mla" else "cached dims"
+            return "fp8_e4m3", self.scaling, (f"NVFP4 needs {dims} in multiples of {NVFP4_BLOCK_SIZE} "
+                                              f"({', '.join(bad)}): FP8 E4M3 instead")
+        return "fp8_e4m3", self.scaling, None
+
+    def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
+        result = PassResult(self.name)
+        plans = {}
+        for block in graph.blocks:
+            if block.index in self.keep:
+                result.skipped[layer_key(block.index)] = "kept in BF16 (keep list / back-off)"
+            else:
+                plans[block.index] = self._layer_format(block.attention)
+        needs_calibration = self.center or any(fmt == "nvfp4" or scaling != "dynamic"
+                                               for fmt, scaling, _ in plans.values())
+        if ctx.capture_kv is None and needs_calibration:
+            raise KilnError("kv-cache: static KV scales need K/V activations on calibration text, and the pass "
+                            "context has no capture_kv (pass calibration data, e.g. optimize build --calib-data, "
+                            "or use format='fp8', scaling='dynamic', center=False)")
+        activations = ctx.capture_kv(graph) if (ctx.capture_kv is not None and plans) else None
+        if activations is None and ctx.logit_kl is None:
+            result.notes.append("no calibration activations: sensitivity not measured, so no back-off")
+        backed_off = []
+        previous = dict(graph.kv_cache)  # what earlier passes left; the sensitivity probe starts from it
+        for block in graph.blocks:
+            if block.index not in plans:
+                continue
+            fmt, scaling, note = plans[block.index]
+            streams = kv_streams(block.attention)
+            scales, offsets, error = {}, {}, 0.0
+            for s, (stream, _, _) in enumerate(streams):
+                x = activations[block.index][s] if activations is not None else None
+                offset = x.mean(dim=0) if (self.center and x is not None) else None
+                centered = x if offset is None else x - offset
+                if fmt == "nvfp4":
+                    stored = compute = nvfp4_kv_global_scale(centered.abs().amax())
+                else:
+                    stored, compute = _fp8_scale(centered, scaling) if x is not None else (None, None)
+                if stored is not None:
+                    scales[stream] = stored
+                if offset is not None:
+                    offsets[stream] = offset
+                if x is not None:
+                    error += _relative_error(x, kv_fake_quantize(x, fmt, scaling, compute, offset))
+            graph.kv_cache[block.index] = {"format": fmt, "scaling": scaling, "streams": [n for n, _, _ in streams],
+                                           "scales": scales, "offsets": offsets, **({"note": note} if note else {})}
+            described = f"{fmt} ({scaling}{', centered' if offsets else ''})"
+            result.changed[layer_key(block.index)] = described + (f": {note}" if note else "")
+            if activations is not None:
+                result.metrics[layer_key(block.index)] = error
+                result.metrics[layer_key(block.index) + ".relative_error"] = error
+            if note:
+                backed_off.append(block.index)
+        if backed_off:
+            result.notes.append(f"layers {backed_off}: {plans[backed_off[0]][2]}")
+        if ctx.logit_kl is not None and len(plans) > 1:
+            self._logit_kl_sensitivity(graph, ctx, previous, list(plans), result)
+        return result
+
+    def _logit_kl_sensitivity(self, graph: ModelGraph, ctx: PassContext, previous: dict, layers: list[int],
+                              result: PassResult) -> None:
+        """Per layer: logit KL against the source with only that layer's new cache format applied."""
+        annotated = graph.kv_cache
+        try:
+            for layer in layers:
+                graph.kv_cache = {**previous, layer: annotated[layer]}
+                result.metrics[layer_key(layer)] = ctx.logit_kl(graph, self.sensitivity_paragraphs)
+        finally:
+            graph.kv_cache = annotated
+        result.notes.append(f"sensitivity: logit KL on {self.sensitivity_paragraphs} calibration paragraphs with "
+                            "one layer's cache quantized at a time")
+
+    def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
+        worst = sorted((k for k in result.metrics if k.endswith(".kv_cache")), key=lambda k: -result.metrics[k])
+        layers = [int(key.split(".")[2]) for key in worst]
+        count = 1
+        for _ in range(self.max_back_offs):
+            if count >= len(layers):
+                break
+            yield replace(self, keep=tuple(sorted(set(self.keep) | set(layers[:count]))))
+            count *= 2

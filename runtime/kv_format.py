@@ -1,0 +1,161 @@
+"""The artifact's KV-cache format table: what each layer's cache stores, and how many bytes a token costs.
+
+A layer caches "streams" per token: GQA/MHA layers K [Hkv, D] and V [Hkv, Dv]; MLA layers the compressed
+latent [1, kv_lora_rank] and the roped key part [1, qk_rope_head_dim] (never per-head K/V).
+Manifest "kv_cache" (layer index as a string -> entry; a layer that is absent is BF16):
+    {"format": "bf16" | "fp8_e4m3" | "nvfp4",
+     "scaling": "none" (bf16) | "per_tensor" | "per_head" | "dynamic" (fp8) | "e4m3_block16" (nvfp4),
+     "streams": ["k", "v"] or ["latent", "k_rope"],
+     "scale_tensors": {stream: tensor name in model.safetensors} (static fp8 scales, NVFP4 global scales),
+     "offset_tensors": {stream: tensor name} (optional calibrated per-channel offsets, kernels/kv_quant.py),
+     "note": why the pass chose this format (optional)}
+Scale tensors: fp32, `model.layers.{i}.self_attn.k_scale` / `v_scale` (the names vLLM and ModelOpt use;
+`latent_scale` / `k_rope_scale` for MLA); 0-dim per tensor, [Hkv] per head; x = float(q) * scale.
+Offset tensors: fp32 [heads, dim], `...self_attn.k_offset` / `v_offset`; x = float(q) * scale + offset.
+
+Byte accounting is the deployment's: BF16 = 2 bytes a value. The CPU runtime holds a BF16 layer's cache
+in the model's compute dtype (fp32), so its arithmetic matches the uncached forward exactly; FP8 and NVFP4
+layers are stored as real float8_e4m3fn / packed uint8 bytes there too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kernels.errors import KilnError
+from kernels.kv_quant import KV_FP8_SCALINGS
+from kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from runtime.spec import AttentionSpec, ModelSpec
+
+KV_FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
+KV_SCALINGS = {"bf16": ("none",), "fp8_e4m3": KV_FP8_SCALINGS, "nvfp4": ("e4m3_block16",)}
+BF16 = {"format": "bf16", "scaling": "none"}
+
+
+@dataclass(frozen=True)
+class KvStream:
+    """One cached stream of one layer: its shape per token and its stored format."""
+
+    name: str  # "k", "v", "latent", "k_rope"
+    heads: int
+    dim: int
+    format: str = "bf16"
+    scaling: str = "none"
+    scale: torch.Tensor | None = None  # static fp8: 0-dim or [H, 1]; nvfp4: 0-dim global scale
+    offset: torch.Tensor | None = None  # [H, D] subtracted before quantizing, added back on reading
+
+    def bytes_per_token(self) -> int:
+        return stream_bytes_per_token(self.heads, self.dim, self.format, self.scaling)
+
+
+def kv_streams(attention: AttentionSpec) -> tuple[tuple[str, int, int], ...]:
+    """(name, heads, dim) of each stream a layer caches, in the order the model passes them."""
+    if attention.kind == "mla":
+        return (("latent", 1, attention.kv_lora_rank), ("k_rope", 1, attention.qk_rope_head_dim))
+    return (("k", attention.num_kv_heads, attention.head_dim), ("v", attention.num_kv_heads, attention.v_head_dim))
+
+
+def stream_bytes_per_token(heads: int, dim: int, fmt: str, scaling: str) -> int:
+    """Deployment bytes one token costs in one stream (per-token scales included; static scales are not)."""
+    values = heads * dim
+    if fmt == "bf16":
+        return 2 * values
+    if fmt == "fp8_e4m3":
+        return values + (4 if scaling == "dynamic" else 0)  # dynamic: one fp32 scale per token
+    if fmt == "nvfp4":
+        return values // 2 + values // NVFP4_BLOCK_SIZE  # two E2M1 a byte + one E4M3 scale per 16
+    raise KilnError(f"unknown KV format {fmt!r}; known: {', '.join(KV_FORMATS)}")
+
+
+def check_entry(layer: int, entry: Mapping, streams: tuple[tuple[str, int, int], ...]) -> None:
+    """Refuse an entry the runtime cannot store (unknown names, NVFP4 on a dim that is not 16-aligned)."""
+    fmt, scaling = entry.get("format"), entry.get("scaling", "none")
+    if fmt not in KV_FORMATS:
+        raise KilnError(f"kv_cache layer {layer}: unknown format {fmt!r}; known: {', '.join(KV_FORMATS)}")
+    if scaling not in KV_SCALINGS[fmt]:
+        raise KilnError(f"kv_cache layer {layer}: scaling {scaling!r} is not allowed for {fmt}; "
+                        f"choose one of {', '.join(KV_SCALINGS[fmt])}")
+    names = [name for name, _, _ in streams]
+    if "streams" in entry and list(entry["streams"]) != names:
+        raise KilnError(f"kv_cache layer {layer}: streams {entry['streams']} do not match the model's {names}")
+    if fmt == "nvfp4":
+        bad = [f"{name} dim {dim}" for name, _, dim in streams if dim % NVFP4_BLOCK_SIZE]
+        if bad:
+            raise KilnError(f"kv_cache layer {layer}: NVFP4 needs dims that are multiples of {NVFP4_BLOCK_SIZE}, "
+                            f"got {', '.join(bad)}")
+
+
+def _entry(table: Mapping | None, layer: int) -> Mapping:
+    if not table:
+        return BF16
+    return table.get(str(layer), table.get(layer, BF16))
+
+
+def check_table(spec: ModelSpec, table: Mapping | None) -> None:
+    layers = {str(layer.index) for layer in spec.layers}
+    unknown = sorted(str(k) for k in (table or {}) if str(k) not in layers)
+    if unknown:
+        raise KilnError(f"kv_cache names layers this model does not have: {', '.join(unknown[:5])}")
+
+
+def resolve_kv_streams(spec: ModelSpec, table: Mapping | None,
+                       tensors: Mapping[str, torch.Tensor] | None = None) -> list[tuple[KvStream, ...]]:
+    """Per layer, its streams with formats and scales. Without tensors, scales are left out (byte counts)."""
+    check_table(spec, table)
+    out = []
+    for layer in spec.layers:
+        entry = _entry(table, layer.index)
+        streams = kv_streams(layer.attention)
+        check_entry(layer.index, entry, streams)
+        fmt, scaling = entry["format"], entry.get("scaling", "none")
+        needs_scale = fmt == "nvfp4" or (fmt == "fp8_e4m3" and scaling != "dynamic")
+        resolved = []
+        offsets = entry.get("offset_tensors") or {}
+        if offsets and fmt == "bf16":
+            raise KilnError(f"kv_cache layer {layer.index}: a BF16 cache takes no offsets")
+        unknown = sorted(set(offsets) - {name for name, _, _ in streams})
+        if unknown:
+            raise KilnError(f"kv_cache layer {layer.index}: offsets for unknown streams {unknown}")
+        for name, heads, dim in streams:
+            scale = offset = None
+            if needs_scale and tensors is not None:
+                scale = _scale_tensor(layer.index, entry, name, heads, scaling, tensors)
+            if name in offsets and tensors is not None:
+                offset = _offset_tensor(offsets[name], heads, dim, tensors)
+            resolved.append(KvStream(name, heads, dim, fmt, scaling, scale, offset))
+        out.append(tuple(resolved))
+    return out
+
+
+def _scale_tensor(layer: int, entry: Mapping, stream: str, heads: int, scaling: str,
+                  tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    names = entry.get("scale_tensors") or {}
+    if stream not in names:
+        raise KilnError(f"kv_cache layer {layer}: {entry['format']} ({scaling}) needs a scale tensor for stream "
+                        f"{stream!r}, and the entry names none")
+    if names[stream] not in tensors:
+        raise KilnError(f"artifact is missing KV scale tensor {names[stream]!r}")
+    scale = tensors[names[stream]].float()
+    expected = heads if scaling == "per_head" else 1
+    if scale.numel() != expected or not torch.isfinite(scale).all() or bool((scale <= 0).any()):
+        raise KilnError(f"KV scale {names[stream]!r} must hold {expected} positive finite value(s), "
+                        f"got shape {tuple(scale.shape)}")
+    return scale.reshape(-1, 1) if scaling == "per_head" else scale.reshape(())
+
+
+def _offset_tensor(name: str, heads: int, dim: int, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    if name not in tensors:
+        raise KilnError(f"artifact is missing KV offset tensor {name!r}")
+    offset = tensors[name].float()
+    if tuple(offset.shape) != (heads, dim) or not torch.isfinite(offset).all():
+        raise KilnError(f"KV offset {name!r} must be finite with shape {(heads, dim)}, got {tuple(offset.shape)}")
+    return offset
+
+
+def kv_bytes_per_token(spec: ModelSpec, table: Mapping | None = None) -> dict[int, int]:
+    """Deployment KV bytes per token, per layer, for a format table (None: every layer BF16)."""
+    return {layer.index: sum(s.bytes_per_token() for s in streams)
+            for layer, streams in zip(spec.layers, resolve_kv_streams(spec, table), strict=True)}

@@ -1,0 +1,319 @@
+"""A paged KV cache: fixed-size blocks, a block table per sequence, allocation on demand, quantized storage.
+
+    cache = PagedKVCache(engine.kv_streams, num_blocks=256, block_size=16)
+    cache.add_sequence("a"); cache.add_sequence("b")
+    cache.prepare(["a", "b"], positions, valid)   # allocate the blocks these positions need: all or none
+    logits = model(tokens, positions, cache)      # each layer: cache.update(layer, (k, v), positions)
+    cache.free_sequence("a")                      # its blocks go back to the free list
+
+Storage, per layer and stream, is one pool of (num_blocks + 1) * block_size token slots [slots, H, D'],
+slot = block * block_size + offset, in the layer's KV format (runtime.kv_format): the model's dtype for
+BF16 layers (fp32 on CPU), float8_e4m3fn bytes (+ an fp32 scale per token when dynamic) for FP8, packed
+E2M1 bytes + E4M3 block scales for NVFP4. The extra last block is the null block: zeros, never handed
+out, never written; reads past a sequence's length point at it.
+
+`update` writes the new tokens of each row into that row's own blocks (rows' padding positions, marked
+invalid in `prepare`, are never written) and returns every stream gathered and dequantized to fp32
+[B, S, H, D] for S = the longest sequence in the batch: the same contract as `ContiguousKVCache.update`,
+so attention reads through it unchanged. When a step needs more blocks than are free, `prepare` raises
+`KvCacheFull` before anything is allocated or written; the caller waits for sequences to finish or refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.errors import KilnError
+from kernels.kv_quant import (
+    fp8_kv_dequantize,
+    fp8_kv_quantize,
+    fp8_kv_quantize_per_token,
+    nvfp4_kv_dequantize,
+    nvfp4_kv_quantize,
+)
+from kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from runtime.kv_format import KvStream
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class KvCacheFull(KilnError):
+    """The block pool cannot hold what a step needs; nothing was allocated or written."""
+
+
+class BlockAllocator:
+    """A free list of block ids 0..num_blocks-1; hands out the lowest free ids first."""
+
+    def __init__(self, num_blocks: int):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise KilnError(f"a KV cache needs at least one block, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise KvCacheFull(f"KV cache out of blocks: {count} needed, {len(self._free)} of {self.num_blocks} free")
+        blocks = [self._free.pop() for _ in range(count)]
+        self._used.update(blocks)
+        return blocks
+
+    def release(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            if block not in self._used:
+                raise ValueError(f"block {block} is not allocated (double free?)")
+            self._used.remove(block)
+            self._free.append(block)
+        self._free.sort(reverse=True)
+
+
+# --- storage per stream -----------------------------------------------------------------------------------
+class _DensePool:
+    """Unquantized (BF16 at deployment): the model's compute dtype, so reads equal the uncached values."""
+
+    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
+        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=dtype)
+
+    def write(self, slots: Tensor, x: Tensor) -> None:
+        self.data.index_copy_(0, slots, x.to(self.data.dtype))
+
+    def read(self, slots: Tensor) -> Tensor:
+        return self.data.index_select(0, slots).float()
+
+
+class _QuantizedPool:
+    """Shared by the quantized pools: the stream's calibrated offset comes off before storing, back on reading."""
+
+    def __init__(self, stream: KvStream):
+        self.offset = stream.offset  # [H, D] or None
+
+    def write(self, slots: Tensor, x: Tensor) -> None:
+        self._store(slots, x.float() if self.offset is None else x.float() - self.offset)
+
+    def read(self, slots: Tensor) -> Tensor:
+        values = self._load(slots)
+        return values if self.offset is None else values + self.offset
+
+
+class _Fp8StaticPool(_QuantizedPool):
+    """float8_e4m3fn bytes with a calibrated per-tensor (0-dim) or per-head ([H, 1]) scale."""
+
+    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
+        super().__init__(stream)
+        if stream.scale is None:
+            raise KilnError(f"FP8 KV stream {stream.name!r} ({stream.scaling}) has no scale")
+        self.scale = stream.scale
+        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=torch.float8_e4m3fn)
+
+    def _store(self, slots: Tensor, x: Tensor) -> None:
+        # index_copy_ has no float8 kernel on CPU: copy the bytes
+        self.data.view(torch.uint8).index_copy_(0, slots, fp8_kv_quantize(x, self.scale).view(torch.uint8))
+
+    def _load(self, slots: Tensor) -> Tensor:
+        return fp8_kv_dequantize(self.data.index_select(0, slots), self.scale)
+
+
+class _Fp8DynamicPool(_QuantizedPool):
+    """float8_e4m3fn bytes with one fp32 scale per token (amax over the token's heads and dims / 448)."""
+
+    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
+        super().__init__(stream)
+        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=torch.float8_e4m3fn)
+        self.token_scale = torch.ones(slots, 1, 1)
+
+    def _store(self, slots: Tensor, x: Tensor) -> None:
+        q, scale = fp8_kv_quantize_per_token(x)
+        self.data.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
+        self.token_scale.index_copy_(0, slots, scale)
+
+    def _load(self, slots: Tensor) -> Tensor:
+        return fp8_kv_dequantize(self.data.index_select(0, slots), self.token_scale.index_select(0, slots))
+
+
+class _Nvfp4Pool(_QuantizedPool):
+    """Packed E2M1 codes [H, D/2] and E4M3 block scales [H, D/16] per token; a calibrated global scale."""
+
+    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
+        super().__init__(stream)
+        if stream.scale is None:
+            raise KilnError(f"NVFP4 KV stream {stream.name!r} has no global scale")
+        if stream.dim % NVFP4_BLOCK_SIZE:
+            raise KilnError(f"NVFP4 KV stream {stream.name!r}: dim {stream.dim} is not a multiple of "
+                            f"{NVFP4_BLOCK_SIZE}")
+        self.global_scale = stream.scale
+        self.packed = torch.zeros(slots, stream.heads, stream.dim // 2, dtype=torch.uint8)
+        self.block_scale = torch.zeros(slots, stream.heads, stream.dim // NVFP4_BLOCK_SIZE,
+                                       dtype=torch.float8_e4m3fn)
+
+    def _store(self, slots: Tensor, x: Tensor) -> None:
+        packed, block_scale = nvfp4_kv_quantize(x, self.global_scale)
+        self.packed.index_copy_(0, slots, packed)
+        self.block_scale.view(torch.uint8).index_copy_(0, slots, block_scale.view(torch.uint8))
+
+    def _load(self, slots: Tensor) -> Tensor:
+        return nvfp4_kv_dequantize(self.packed.index_select(0, slots), self.block_scale.index_select(0, slots),
+                                   self.global_scale)
+
+
+_POOLS = {
+    ("bf16", "none"): _DensePool,
+    ("fp8_e4m3", "per_tensor"): _Fp8StaticPool,
+    ("fp8_e4m3", "per_head"): _Fp8StaticPool,
+    ("fp8_e4m3", "dynamic"): _Fp8DynamicPool,
+    ("nvfp4", "e4m3_block16"): _Nvfp4Pool,
+}
+
+
+def stored_bytes_per_token(streams: Sequence[Sequence[KvStream]], dtype: torch.dtype = torch.float32) -> int:
+    """Bytes a token occupies in this runtime's pools (dense layers at `dtype`, not BF16)."""
+    total = 0
+    for layer in streams:
+        for s in layer:
+            dense = s.format == "bf16"
+            total += s.heads * s.dim * dtype.itemsize if dense else s.bytes_per_token()
+    return total
+
+
+@dataclass
+class _Step:
+    """Index tensors for one forward, computed once in `prepare` and used by every layer."""
+
+    positions: Tensor  # [B, T]
+    valid: Tensor | None  # [B, T] bool, None when every token is written
+    write_slots: Tensor  # [N] slot of each written token, in row-major order of the valid tokens
+    read_slots: Tensor  # [B * S]
+    batch: int
+    length: int  # S
+
+
+class PagedKVCache:
+    """Block pools per layer and stream, block tables per sequence, a shared block allocator."""
+
+    def __init__(self, streams: Sequence[Sequence[KvStream]], num_blocks: int,
+                 block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32):
+        # streams[layer] = the layer's KvStreams (runtime.kv_format.resolve_kv_streams)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise KilnError(f"block_size must be a positive integer, got {block_size!r}")
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.null_slot = num_blocks * block_size  # first slot of the null block
+        slots = (num_blocks + 1) * block_size
+        self.pools = []
+        for layer in streams:
+            pools = []
+            for s in layer:
+                kind = _POOLS.get((s.format, s.scaling))
+                if kind is None:
+                    raise KilnError(f"no KV storage for format {s.format!r} with scaling {s.scaling!r}")
+                pools.append(kind(s, slots, dtype))
+            self.pools.append(tuple(pools))
+        self.block_tables: dict[Hashable, list[int]] = {}
+        self.lengths: dict[Hashable, int] = {}  # highest written position + 1, per sequence
+        self._step: _Step | None = None
+
+    # --- bookkeeping -----------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.allocator.num_used
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def sequences(self) -> list[Hashable]:
+        return list(self.block_tables)
+
+    def add_sequence(self, seq_id: Hashable) -> None:
+        if seq_id in self.block_tables:
+            raise KilnError(f"sequence {seq_id!r} is already in the KV cache")
+        self.block_tables[seq_id] = []
+        self.lengths[seq_id] = 0
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        """The sequence ended: its blocks go back to the free list."""
+        self.allocator.release(self._table(seq_id))
+        del self.block_tables[seq_id], self.lengths[seq_id]
+        self._step = None
+
+    def _table(self, seq_id: Hashable) -> list[int]:
+        try:
+            return self.block_tables[seq_id]
+        except KeyError:
+            raise KilnError(f"sequence {seq_id!r} is not in the KV cache; add_sequence it first") from None
+
+    # --- one forward -----------------------------------------------------------------------------------------
+    def prepare(self, seq_ids: Sequence[Hashable], positions: Tensor, valid: Tensor | None = None) -> None:
+        """Bind the rows of the next forward to sequences and allocate the blocks their valid positions need.
+
+        positions: [B, T] absolute positions; valid: [B, T] bool, False for padding (never written).
+        All or nothing: raises KvCacheFull, with nothing allocated or written, when the blocks run out.
+        """
+        B, T = positions.shape
+        if len(seq_ids) != B:
+            raise KilnError(f"prepare: {len(seq_ids)} sequence ids for a batch of {B} rows")
+        if valid is not None and bool(valid.all()):
+            valid = None
+        negative = positions < 0 if valid is None else (positions < 0) & valid
+        if bool(negative.any()):
+            raise KilnError("prepare: positions must be non-negative")
+        masked = positions if valid is None else torch.where(valid, positions, -1)
+        ends = (masked.amax(dim=1) + 1).tolist() if T else [0] * B
+        tables = [self._table(s) for s in seq_ids]
+        needed = [max(0, self.blocks_for(end) - len(table)) for end, table in zip(ends, tables, strict=True)]
+        if sum(needed) > self.allocator.num_free:
+            raise KvCacheFull(f"KV cache out of blocks: this step needs {sum(needed)} more blocks of "
+                              f"{self.block_size} tokens and {self.allocator.num_free} of {self.num_blocks} are "
+                              "free; nothing was written (wait for sequences to finish, or add blocks)")
+        for table, count in zip(tables, needed, strict=True):
+            if count:
+                table.extend(self.allocator.allocate(count))
+        for seq_id, end in zip(seq_ids, ends, strict=True):
+            self.lengths[seq_id] = max(self.lengths[seq_id], end)
+
+        width = max(1, max(len(t) for t in tables))
+        block_ids = torch.full((B, width), self.num_blocks, dtype=torch.long)  # null block where unallocated
+        for row, table in enumerate(tables):
+            block_ids[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+        bs = self.block_size
+        p = positions.clamp(0, width * bs - 1)  # padding may point past the table; it is never written
+        slots = block_ids.gather(1, p // bs) * bs + p % bs
+        write_slots = slots.reshape(-1) if valid is None else slots[valid]
+
+        S = max(self.lengths[s] for s in seq_ids)
+        k = torch.arange(S)
+        read = block_ids[:, k // bs] * bs + k % bs  # [B, S]
+        held = torch.tensor([self.lengths[s] for s in seq_ids]).unsqueeze(1)
+        read = torch.where(k < held, read, self.null_slot)
+        self._step = _Step(positions, valid, write_slots, read.reshape(-1), B, S)
+
+    def update(self, layer: int, new: tuple[Tensor, ...], positions: Tensor) -> tuple[Tensor, ...]:
+        # new[i]: [B, T, H, D] -> every stream of the batch's sequences, fp32 [B, S, H, D]
+        step = self._step
+        if step is None or not (positions is step.positions or torch.equal(positions, step.positions)):
+            raise KilnError("PagedKVCache.update: call prepare(seq_ids, positions) before this forward")
+        out = []
+        for pool, value in zip(self.pools[layer], new, strict=True):
+            tokens = value.reshape(-1, *value.shape[2:]) if step.valid is None else value[step.valid]
+            if tokens.shape[0]:
+                pool.write(step.write_slots, tokens)
+            out.append(pool.read(step.read_slots).view(step.batch, step.length, *value.shape[2:]))
+        return tuple(out)
