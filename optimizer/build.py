@@ -10,14 +10,19 @@ from pathlib import Path
 from calibration.data import DEFAULT_PARAGRAPHS, load_token_lists
 from kernels.errors import KilnError
 from kernels.targets import get_target
+from optimizer.calibrate import KvCapture
+from optimizer.calibrator import RuntimeCalibrator
 from optimizer.gate import AccuracyGate, engine_from_graph
 from optimizer.loader import load_checkpoint
-from optimizer.lower import lower_tensors, tensor_bytes, write_artifact
+from optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, write_artifact
 from optimizer.recipes import Recipe, resolve_recipe
 from optimizer.report import render_report
+from optimizer.sensitivity import LogitKl, precision_files
 from passes.base import PassContext, PassRecord, Pipeline
 from passes.graph import ModelGraph
 from runtime.engine import load_tokenizer
+from runtime.kv_budget import kv_budget
+from runtime.spec import build_spec
 
 
 class StrictRevert(Exception):
@@ -38,9 +43,12 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
           calib_paragraphs: int = 256, min_recovery: float | None = None, strict: bool = False,
           gate: bool = True, reproducible: bool = False, overwrite: bool = False,
           trust_remote_code: bool = False, log: Callable[[str], None] = lambda m: None,
-          progress_factory=None) -> BuildResult:
+          progress_factory=None, weight_bits: float | None = None, weight_bytes: int | None = None) -> BuildResult:
     tgt = get_target(target)
-    rec = recipe if isinstance(recipe, Recipe) else resolve_recipe(recipe)
+    if isinstance(recipe, Recipe) and (weight_bits is not None or weight_bytes is not None):
+        raise KilnError("weight_bits/weight_bytes configure the built-in 'auto' recipe; a Recipe object carries "
+                        "its own passes (set the budget on its AutoPrecision pass)")
+    rec = recipe if isinstance(recipe, Recipe) else resolve_recipe(recipe, weight_bits, weight_bytes)
     pipeline = Pipeline(rec.passes)  # ordering rules checked here, before anything loads
     if min_recovery is not None and not 0 < min_recovery <= 1.5:
         raise KilnError(f"--min-recovery must be in (0, 1.5], got {min_recovery}")
@@ -62,7 +70,10 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         eval_info = {"data": Path(eval_data).name, "paragraphs": len(tokens), "tokens": gate_fn.baseline.tokens,
                      "baseline_perplexity": round(gate_fn.baseline.perplexity, 6)}
     calib_tokens = load_token_lists(tokenizer, calib_data, calib_paragraphs) if calib_data else []
-    ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, calibration_tokens=calib_tokens, log=log)
+    ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, calibration_tokens=calib_tokens, log=log,
+                      capture_kv=KvCapture(calib_tokens) if calib_tokens else None,
+                      calibrator=RuntimeCalibrator(calib_tokens) if calib_tokens else None,
+                      logit_kl=LogitKl(graph, calib_tokens) if calib_tokens else None)
 
     start = time.perf_counter()
     records = pipeline.run(graph, ctx)
@@ -83,11 +94,17 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         "build_seconds": round(build_seconds, 3) if timings else None,
         "reproducible": reproducible,
     }
+    if graph.metadata.get("precision"):
+        manifest["precision"] = graph.metadata["precision"]
     tensors, formats = lower_tensors(graph)
     weight_bytes = tensor_bytes(tensors)
-    manifest_preview = {**manifest, "formats": formats,
+    kv_table = kv_cache_table(graph)
+    manifest["kv_budget"] = kv_budget(build_spec(graph.config, trust_remote_code), kv_table, weight_bytes,
+                                      graph.source.weight_bytes)
+    manifest_preview = {**manifest, "formats": formats, "kv_cache": kv_table,
                         "sizes": {"weight_bytes": weight_bytes, "source_weight_bytes": graph.source.weight_bytes}}
     path = None
     if output is not None:
-        path = write_artifact(graph, Path(output), manifest, render_report(manifest_preview), overwrite)
+        path = write_artifact(graph, Path(output), manifest, render_report(manifest_preview), overwrite,
+                              extra_files=precision_files(manifest.get("precision")))
     return BuildResult(path, graph, records, manifest_preview, weight_bytes)

@@ -77,6 +77,10 @@ def build(
     reproducible: Annotated[bool, typer.Option(help="leave timings out so rebuilds are byte-identical")] = False,
     overwrite: Annotated[bool, typer.Option(help="replace an existing output directory")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="allow a checkpoint's custom code")] = False,
+    weight_bits: Annotated[float | None, typer.Option(help="auto recipe: effective bits per weight, scales "
+                                                      "included (e.g. 5.0)")] = None,
+    weight_bytes: Annotated[int | None, typer.Option(help="auto recipe: bytes of the quantizable linears' "
+                                                     "weights and scales")] = None,
 ) -> None:
     """Optimize CHECKPOINT with RECIPE for TARGET and write an engine artifact."""
     from optimizer.build import build as run_build
@@ -93,9 +97,12 @@ def build(
                        paragraphs=paragraphs, min_recovery=min_recovery, strict=strict, gate=gate,
                        reproducible=reproducible, overwrite=overwrite, trust_remote_code=trust_remote_code,
                        log=lambda m: console.print(f"[dim]{m}[/dim]"),
-                       progress_factory=_progress_factory("scoring"))
+                       progress_factory=_progress_factory("scoring"), weight_bits=weight_bits,
+                       weight_bytes=weight_bytes)
     manifest = result.manifest
     out.print(_gate_table(manifest["passes"]))
+    if manifest.get("precision"):
+        out.print(_precision_table(manifest["precision"]))
     src = manifest["sizes"]["source_weight_bytes"]
     sizes = Table(title="weights")
     for col in ("", "bytes", "human"):
@@ -104,7 +111,37 @@ def build(
     sizes.add_row("artifact", str(result.weight_bytes), human_bytes(result.weight_bytes))
     sizes.add_row("ratio", f"{result.weight_bytes / src:.3f}", "")
     out.print(sizes)
+    from optimizer.kv_report import kv_tables
+
+    for kv_table in kv_tables(manifest["kv_budget"]):
+        out.print(kv_table)
     out.print(f"wrote {result.path}")
+
+
+def _precision_table(precision: dict) -> Table:
+    """One row per layer group: the format the precision pass chose, its measured KL, and why."""
+    table = Table(title=f"{precision['pass']}: {precision['effective_bits']:.3f} effective bits "
+                        f"({precision['weight_bytes']} bytes for {precision['weights']} weights)")
+    for col in ("group", "format", "KL", "why"):
+        table.add_column(col, justify="right" if col == "KL" else "left", overflow="fold")
+    for group, entry in precision["groups"].items():
+        table.add_row(group, entry["option"], f"{entry['kl']:.2e}", entry["reason"])
+    return table
+
+
+def _module_bytes(manifest: dict) -> dict[str, int]:
+    """Stored bytes per linear module (weights + scales), from the manifest's per-tensor table."""
+    import torch
+
+    sizes: dict[str, int] = {}
+    for tensor, info in manifest.get("tensors", {}).items():
+        module = tensor.rsplit(".", 1)[0]
+        if module in manifest["formats"]:
+            count = 1
+            for dim in info["shape"]:
+                count *= dim
+            sizes[module] = sizes.get(module, 0) + count * getattr(torch, info["dtype"]).itemsize
+    return sizes
 
 
 @app.command()
@@ -118,14 +155,23 @@ def inspect(
     manifest = read_manifest(artifact)
     layers = {name: e["format"] + (f"+{e['activation']}" if e.get("activation", "none") != "none" else "")
               for name, e in manifest["formats"].items()}
+    layer_bytes = _module_bytes(manifest)
     summary = {
         "artifact": str(artifact), "schema_version": manifest["schema_version"], "target": manifest["target"],
         "recipe": manifest["recipe"]["name"], "source": manifest["source"],
         "weight_bytes": manifest["sizes"]["weight_bytes"],
         "source_weight_bytes": manifest["sizes"]["source_weight_bytes"],
         "layers": layers,
+        "precision": (manifest.get("precision") or {}).get("linears", {}),  # linear -> group, option, why
+        "layer_bytes": layer_bytes,
         "passes": [{"name": p["name"], "decision": p["decision"], "gate": p["gate"]} for p in manifest["passes"]],
     }
+    from optimizer.kv_report import artifact_kv_budget, kv_tables
+
+    kv = artifact_kv_budget(artifact, manifest)
+    summary["kv_bytes_per_token"] = kv["kv_bytes_per_token"]
+    summary["source_kv_bytes_per_token"] = kv["source_kv_bytes_per_token"]
+    summary["kv_cache"] = {k: v for k, v in kv.items() if not k.endswith("kv_bytes_per_token")}  # + concurrency
     if as_json:
         print(json.dumps(summary, indent=2))
         return
@@ -136,12 +182,18 @@ def inspect(
     table.add_column("role")
     table.add_column("format")
     table.add_column("method")
+    table.add_column("bytes", justify="right")
     for name, e in manifest["formats"].items():
-        table.add_row(name, e.get("role", ""), layers[name], e.get("method", ""))
+        shown = layers[name] + (f" (tied to {e['tied_to']})" if e.get("tied_to") else "")
+        table.add_row(name, e.get("role", ""), shown, e.get("method", ""), str(layer_bytes.get(name, "")))
     out.print(table)
+    if manifest.get("precision"):
+        out.print(_precision_table(manifest["precision"]))
     out.print(_gate_table(manifest["passes"]))
     w, s = summary["weight_bytes"], summary["source_weight_bytes"]
     out.print(f"weights: {human_bytes(w)} ({w} B) vs source {human_bytes(s)} ({s} B), ratio {w / s:.3f}")
+    for kv_table in kv_tables(kv):
+        out.print(kv_table)
 
 
 def _score_artifact(artifact: Path, data: Path, paragraphs: int):
@@ -222,6 +274,24 @@ def gate(
         out.print(table)
     if not result.passed:
         raise GateFailed(f"recovery {result.recovery:.4f} is below the floor {min_recovery}")
+
+
+@app.command("export")
+def export_(
+    artifact: Annotated[Path, typer.Argument(help="artifact directory")],
+    fmt: Annotated[str, typer.Option("--format", help="hf-modelopt: ModelOpt's unified HF checkpoint "
+                                     "(vLLM quantization='modelopt', SGLang, TensorRT-LLM)")] = "hf-modelopt",
+    output: Annotated[Path, typer.Option("-o", "--output", help="directory to write")] = Path("artifacts/export"),
+    overwrite: Annotated[bool, typer.Option(help="replace an existing output directory")] = False,
+) -> None:
+    """Export an artifact as a quantized Hugging Face checkpoint for the big serving engines."""
+    from optimizer.export import HF_QUANT_CONFIG, export
+
+    path = export(artifact, fmt, output, overwrite)
+    algo = "none"
+    if (path / HF_QUANT_CONFIG).is_file():
+        algo = json.loads((path / HF_QUANT_CONFIG).read_text())["quantization"]["quant_algo"]
+    out.print(f"wrote {path} ({fmt}, quant_algo {algo}); dequantized export matches the artifact")
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from optimizer.lower import lower_tensors, roundtrip
+from optimizer.lower import kv_cache_table, lower_tensors, roundtrip
 from passes.base import GateResult
 from passes.graph import ModelGraph
 from runtime.engine import Engine
@@ -24,7 +24,8 @@ from runtime.engine import Engine
 
 def engine_from_graph(graph: ModelGraph, tokenizer=None) -> Engine:
     tensors, formats = lower_tensors(graph)
-    return Engine.from_tensors(graph.config, roundtrip(tensors), formats, tokenizer)
+    return Engine.from_tensors(graph.config, roundtrip(tensors), formats, tokenizer,
+                               kv_cache=kv_cache_table(graph))
 
 
 def _batches(token_lists: Sequence[Sequence[int]], max_tokens: int = 8192):

@@ -30,11 +30,15 @@ def lower_tensors(graph: ModelGraph) -> tuple[dict[str, torch.Tensor], dict[str,
     for lin in graph.linears.values():
         if lin.quant is None:
             formats[lin.name] = {"format": "dense", "activation": "none", "role": lin.role}
+            if lin.tied_to:
+                formats[lin.name]["tied_to"] = lin.tied_to  # stored once, as the embedding
             continue
         q = lin.quant
         entry = {"format": q.format, "activation": q.activation, "role": lin.role, "method": q.method}
         if q.in_features is not None:
             entry["in_features"] = int(q.in_features)
+        if q.rotation_block:
+            entry["input_rotation"] = {"kind": "block_hadamard", "block_size": int(q.rotation_block)}
         formats[lin.name] = entry
         for key, value in q.tensors.items():
             tensors[f"{lin.name}.{key}"] = value.contiguous()
@@ -43,7 +47,35 @@ def lower_tensors(graph: ModelGraph) -> tuple[dict[str, torch.Tensor], dict[str,
     for name, value in graph.tensors.items():
         if name not in replaced:
             tensors[name] = value.contiguous()
+    tensors.update(kv_scale_tensors(graph))
     return tensors, formats
+
+
+def _kv_tensor_name(layer: int, stream: str, kind: str) -> str:
+    # k_scale / v_scale: the names vLLM and ModelOpt give FP8 KV scales; MLA: latent_scale / k_rope_scale
+    return f"model.layers.{layer}.self_attn.{stream}_{kind}"
+
+
+def kv_scale_tensors(graph: ModelGraph) -> dict[str, torch.Tensor]:
+    """The KV-cache scales and offsets the kv-cache pass calibrated, under their artifact names (fp32)."""
+    return {_kv_tensor_name(layer, stream, kind): value.float().contiguous()
+            for layer, entry in sorted(graph.kv_cache.items())
+            for kind, key in (("scale", "scales"), ("offset", "offsets"))
+            for stream, value in sorted(entry.get(key, {}).items())}
+
+
+def kv_cache_table(graph: ModelGraph) -> dict[str, dict]:
+    """The manifest "kv_cache" table (runtime.kv_format): layers absent from it keep a BF16 cache."""
+    table = {}
+    for layer, entry in sorted(graph.kv_cache.items()):
+        row = {"format": entry["format"], "scaling": entry["scaling"], "streams": list(entry["streams"]),
+               "scale_tensors": {s: _kv_tensor_name(layer, s, "scale") for s in sorted(entry.get("scales", {}))}}
+        if entry.get("offsets"):
+            row["offset_tensors"] = {s: _kv_tensor_name(layer, s, "offset") for s in sorted(entry["offsets"])}
+        if entry.get("note"):
+            row["note"] = entry["note"]
+        table[str(layer)] = row
+    return table
 
 
 def roundtrip(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -61,9 +93,16 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, overwrite: bool = False) -> Path:
-    """Write the artifact atomically: everything into `.<name>.tmp-*` beside `out`, then rename."""
+def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, overwrite: bool = False,
+                   extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write the artifact atomically: everything into `.<name>.tmp-*` beside `out`, then rename.
+
+    `extra_files` (file name -> bytes, e.g. sensitivity.json and its heatmap) are written beside the weights
+    and checksummed in the manifest like every other file."""
     out = Path(out)
+    for name in extra_files or {}:
+        if Path(name).name != name or name in (WEIGHTS, MANIFEST, "config.json", "report.md"):
+            raise KilnError(f"artifact extra file name {name!r} must be a plain file name not used by Kiln")
     if out.exists() and not overwrite:
         raise KilnError(f"output {out} already exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -76,12 +115,15 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
         for f in graph.source.tokenizer_files:
             shutil.copyfile(f, tmp / f.name)
         (tmp / "report.md").write_text(report)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {
             **manifest,
             "schema_version": SCHEMA_VERSION,
             "kiln_version": __version__,
             "formats": formats,
+            "kv_cache": kv_cache_table(graph),
             "sizes": {"weight_bytes": tensor_bytes(tensors), "source_weight_bytes": graph.source.weight_bytes},
             "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                         for name, t in sorted(tensors.items())},

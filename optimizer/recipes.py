@@ -25,10 +25,15 @@ import yaml
 
 from kernels.errors import KilnError
 from passes.base import Pass
+from passes.kv_cache import KvCacheQuantization
 from passes.mixed_precision import WeightQuantization
+from passes.mixed_precision_auto import AutoPrecision, ProductionPrecision
 
 BUILTIN_PASSES: dict[str, type[Pass]] = {
     WeightQuantization.name: WeightQuantization,
+    KvCacheQuantization.name: KvCacheQuantization,
+    AutoPrecision.name: AutoPrecision,
+    ProductionPrecision.name: ProductionPrecision,
 }
 
 BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
@@ -39,6 +44,16 @@ BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
     "mxfp4-w4a16": lambda: [WeightQuantization(format="mxfp4")],
     "nvfp4": lambda: [WeightQuantization(format="nvfp4", activations="dynamic")],
     "mxfp4": lambda: [WeightQuantization(format="mxfp4", activations="dynamic")],
+    "fp8-kv": lambda: [KvCacheQuantization(format="fp8", scaling="per_tensor")],
+    "nvfp4-kv": lambda: [KvCacheQuantization(format="nvfp4")],
+    # FP4 MLPs/experts (NVFP4 W4A4 on Blackwell, W4A16 on Hopper), FP8 attention, 2 most sensitive groups BF16;
+    # GPTQ values (the best calibration this pass has; round-to-nearest: a recipe file with method: rtn)
+    "production": lambda: [ProductionPrecision(method="gptq")],
+}
+
+# Recipes that take the weight budget (--weight-bits / --weight-bytes); the budget matches nothing else.
+BUDGET_RECIPES: dict[str, Callable[[float | None, int | None], list[Pass]]] = {
+    "auto": lambda bits, nbytes: [AutoPrecision(weight_bits=bits, weight_bytes=nbytes, method="gptq")],
 }
 
 
@@ -99,17 +114,31 @@ def load_recipe_file(path: Path) -> Recipe:
     return Recipe(str(data.get("name", path.stem)), passes)
 
 
-def resolve_recipe(spec: str) -> Recipe:
-    """A built-in name, a comma-separated list of built-in names, or a YAML file."""
+def resolve_recipe(spec: str, weight_bits: float | None = None, weight_bytes: int | None = None) -> Recipe:
+    """A built-in name, a comma-separated list of built-in names, or a YAML file.
+
+    `weight_bits` / `weight_bytes` are the budget of the `auto` recipe; giving one to a recipe without a
+    budget is an error, not a silent no-op."""
     path = Path(spec)
+    budget = weight_bits is not None or weight_bytes is not None
     if path.suffix in (".yaml", ".yml") or path.is_file():
         if not path.is_file():
             raise KilnError(f"recipe file {spec} not found")
+        if budget:
+            raise KilnError("--weight-bits/--weight-bytes apply to the built-in 'auto' recipe; in a recipe file, "
+                            "set weight_bits or weight_bytes on the auto-precision pass")
         return load_recipe_file(path)
     passes: list[Pass] = []
+    used_budget = False
     for name in (n.strip() for n in spec.split(",")):
+        if name in BUDGET_RECIPES:
+            passes.extend(BUDGET_RECIPES[name](weight_bits, weight_bytes))
+            used_budget = True
+            continue
         if name not in BUILTIN_RECIPES:
-            raise KilnError(f"unknown recipe {name!r}; built-in recipes: {', '.join(sorted(BUILTIN_RECIPES))} "
-                            "(or a .yaml file)")
+            known = sorted([*BUILTIN_RECIPES, *BUDGET_RECIPES])
+            raise KilnError(f"unknown recipe {name!r}; built-in recipes: {', '.join(known)} (or a .yaml file)")
         passes.extend(BUILTIN_RECIPES[name]())
+    if budget and not used_budget:
+        raise KilnError(f"--weight-bits/--weight-bytes apply to the 'auto' recipe; recipe {spec!r} has no budget")
     return Recipe(spec, tuple(passes))

@@ -54,6 +54,14 @@ def render_report(manifest: dict) -> str:
                          f"{g['recovery']:.4f} | {g['kl']:.5f} | {g['top1']:.4f} | {g['floor']} |")
     if not manifest["passes"]:
         lines.append("| (no passes) | | | | | | | |")
+    if manifest.get("kv_budget"):
+        from optimizer.kv_report import kv_markdown
+
+        lines += ["", *kv_markdown(manifest["kv_budget"])]
+    if manifest.get("precision"):
+        from optimizer.sensitivity import precision_markdown
+
+        lines += ["", *precision_markdown(manifest["precision"])]
     lines += ["", "## Formats", "", "| format | linears |", "|---|---:|"]
     for fmt, n in sorted(format_counts(manifest["formats"]).items()):
         lines.append(f"| {fmt} | {n} |")

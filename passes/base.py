@@ -20,7 +20,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from kernels.errors import KilnError
 from kernels.targets import Target
@@ -74,6 +74,22 @@ class GateResult:
 Gate = Callable[[ModelGraph, float], GateResult]
 
 
+class CalibrationSession(Protocol):
+    """Per-linear inputs on the calibration tokens, one block at a time, through the graph as it stands."""
+
+    def observe(self, linears: Sequence[str], callback: Callable[[str, Any], None]) -> None:
+        """Call callback(name, x [tokens, in_features]) with the inputs of `linears` (all in one block, or the
+        lm_head), batch by batch; the blocks before theirs run as the graph is now (sequential calibration:
+        what a pass already quantized is quantized)."""
+
+
+class Calibrator(Protocol):
+    """Runs the model over the calibration tokens for a pass; implemented in optimizer/ (it needs the
+    runtime, which passes/ never imports)."""
+
+    def session(self, graph: ModelGraph) -> CalibrationSession: ...
+
+
 @dataclass
 class PassContext:
     """What the driver hands every pass. Passes read it; they never keep it."""
@@ -82,6 +98,14 @@ class PassContext:
     gate: Gate | None = None  # evaluates the graph through the runtime's numerics
     floor: float | None = None  # overrides every pass's default_floor when set
     calibration_tokens: Sequence[Sequence[int]] = ()  # tokenized calibration paragraphs (calibration.txt)
+    # K/V activations on the calibration tokens, as the runtime's cache would receive them (post-RoPE):
+    # layer -> one [tokens, heads, dim] tensor per cached stream. Set by the driver (optimizer.calibrate).
+    capture_kv: Callable[[ModelGraph], dict[int, tuple[Any, ...]]] | None = None
+    # inputs of every linear on the calibration tokens, block by block (sequential); optimizer.calibrator
+    calibrator: Calibrator | None = None
+    # mean per-token KL(source model || graph as it stands) of the final logits on the first N calibration
+    # paragraphs, through the runtime (optimizer.sensitivity.LogitKl): what precision passes rank groups by
+    logit_kl: Callable[[ModelGraph, int], float] | None = None
     log: Callable[[str], None] = lambda message: None
 
 

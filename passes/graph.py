@@ -31,6 +31,7 @@ class QuantizedWeight:
     activation: str = "none"  # "none", "fp8_dynamic_per_token", "fp8_static_per_tensor", "nvfp4", "mxfp4"
     in_features: int | None = None  # block formats: K before padding
     method: str = "rtn"  # how the values were chosen (rtn, mse, gptq, awq, ...)
+    rotation_block: int = 0  # > 0: `tensors` hold W R and the input is rotated by R (kernels.rotation) first
 
     def stored_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())

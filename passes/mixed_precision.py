@@ -1,32 +1,72 @@
 """Weight quantization: store chosen linears as FP8 E4M3, NVFP4 or MXFP4, optionally with activations.
 
-Preconditions: a loaded graph; the target must run the format (Hopper: FP4 only weight-only).
+Preconditions: a loaded graph; the target must run the format (Hopper: FP4 only weight-only); calibration
+text (`ctx.calibrator`, which the build driver sets from --calib-data) for every method but "rtn", for AWQ,
+tuning and static activation scales.
 What it does: for every linear whose role is selected and whose name is not kept, replace its precision
 annotation with a `QuantizedWeight` holding the packed tensors (ModelOpt unified names). Source fp32/bf16
-tensors stay in the graph, so a later back-off or revert can re-quantize from them.
-What it does not handle: routers and norms (always kept: tiny and sensitive); embeddings.
+weights stay in the graph, so a later back-off or revert can re-quantize from them. How the stored values
+are chosen:
+
+    method="rtn"   round to nearest, absmax scales (the kernels' reference quantizers)
+    method="mse"   scales from calibration.scale_search: per NVFP4 block the E4M3 scale swept from the block
+                   maximum on 6 to the maximum on 4 ("4 over 6") and between; MXFP4 exponents +-1; FP8 per
+                   channel; errors weighted by E[x^2] of each input channel
+    method="gptq"  GPTQ on the format's grid (calibration.gptq) with those scales, `damping`, `act_order`
+    awq=True       first, per-input-channel scales searched on each block's activations (calibration.awq) and
+                   folded into the preceding norm (q/k/v, gate/up) or linear (v_proj -> o_proj, up_proj ->
+                   down_proj): `graph.tensors` entries are replaced, the fp32 function is unchanged
+    tune_steps=n   last, the grid points (scales fixed) and the norm weights tuned end to end on the
+                   calibration text against the source model: KL, straight-through rounding (calibration.tuning)
+
+Calibration is sequential (`sequential=True`): block i is calibrated on the outputs of blocks 0..i-1 as
+already quantized, and within a block q/k/v, o, gate/up and down are quantized in that order, each observed
+through the quantized ones before it. `activations="static"` stores calibrated input scales: FP8 per tensor
+(input maximum / 448), NVFP4's per-tensor activation scale (maximum / (6 * 448)).
+What it does not handle: routers and norms (always kept: tiny and sensitive); embeddings. AWQ skips the
+lm_head (tied to the embedding in many models) and blocks other than GQA/MHA attention with a dense MLP,
+and says so in the result.
 Back-off: keep the linears with the largest relative weight error in source precision, 1, 2, 4, ... of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
+from calibration.awq import awq_search
+from calibration.gptq import gptq_quantize
+from calibration.grids import WeightLayout
+from calibration.observers import InputObserver
+from calibration.scale_search import mse_scales
+from calibration.tuning import FakeQuantWeight, tune
 from kernels import fp8
 from kernels.errors import KilnError
+from kernels.rotation import block_hadamard
 from kernels.targets import Target
-from passes.base import Pass, PassContext, PassResult
+from passes.base import CalibrationSession, Pass, PassContext, PassResult
 from passes.graph import Linear, ModelGraph, QuantizedWeight
 
 WEIGHT_FORMATS = ("fp8", "nvfp4", "mxfp4")
 ACTIVATION_MODES = ("none", "dynamic", "static")
 GRANULARITIES = ("per_channel", "per_tensor")
+METHODS = ("rtn", "mse", "gptq")
 QUANTIZABLE_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "gate", "up", "down", "expert", "lm_head")
 DEFAULT_ROLES = tuple(r for r in QUANTIZABLE_ROLES if r != "lm_head")
+STORED_FORMATS = {"fp8": "fp8_e4m3", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+
+# Dataflow order inside a block: a stage's inputs depend only on the stages before it.
+STAGES = (("q", "k", "v", "q_a", "kv_a"), ("q_b", "kv_b"), ("o",), ("gate", "up"), ("down",), ("lm_head",))
+
+# Default gate floors (recovery = ppl_source / ppl), per weight format and activation mode: what the
+# built-in calibration reaches on real models with margin, so a build backs off only when it falls short.
+DEFAULT_FLOORS = {("fp8", "none"): 0.99, ("fp8", "dynamic"): 0.99, ("fp8", "static"): 0.99,
+                  ("nvfp4", "none"): 0.97, ("nvfp4", "dynamic"): 0.9, ("nvfp4", "static"): 0.9,
+                  ("mxfp4", "none"): 0.94, ("mxfp4", "dynamic"): 0.85}
 
 
 def _choice(field_name: str, value, allowed) -> None:
@@ -35,26 +75,51 @@ def _choice(field_name: str, value, allowed) -> None:
 
 
 def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_channel",
-                           activation: str = "none") -> QuantizedWeight:
-    """Round-to-nearest quantization of one [out, in] weight to `fmt` (what every calibration refines)."""
+                           activation: str = "none", *, method: str = "rtn", hessian: torch.Tensor | None = None,
+                           act_order: bool = True, damping: float = 0.01,
+                           input_scale: torch.Tensor | None = None) -> QuantizedWeight:
+    """Quantize one [out, in] weight to `fmt`.
+
+    method "rtn" is the kernels' round-to-nearest (what every calibration refines); "mse" searches the
+    scales (weighted by diag(hessian) when given); "gptq" needs `hessian` (E[x^T x] of the layer's inputs).
+    `input_scale` (static activations) is stored beside the weight.
+    """
+    _choice("method", method, METHODS)
     w = w.float()
-    if fmt == "fp8":
-        if granularity == "per_channel":
-            q, scale = fp8.fp8_quantize_per_channel(w)
+    if method == "rtn":
+        if fmt == "fp8":
+            if granularity == "per_channel":
+                q, scale = fp8.fp8_quantize_per_channel(w)
+            else:
+                q, scale = fp8.fp8_quantize_per_tensor(w)
+            tensors = {"weight": q, "weight_scale": scale}
+        elif fmt == "nvfp4":
+            from kernels.nvfp4 import nvfp4_quantize
+
+            tensors = nvfp4_quantize(w).tensors()
+        elif fmt == "mxfp4":
+            from kernels.mxfp4 import mxfp4_quantize
+
+            tensors = mxfp4_quantize(w).tensors()
         else:
-            q, scale = fp8.fp8_quantize_per_tensor(w)
-        return QuantizedWeight("fp8_e4m3", {"weight": q, "weight_scale": scale}, activation)
-    if fmt == "nvfp4":
-        from kernels.nvfp4 import nvfp4_quantize
-
-        q = nvfp4_quantize(w)
-        return QuantizedWeight("nvfp4", q.tensors(), activation, in_features=w.shape[1])
-    if fmt == "mxfp4":
-        from kernels.mxfp4 import mxfp4_quantize
-
-        q = mxfp4_quantize(w)
-        return QuantizedWeight("mxfp4", q.tensors(), activation, in_features=w.shape[1])
-    raise KilnError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+            raise KilnError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    else:
+        _choice("format", fmt, WEIGHT_FORMATS)
+        layout = WeightLayout(fmt, granularity)
+        if method == "mse":
+            importance = torch.diagonal(hessian).float() if hessian is not None else None
+            scales = mse_scales(layout, w, importance)
+            values = layout.quantize(w, scales)
+        else:
+            if hessian is None:
+                raise KilnError("method='gptq' needs the layer's input Hessian (calibration data)")
+            result = gptq_quantize(w, hessian, layout, damping=damping, act_order=act_order, scales="mse")
+            values, scales = result.values, result.scales
+        tensors = layout.pack(values, scales)
+    if input_scale is not None:
+        tensors = {**tensors, "input_scale": input_scale.float().reshape(())}
+    return QuantizedWeight(STORED_FORMATS[fmt], tensors, activation,
+                           in_features=w.shape[1] if fmt != "fp8" else None, method=method)
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
@@ -64,7 +129,8 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     if qw.format == "nvfp4":
         from kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
 
-        return nvfp4_dequantize(Nvfp4Weight.from_tensors(qw.tensors, in_features=qw.in_features))
+        weight = {k: v for k, v in qw.tensors.items() if k != "input_scale"}
+        return nvfp4_dequantize(Nvfp4Weight.from_tensors(weight, in_features=qw.in_features))
     if qw.format == "mxfp4":
         from kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
 
@@ -77,7 +143,72 @@ def activation_format(fmt: str, mode: str) -> str:
         return "none"
     if fmt == "fp8":
         return "fp8_dynamic_per_token" if mode == "dynamic" else "fp8_static_per_tensor"
-    return fmt  # nvfp4 / mxfp4 activations: dynamic block scales
+    return fmt  # nvfp4 / mxfp4 activations: dynamic block scales (NVFP4 static: a calibrated per-tensor scale)
+
+
+def activation_fake_quantizer(fmt: str, mode: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the runtime applies to a linear's input, for searches that must see it (static: from x's maximum)."""
+    if mode == "none":
+        return None
+    if fmt == "fp8":
+        if mode == "dynamic":
+            return fp8.fp8_fake_quantize_per_token
+        return lambda x: fp8.fp8_fake_quantize_per_tensor(x, _safe(x.abs().amax() / fp8.E4M3_MAX))
+    if fmt == "nvfp4":
+        from kernels.nvfp4 import nvfp4_fake_quantize
+
+        return nvfp4_fake_quantize
+    from kernels.mxfp4 import mxfp4_fake_quantize
+
+    return mxfp4_fake_quantize
+
+
+def static_input_scale(fmt: str, absmax: torch.Tensor) -> torch.Tensor:
+    """The stored per-tensor activation scale for a calibrated input maximum."""
+    if fmt == "fp8":
+        return _safe(absmax.float() / fp8.E4M3_MAX)
+    from kernels.nvfp4 import E2M1_MAX, E4M3_MAX
+
+    return _safe(absmax.float() / (E2M1_MAX * E4M3_MAX))
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())
+
+
+def _stage(lin: Linear) -> int:
+    role = lin.proj if lin.role == "expert" else lin.role
+    for i, roles in enumerate(STAGES):
+        if role in roles:
+            return i
+    raise KilnError(f"{lin.name}: no calibration stage for role {lin.role!r}")
+
+
+@dataclass(frozen=True)
+class _AwqGroup:
+    """Linears that read one input, and what produces it: a norm weight or the rows of a linear."""
+
+    consumers: tuple[str, ...]
+    producer: str  # tensor name of the norm weight, or the producing linear's name
+    producer_is_norm: bool
+    tie: torch.Tensor | None = None  # consumer input channel -> producer output channel (GQA o_proj)
+
+
+def _awq_groups(graph: ModelGraph, layer: int) -> tuple[list[_AwqGroup], str | None]:
+    """The foldable groups of block `layer`, or ([], why not)."""
+    block = graph.blocks[layer]
+    a, m = block.attention, block.mlp
+    if a.kind not in ("mha", "gqa") or m.kind != "dense":
+        return [], f"AWQ folding supports GQA/MHA attention with a dense MLP, not {a.kind}/{m.kind}"
+    q, k, v, o = (a.linears[r] for r in ("q", "k", "v", "o"))
+    groups = [_AwqGroup((q, k, v), block.norms[0], True), _AwqGroup((m.linears["gate"], m.linears["up"]), block.norms[1], True)]
+    if a.v_head_dim == a.head_dim:
+        per_kv = a.num_heads // a.num_kv_heads  # query head h reads kv head h // per_kv
+        head = torch.arange(a.num_heads).repeat_interleave(a.v_head_dim)
+        dim = torch.arange(a.v_head_dim).repeat(a.num_heads)
+        groups.append(_AwqGroup((o,), v, False, tie=(head // per_kv) * a.v_head_dim + dim))
+    groups.append(_AwqGroup((m.linears["down"],), m.linears["up"], False))
+    return groups, None
 
 
 @dataclass(frozen=True)
@@ -85,12 +216,22 @@ class WeightQuantization(Pass):
     """Quantize the weights of selected linears to one format.
 
     Fields:
-        format       "fp8" (E4M3), "nvfp4" or "mxfp4"
-        activations  "none" (weight-only), "dynamic" (per-token FP8 / dynamic FP4 blocks) or "static"
-        granularity  FP8 weight scales: "per_channel" (one per output row) or "per_tensor"
-        roles        which linear roles to quantize (routers are never quantized)
-        keep         module names kept in source precision
+        format        "fp8" (E4M3), "nvfp4" or "mxfp4"
+        activations   "none" (weight-only), "dynamic" (per-token FP8 / dynamic FP4 blocks) or "static"
+                      (calibrated per-tensor scale: FP8, and NVFP4's activation global scale)
+        granularity   FP8 weight scales: "per_channel" (one per output row) or "per_tensor"
+        roles         which linear roles to quantize (routers are never quantized)
+        keep          module names kept in source precision
         max_back_offs how many back-off steps to try before reverting
+        method        "rtn", "mse" (scale search) or "gptq" (see the module docstring)
+        awq           fold AWQ per-channel scales into the preceding norms / linears first
+        act_order     GPTQ: quantize the most active input channels first (scales chosen up front)
+        damping       GPTQ: added to the Hessian's diagonal, as a fraction of its mean
+        sequential    calibrate each block on the outputs of the already-quantized blocks before it
+        tune_steps    steps of end-to-end tuning of the grid points and norms on the calibration text (0: none)
+        tune_lr       the tuning's Adam learning rate (cosine decay to 0)
+        rotation_block  > 0: store W R and rotate each input by R online, R = the block Hadamard transform
+                      with blocks of this size (kernels.rotation; the artifact's "input_rotation"); 0: none
     """
 
     format: str = "fp8"
@@ -99,6 +240,14 @@ class WeightQuantization(Pass):
     roles: tuple[str, ...] = DEFAULT_ROLES
     keep: tuple[str, ...] = ()
     max_back_offs: int = 4
+    method: str = "rtn"
+    awq: bool = False
+    act_order: bool = True
+    damping: float = 0.01
+    sequential: bool = True
+    tune_steps: int = 0
+    tune_lr: float = 3e-4
+    rotation_block: int = 0
 
     name: ClassVar[str] = "weight-quant"
     default_floor: ClassVar[float] = 0.98
@@ -107,17 +256,35 @@ class WeightQuantization(Pass):
         _choice("format", self.format, WEIGHT_FORMATS)
         _choice("activations", self.activations, ACTIVATION_MODES)
         _choice("granularity", self.granularity, GRANULARITIES)
+        _choice("method", self.method, METHODS)
         object.__setattr__(self, "roles", tuple(self.roles))
         object.__setattr__(self, "keep", tuple(sorted(self.keep)))
         for role in self.roles:
             _choice("roles entry", role, QUANTIZABLE_ROLES)
         if not self.roles:
             raise KilnError("roles is empty: the pass would quantize nothing")
-        if self.activations == "static":
-            raise KilnError("activations='static' needs calibrated input scales, which this pass does not "
-                            "collect yet; use 'dynamic' or 'none'")
-        if not isinstance(self.max_back_offs, int) or self.max_back_offs < 0:
-            raise KilnError(f"max_back_offs must be a non-negative integer, got {self.max_back_offs!r}")
+        if self.activations == "static" and self.format == "mxfp4":
+            raise KilnError("activations='static' is not allowed for mxfp4 (its E8M0 block scales are always "
+                            "dynamic); use 'dynamic' or 'none', or format fp8 / nvfp4")
+        for flag in ("awq", "act_order", "sequential"):
+            if not isinstance(getattr(self, flag), bool):
+                raise KilnError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
+        if isinstance(self.damping, bool) or not isinstance(self.damping, int | float) or not 0 <= self.damping <= 1:
+            raise KilnError(f"damping must be a number in [0, 1], got {self.damping!r}")
+        for field_name in ("max_back_offs", "tune_steps"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise KilnError(f"{field_name} must be a non-negative integer, got {value!r}")
+        if isinstance(self.tune_lr, bool) or not isinstance(self.tune_lr, int | float) or not self.tune_lr > 0:
+            raise KilnError(f"tune_lr must be a positive number, got {self.tune_lr!r}")
+        block = self.rotation_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 0 or block & (block - 1):
+            raise KilnError(f"rotation_block must be 0 (no rotation) or a power of two, got {block!r}")
+
+    def floor(self, ctx: PassContext) -> float:
+        if ctx.floor is not None:
+            return ctx.floor
+        return DEFAULT_FLOORS.get((self.format, self.activations), self.default_floor)
 
     def check(self, graph: ModelGraph, target: Target) -> None:
         if self.activations == "none":
@@ -143,18 +310,152 @@ class WeightQuantization(Pass):
                 chosen.append(lin)
         return chosen, skipped
 
+    def needs_calibration(self) -> bool:
+        return self.method == "gptq" or self.awq or self.tune_steps > 0 or self.activations == "static"
+
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
         result = PassResult(self.name)
         chosen, result.skipped = self._selected(graph)
-        act = activation_format(self.format, self.activations)
+        if not chosen:
+            return result
+        if not self.needs_calibration() and not (self.method == "mse" and ctx.calibrator is not None):
+            for lin in chosen:
+                w = self._rotate(graph.weight(lin).float())
+                qw = quantize_linear_weight(w, self.format, self.granularity, self._act(), method=self.method)
+                self._store(lin, w, replace(qw, rotation_block=self.rotation_block), result)
+            return result
+        if ctx.calibrator is None:
+            raise KilnError(f"{self.name}: {self._calibration_reason()} needs calibration text, and the pass "
+                            "context has no calibrator (optimize build --calib-data FILE); or use method='rtn'")
+        session = ctx.calibrator.session(graph)  # before anything changes: its source is the distillation teacher
+        observe = session if self.sequential else ctx.calibrator.session(_unquantized_view(graph))
+        by_layer: dict[int | None, list[Linear]] = {}
         for lin in chosen:
-            w = graph.weight(lin).float()
-            qw = quantize_linear_weight(w, self.format, self.granularity, act)
-            err = (dequantize(qw) - w).pow(2).sum() / w.pow(2).sum().clamp_min(1e-30)
-            lin.quant = qw
-            result.changed[lin.name] = f"{qw.format}" + (f" + {act} activations" if act != "none" else "")
-            result.metrics[lin.name] = float(err)
+            by_layer.setdefault(lin.layer, []).append(lin)
+        for layer in sorted(by_layer, key=lambda i: (i is None, i or 0)):
+            lins = by_layer[layer]
+            if self.awq:
+                self._awq(graph, observe, layer, lins, result)
+            for stage in sorted({_stage(lin) for lin in lins}):
+                members = [lin for lin in lins if _stage(lin) == stage]
+                stats = self._observe(observe, members)
+                for lin in members:
+                    w = self._rotate(graph.weight(lin).float())
+                    obs = stats[lin.name]
+                    input_scale = static_input_scale(self.format, obs.absmax) if self.activations == "static" else None
+                    qw = quantize_linear_weight(w, self.format, self.granularity, self._act(), method=self.method,
+                                                hessian=obs.hessian, act_order=self.act_order,
+                                                damping=self.damping, input_scale=input_scale)
+                    self._store(lin, w, replace(qw, method=self._method_label(tuned=False),
+                                                rotation_block=self.rotation_block), result)
+        if self.tune_steps:
+            self._tune(graph, session, chosen, result, ctx.log)
         return result
+
+    # --- internals ---------------------------------------------------------------------------------------------
+    def _act(self) -> str:
+        return activation_format(self.format, self.activations)
+
+    def _calibration_reason(self) -> str:
+        for flag, why in ((self.method == "gptq", "method='gptq'"), (self.awq, "awq"),
+                          (self.tune_steps > 0, "tune_steps"), (self.activations == "static", "activations='static'")):
+            if flag:
+                return why
+        return "calibration"
+
+    def _method_label(self, tuned: bool) -> str:
+        parts = (["awq"] if self.awq else []) + [self.method] + (["tuned"] if tuned else [])
+        return "+".join(parts)
+
+    def _store(self, lin: Linear, w: torch.Tensor, qw: QuantizedWeight, result: PassResult) -> None:
+        lin.quant = qw
+        act = qw.activation
+        result.changed[lin.name] = f"{qw.format}" + (f" + {act} activations" if act != "none" else "") + \
+            (f" ({qw.method})" if qw.method != "rtn" else "")
+        result.metrics[lin.name] = float((dequantize(qw) - w).pow(2).sum() / w.pow(2).sum().clamp_min(1e-30))
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x R along the last dim (inputs, and weight rows) when the pass rotates; x otherwise."""
+        return block_hadamard(x, self.rotation_block) if self.rotation_block else x
+
+    def _observe(self, session: CalibrationSession, lins: list[Linear], max_samples: int = 0,
+                 rotate: bool = True) -> dict[str, InputObserver]:
+        stats = {lin.name: InputObserver(lin.in_features, max_samples=max_samples) for lin in lins}
+        transform = self._rotate if rotate else (lambda x: x)
+        session.observe([lin.name for lin in lins], lambda name, x: stats[name].update(transform(x)))
+        return stats
+
+    def _awq(self, graph: ModelGraph, session: CalibrationSession, layer: int | None, lins: list[Linear],
+             result: PassResult) -> None:
+        if layer is None:
+            result.notes.append("awq: the lm_head is not scaled (its input norm feeds a tied embedding in many models)")
+            return
+        groups, why_not = _awq_groups(graph, layer)
+        if why_not:
+            result.notes.append(f"awq: layer {layer} skipped: {why_not}")
+            return
+        chosen = {lin.name for lin in lins}
+        groups = [g for g in groups if chosen & set(g.consumers)]
+        act_quantizer = activation_fake_quantizer(self.format, self.activations)
+        samples = 2048 if act_quantizer is not None else 0
+        # every group's input, observed once with the block still in source precision (earlier blocks quantized)
+        keys = [graph.linears[g.consumers[0]] for g in groups]
+        stats = self._observe(session, keys, max_samples=samples, rotate=False)
+        layout = WeightLayout(self.format, self.granularity)
+        rotate = self._rotate  # R is symmetric and orthogonal: rotating back is rotating again
+
+        def fake_quantize(w: torch.Tensor) -> torch.Tensor:
+            w = rotate(w)
+            return rotate(layout.quantize(w, mse_scales(layout, w)))
+
+        if act_quantizer is not None and self.rotation_block:
+            quantize_input = act_quantizer
+            act_quantizer = lambda x: rotate(quantize_input(rotate(x)))
+
+        picked = []
+        for g in groups:
+            touched = [*g.consumers, *([] if g.producer_is_norm else [g.producer])]
+            if any(graph.linears[n].quant is not None for n in touched):
+                picked.append(f"{g.consumers[0].rsplit('.', 1)[-1]} skipped (a linear it scales is already quantized)")
+                continue
+            obs = stats[g.consumers[0]]
+            weights = [graph.weight(n).float() for n in g.consumers if n in chosen]
+            if act_quantizer is None:
+                found = awq_search(weights, fake_quantize, obs.abs_mean, hessian=obs.hessian, tie=g.tie)
+            else:
+                found = awq_search(weights, fake_quantize, obs.abs_mean, sample=obs.sample,
+                                   act_quantize=act_quantizer, tie=g.tie)
+            picked.append(f"{g.consumers[0].rsplit('.', 1)[-1]} alpha {found.alpha:.2f}")
+            if found.alpha == 0:
+                continue
+            _fold_input_scale(graph, g, found.scale)
+        result.notes.append(f"awq: layer {layer}: " + ", ".join(picked))
+
+    def _tune(self, graph: ModelGraph, session, chosen: list[Linear], result: PassResult,
+              log: Callable[[str], None]) -> None:
+        layout = WeightLayout(self.format, self.granularity)
+        latents = {}
+        for lin in chosen:
+            values = dequantize(lin.quant)
+            latents[lin.name] = FakeQuantWeight(layout, values, layout.scales_from_stored(dict(lin.quant.tensors),
+                                                                                           values.shape[0]))
+        layers = {lin.layer for lin in chosen if lin.layer is not None}
+        norm_names = [n for block in graph.blocks if block.index in layers for n in block.norms[:2]]
+        norm_names.append(graph.final_norm)
+        norms = {n: torch.nn.Parameter(graph.tensors[n].float().clone()) for n in norm_names}
+        objective = session.distillation({n: fq for n, fq in latents.items()}, norms)
+        params = [fq.latent for fq in latents.values()] + list(norms.values())
+        history = tune(params, objective.loss, self.tune_steps, self.tune_lr, log=log)
+        for lin in chosen:
+            fq = latents[lin.name]
+            extra = {k: v for k, v in lin.quant.tensors.items() if k == "input_scale"}
+            tensors = {**layout.pack(fq.values(), fq.scales), **extra}
+            w = self._rotate(graph.weight(lin).float())
+            self._store(lin, w, replace(lin.quant, tensors=tensors, method=self._method_label(tuned=True)), result)
+        for name, param in norms.items():
+            graph.tensors[name] = param.detach().clone().to(graph.tensors[name].dtype)
+        result.notes.append(f"tuned {self.tune_steps} steps on {len(objective)} calibration batches: "
+                            f"KL {history[0]:.5f} -> {history[-1]:.5f} (last step)")
 
     def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
         worst = sorted(result.metrics, key=lambda name: -result.metrics[name])
@@ -164,3 +465,32 @@ class WeightQuantization(Pass):
                 break
             yield replace(self, keep=tuple(sorted(set(self.keep) | set(worst[:count]))))
             count *= 2
+
+
+def _fold_input_scale(graph: ModelGraph, group: _AwqGroup, scale: torch.Tensor) -> None:
+    """x W^T = (x / s) (W diag s)^T: every consumer's columns times s, the producer's output divided by s.
+    Tensors are replaced, never changed in place (snapshots share them)."""
+    for name in group.consumers:
+        key = graph.linears[name].weight_name
+        w = graph.tensors[key]
+        graph.tensors[key] = (w.float() * scale).to(w.dtype)
+    if group.producer_is_norm:
+        gamma = graph.tensors[group.producer]
+        graph.tensors[group.producer] = (gamma.float() / scale).to(gamma.dtype)
+        return
+    s = scale if group.tie is None else torch.zeros(int(group.tie.max()) + 1).index_copy_(0, group.tie, scale)
+    lin = graph.linears[group.producer]
+    w = graph.tensors[lin.weight_name]
+    graph.tensors[lin.weight_name] = (w.float() / s.unsqueeze(1)).to(w.dtype)
+    if lin.bias:
+        b = graph.tensors[f"{lin.name}.bias"]
+        graph.tensors[f"{lin.name}.bias"] = (b.float() / s).to(b.dtype)
+
+
+def _unquantized_view(graph: ModelGraph) -> ModelGraph:
+    """The graph with the same tensors dict (so AWQ folds show) but its own linears, which stay as they are
+    now: observing through it calibrates every block on source-precision inputs (sequential=False)."""
+    linears = {name: dataclasses.replace(lin) for name, lin in graph.linears.items()}
+    view = dataclasses.replace(graph, linears=linears)
+    view.tensors = graph.tensors
+    return view

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.spec import AttentionSpec, LinearSpec, MlpSpec, ModelSpec
-from runtime.weights import activation_quantizer, dequantize_weight
+from runtime.weights import dequantize_weight, input_transform
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +58,7 @@ class Weights:
         else:
             weight = dequantize_weight(name, entry, self.tensors)
         bias = self.tensors.get(f"{name}.bias") if lin.bias else None
-        return QuantLinear(weight, bias, activation_quantizer(name, entry, self.tensors))
+        return QuantLinear(weight, bias, input_transform(name, entry, self.tensors))
 
     def norm(self, name: str) -> RMSNorm:
         return RMSNorm(self.tensors[name], self.spec.rms_norm_eps)

@@ -8,7 +8,9 @@ instead; the values are the same.
 Format entry (manifest "formats"[module]):
     {"format": "dense" | "fp8_e4m3" | "nvfp4" | "mxfp4",
      "activation": "none" | "fp8_dynamic_per_token" | "fp8_static_per_tensor" | "nvfp4" | "mxfp4",
-     "in_features": K (for the block formats, before padding)}
+     "in_features": K (for the block formats, before padding),
+     "input_rotation": {"kind": "block_hadamard", "block_size": b}   (optional: the stored weight is W R and
+                       the input is rotated by the same R before its quantizer; kernels/rotation.py)}
 Tensors, named as in ModelOpt's unified checkpoint: `<module>.weight`, `.weight_scale`, `.weight_scale_2`,
 `.input_scale`, `.bias`.
 """
@@ -16,6 +18,7 @@ Tensors, named as in ModelOpt's unified checkpoint: `<module>.weight`, `.weight_
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -81,3 +84,40 @@ def activation_quantizer(
 
         return mxfp4_fake_quantize
     raise KilnError(f"{module}: unknown activation format {act!r}; known: {', '.join(ACTIVATION_FORMATS)}")
+
+
+
+@dataclass(frozen=True)
+class InputTransform:
+    """A linear's input path: rotate by the artifact's block Hadamard (if any), then fake-quantize (if any)."""
+
+    rotation_block: int  # 0: no rotation
+    quantize: Callable[[torch.Tensor], torch.Tensor] | None
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.rotation_block:
+            return x
+        from kernels.rotation import block_hadamard
+
+        return block_hadamard(x, self.rotation_block)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.rotate(x)
+        return x if self.quantize is None else self.quantize(x)
+
+
+def input_transform(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor]) -> InputTransform | None:
+    """What the linear applies to its input before the product: the entry's rotation, then its activation
+    quantizer (None when neither is present)."""
+    quantize = activation_quantizer(module, entry, tensors)
+    rotation = entry.get("input_rotation")
+    if rotation is None:
+        return None if quantize is None else InputTransform(0, quantize)
+    from kernels.rotation import ROTATION_KINDS
+
+    if not isinstance(rotation, Mapping) or rotation.get("kind") not in ROTATION_KINDS:
+        raise KilnError(f"{module}: unknown input_rotation {rotation!r}; known kinds: {', '.join(ROTATION_KINDS)}")
+    block_size = rotation.get("block_size")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        raise KilnError(f"{module}: input_rotation block_size must be a power of two, got {block_size!r}")
+    return InputTransform(block_size, quantize)

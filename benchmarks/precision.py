@@ -1,0 +1,308 @@
+"""Weight precision on stories260K: recovery vs effective bits for every format, auto and production, and ModelOpt.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/precision.py [--out artifacts/bench-precision] [--methods rtn,gptq]
+    (run it with a Python that has nvidia-modelopt, e.g. the `anchors` extra, to add ModelOpt's rows)
+
+Protocol (the gate's): calibrate on the first 256 paragraphs of calibration.txt; score the first 600 paragraphs
+of evaluation.txt through Kiln's runtime (ModelOpt rows: its fake-quantized Hugging Face model on the same
+token lists); recovery = ppl_fp32 / ppl. Every row is built for Blackwell without the gate (so nothing backs off
+or reverts), except "auto 5.0 + gate", which shows what the gate's back-off does at --min-recovery 0.985.
+Effective bits = 8 x stored bytes (weights + scales, block padding included; BF16 = 16) / weights over the
+decoder linears (the tied lm_head/embedding stays unquantized in every row and is left out). ModelOpt rows are
+counted the same way from their formats (FP8: per-tensor scales; INT4 AWQ: 4 bits + an FP16 scale per 128
+weights + an FP16 pre-quant scale per input channel). ModelOpt 0.47's NVFP4/MXFP4 fake quantization asserts
+CUDA tensors, so on this CPU machine its rows are FP8 and INT4 AWQ, and auto_quantize searches those two (plus
+BF16); its NVFP4 export is compared with Kiln's in tests/optimizer/test_export.py instead.
+Each row runs in its own process: build seconds are the pass's wall time, peak RAM that process's max RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHARED = (ROOT / ".." / "shared").resolve()
+STORIES = SHARED / "models" / "stories260K"
+CALIB = SHARED / "data" / "tinystories" / "calibration.txt"
+EVAL = SHARED / "data" / "tinystories" / "evaluation.txt"
+
+# label -> how the row is made: ("uniform", option) | ("auto", bits) | ("auto-gate", bits) | ("production",)
+KILN_ROWS = {
+    "FP8 W8A8": ("uniform", "fp8-w8a8"),
+    "FP8 W8A16": ("uniform", "fp8"),
+    "NVFP4 W4A16": ("uniform", "nvfp4"),
+    "NVFP4 W4A4": ("uniform", "nvfp4-w4a4"),
+    "MXFP4 W4A16": ("uniform", "mxfp4"),
+    "MXFP4 W4A4": ("uniform", "mxfp4-w4a4"),
+    "auto 4.5": ("auto", 4.5),
+    "auto 5.0": ("auto", 5.0),
+    "production": ("production",),
+    "auto 5.0 + gate": ("auto-gate", 5.0),
+}
+MODELOPT_ROWS = {  # label -> ModelOpt config (auto_quantize: effective bits)
+    "ModelOpt FP8_DEFAULT_CFG": ("FP8_DEFAULT_CFG",),
+    "ModelOpt INT4_AWQ_CFG": ("INT4_AWQ_CFG",),
+    "ModelOpt auto_quantize 4.5": ("auto", 4.5),
+    "ModelOpt auto_quantize 5.0": ("auto", 5.0),
+}
+
+
+def has_modelopt() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("modelopt") is not None
+
+
+# --- one row, in its own process ---------------------------------------------------------------------------
+
+
+def token_lists(tokenizer, path: Path, paragraphs: int) -> list[list[int]]:
+    from calibration.data import load_token_lists
+
+    return load_token_lists(tokenizer, path, paragraphs)
+
+
+def kiln_row(label: str, method: str, paragraphs: int) -> dict:
+    import torch
+
+    from optimizer.build import build
+    from optimizer.recipes import Recipe
+    from passes.mixed_precision_auto import AutoPrecision, ProductionPrecision
+
+    torch.set_num_threads(1)
+    kind = KILN_ROWS[label]
+    if kind[0] == "uniform":
+        p = ProductionPrecision(mlp=kind[1], attention=kind[1], keep_most_sensitive=0, method=method)
+        recipe = Recipe(label, (p,))
+    elif kind[0] in ("auto", "auto-gate"):
+        recipe = Recipe(label, (AutoPrecision(weight_bits=kind[1], method=method),))
+    else:
+        recipe = Recipe(label, (ProductionPrecision(method=method),))
+    gated = kind[0] == "auto-gate"
+    if kind[0] == "uniform":  # one option for every group: nothing to rank, so no sensitivity is measured
+        recipe = Recipe(label, (uniform_with_zero_table(recipe.passes[0]),))
+    start = time.perf_counter()
+    result = build(STORIES, "blackwell", recipe, None, eval_data=EVAL, calib_data=CALIB, paragraphs=paragraphs,
+                   gate=True, min_recovery=0.985 if gated else 1e-6)
+    seconds = time.perf_counter() - start
+    record = result.records[0]
+    precision = result.graph.metadata["precision"]
+    return {"label": label, "method": method, "recovery": record.gate.recovery, "kl": record.gate.kl,
+            "ppl": record.gate.perplexity, "baseline_ppl": record.gate.baseline_perplexity,
+            "bits": precision["effective_bits"], "seconds": seconds, "decision": record.decision,
+            "back_offs": len(record.attempts) - 1,
+            "formats": _count(e["option"] for e in precision["groups"].values())}
+
+
+def uniform_with_zero_table(p):
+    """A production pass with one option everywhere and an all-zero sensitivity table: nothing to measure."""
+    from dataclasses import replace
+
+    from kernels.targets import get_target
+    from optimizer.loader import load_checkpoint
+
+    plan, _ = p.build_plan(load_checkpoint(STORIES), get_target("blackwell"))
+    return replace(p, sensitivity=tuple((g, o, 0.0) for g, gp in plan.items() for o in gp.candidates if o != "bf16"))
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def modelopt_row(label: str, paragraphs: int) -> dict:
+    import modelopt.torch.quantization as mtq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runtime.engine import load_tokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer(STORIES)
+    calib = token_lists(tokenizer, CALIB, 256)
+    evaluation = token_lists(tokenizer, EVAL, paragraphs)
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+    baseline = hf_score(model, evaluation)
+
+    def forward(m):
+        with torch.no_grad():
+            for ids in calib:
+                m(torch.tensor([ids]))
+
+    kind = MODELOPT_ROWS[label]
+    start = time.perf_counter()
+    if kind[0] == "auto":
+        def loss(output, batch):
+            return output.loss
+
+        batches = [{"input_ids": torch.tensor([ids]), "labels": torch.tensor([ids])} for ids in calib[:128]]
+        model, _ = mtq.auto_quantize(
+            model, constraints={"effective_bits": kind[1]},
+            quantization_formats=["INT4_AWQ_CFG", "FP8_DEFAULT_CFG"],  # its NVFP4 fake quant needs CUDA
+            data_loader=batches, forward_step=lambda m, b: m(**b), loss_func=loss,
+            num_calib_steps=len(batches), num_score_steps=len(batches), verbose=False)
+    else:
+        model = mtq.quantize(model, getattr(mtq, kind[0]), forward)
+    seconds = time.perf_counter() - start
+    score = hf_score(model, evaluation)
+    return {"label": label, "method": "modelopt", "recovery": baseline.perplexity / score.perplexity,
+            "ppl": score.perplexity, "baseline_ppl": baseline.perplexity, "bits": modelopt_bits(model),
+            "seconds": seconds, "decision": "", "back_offs": 0, "formats": {}}
+
+
+def hf_score(model, lists):
+    import torch
+
+    from optimizer.gate import Score
+
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for ids in lists:
+            logits = model(torch.tensor([ids])).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, dim=-1)
+            targets = torch.tensor(ids[1:])
+            nll -= float(lp.gather(1, targets[:, None]).sum())
+            count += len(targets)
+    return Score(nll, count)
+
+
+def modelopt_bits(model) -> float:
+    """Effective bits of ModelOpt's quantized decoder linears, counted like Kiln's (see the module doc)."""
+    import torch
+
+    total_bits, weights = 0.0, 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or "lm_head" in name:
+            continue
+        n, k = module.weight.shape
+        weights += n * k
+        wq = getattr(module, "weight_quantizer", None)
+        if wq is None or not wq.is_enabled:
+            total_bits += 16 * n * k
+            continue
+        if wq.num_bits == (4, 3) and not wq.block_sizes:  # FP8, per-tensor (axis None) or per-channel (axis 0)
+            total_bits += 8 * n * k + 32 * (n if wq.axis == 0 else 1)
+            iq = getattr(module, "input_quantizer", None)
+            total_bits += 32 if iq is not None and iq.is_enabled else 0
+        elif wq.num_bits == 4:  # INT4 AWQ: FP16 scale per block, FP16 pre-quant scale per input channel
+            block = wq.block_sizes[-1]
+            total_bits += 4 * n * k + 16 * n * math.ceil(k / block) + 16 * k
+        elif wq.num_bits == (2, 1):  # NVFP4: E4M3 scale per 16, FP32 global (+ input scale)
+            padded = math.ceil(k / 16) * 16
+            total_bits += 4 * n * padded + 8 * n * padded / 16 + 32
+        else:
+            raise ValueError(f"{name}: unknown ModelOpt weight format {wq.num_bits}")
+    return total_bits / weights
+
+
+def run_row(args) -> None:
+    if args.row in MODELOPT_ROWS:
+        row = modelopt_row(args.row, args.paragraphs)
+    else:
+        row = kiln_row(args.row, args.method, args.paragraphs)
+    row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(args.json).write_text(json.dumps(row))
+
+
+# --- the table and the plot ----------------------------------------------------------------------------------
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"| {'row':27s} | {'method':8s} | {'recovery':>8s} | {'eff. bits':>9s} | {'build s':>7s} | "
+            f"{'peak RAM MiB':>12s} | notes |")
+    lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
+    for r in rows:
+        notes = ", ".join(f"{n}x {o}" for o, n in sorted(r.get("formats", {}).items()))
+        if r.get("decision") == "backed-off":
+            notes = f"gate backed off {r['back_offs']} step(s): " + notes
+        lines.append(f"| {r['label']:27s} | {r['method']:8s} | {r['recovery']:8.4f} | {r['bits']:9.3f} | "
+                     f"{r['seconds']:7.1f} | {r['peak_rss_mib']:12.0f} | {notes} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.5, 5.5), dpi=110)
+    style = {"rtn": ("o", "#1f77b4"), "gptq": ("s", "#2ca02c"), "mse": ("D", "#9467bd"),
+             "modelopt": ("^", "#d62728")}
+    for method, (marker, color) in style.items():
+        pts = [r for r in rows if r["method"] == method]
+        if pts:
+            ax.scatter([r["bits"] for r in pts], [r["recovery"] for r in pts], marker=marker, color=color,
+                       label="ModelOpt" if method == "modelopt" else f"Kiln {method}", s=40, zorder=3)
+            for r in pts:
+                ax.annotate(r["label"].replace("ModelOpt ", ""), (r["bits"], r["recovery"]), fontsize=6,
+                            xytext=(3, 2), textcoords="offset points")
+    ax.axhline(0.985, color="grey", lw=0.8, ls="--")
+    ax.axvline(5.0, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("effective bits per weight (scales included)")
+    ax.set_ylabel("recovery = ppl_fp32 / ppl (600 paragraphs of evaluation.txt)")
+    ax.set_title("stories260K: accuracy vs bits (Blackwell formats)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "artifacts" / "bench-precision")
+    parser.add_argument("--methods", default="rtn,gptq", help="Kiln calibration methods, comma-separated")
+    parser.add_argument("--rows", default="", help="only these rows (comma-separated labels)")
+    parser.add_argument("--paragraphs", type=int, default=600)
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--method", default="rtn", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.row:
+        run_row(args)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+    jobs = [(label, m) for label in KILN_ROWS for m in args.methods.split(",")]
+    if has_modelopt():
+        jobs += [(label, "modelopt") for label in MODELOPT_ROWS]
+    else:
+        print("nvidia-modelopt is not importable: no ModelOpt rows (install the `anchors` extra)", flush=True)
+    jobs = [j for j in jobs if not wanted or j[0] in wanted]
+    rows = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for label, method in jobs:
+        out = args.out / f"row-{len(rows)}.json"
+        cmd = [sys.executable, __file__, "--row", label, "--method", method, "--json", str(out),
+               "--paragraphs", str(args.paragraphs)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            print(f"{label} [{method}] failed:\n{done.stderr[-2000:]}", flush=True)
+            continue
+        rows.append(json.loads(out.read_text()))
+        r = rows[-1]
+        print(f"{label:27s} {method:8s} recovery {r['recovery']:.4f}  bits {r['bits']:.3f}  "
+              f"{r['seconds']:.1f} s  {r['peak_rss_mib']:.0f} MiB", flush=True)
+    text = table(rows)
+    print("\n" + text)
+    (args.out / "precision.md").write_text(text + "\n")
+    (args.out / "precision.json").write_text(json.dumps(rows, indent=2) + "\n")
+    plot(rows, args.out / "precision.png")
+    print(f"\nwrote {args.out / 'precision.md'}, {args.out / 'precision.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""GPTQ: quantize a linear column by column, pushing each column's rounding error onto the columns not yet
+quantized, so that the layer's output X W^T (not its weights) stays close (Frantar et al., 2022).
+
+    H = X^T X + damping * mean(diag H) * I             # X: the layer's calibration inputs [tokens, K]
+    order = argsort(diag H, descending) if act_order  # quantize the most active inputs first
+    U = cholesky(H^-1)^T  (upper)                     # in the chosen order
+    for each column j in order (lazily, in batches of `batch` columns):
+        q_j = grid(w_j / m_j) * m_j                   # m_j: the scale of column j's block, per row
+        e_j = (w_j - q_j) / U[j, j]
+        w_k -= e_j * U[j, k]   for the columns k after j
+    undo the order
+
+Scales, on the FP8 / E2M1 grids of Kiln's formats (calibration.grids):
+    static   chosen once from the original weight before any column moves (absmax or the MSE search of
+             calibration.scale_search, weighted by diag H); needed with act_order, whose blocks are scattered
+    dynamic  chosen when GPTQ reaches a block's first column, from the weights as GPTQ has updated them so far
+             (natural order only; blocks of 16/32 columns for NVFP4/MXFP4, the whole row for FP8)
+The returned values lie exactly on the grid of the returned scales (`WeightLayout.pack` stores them).
+
+`gptq_quantize` also takes a "target" weight: with activation quantization the runtime computes
+Xq Q^T for a target X W^T, and min ||X W^T - Xq Q^T|| is GPTQ on Hq = Xq^T Xq with the weight
+W* = W C^T Hq^-1 (C = Xq^T X); `solve_target_weight` computes W*.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from calibration.grids import Scales, WeightLayout
+from calibration.scale_search import mse_scales
+
+SCALE_METHODS = ("absmax", "mse")
+
+
+@dataclass(frozen=True)
+class GptqResult:
+    values: Tensor  # fp32 [N, K], on the grid of `scales`
+    scales: Scales
+    loss: float  # tr((W - Q) H (W - Q)^T) with the undamped H: the summed squared output error on X
+
+
+def output_error(w: Tensor, q: Tensor, hessian: Tensor) -> float:
+    """||X W^T - X Q^T||_F^2 from H = X^T X."""
+    d = (w.double() - q.double())
+    return float(torch.einsum("nk,kl,nl->", d, hessian.double(), d))
+
+
+def choose_scales(layout: WeightLayout, w: Tensor, method: str, importance: Tensor | None,
+                  global_scale: Tensor | None = None) -> Scales:
+    if method == "absmax":
+        return layout.absmax_scales(w, global_scale)
+    if method == "mse":
+        return mse_scales(layout, w, importance, global_scale)
+    raise ValueError(f"scale method {method!r} is not one of {SCALE_METHODS}")
+
+
+def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: float = 0.01,
+                  act_order: bool = True, scales: str = "mse", static_scales: bool | None = None,
+                  batch: int = 128, global_scale: Tensor | None = None) -> GptqResult:
+    """GPTQ of w [N, K] on `layout`'s grid against the input Hessian [K, K] (X^T X, any normalization).
+
+    Args:
+        damping: added to the diagonal, as a fraction of its mean (Hessians of real inputs are singular).
+        act_order: quantize columns in order of decreasing diag(H).
+        scales: "absmax" or "mse" (calibration.scale_search, weighted by diag H).
+        static_scales: choose all scales before GPTQ runs (default: only when act_order needs it).
+        global_scale: NVFP4's per-tensor scale (default: from w's maximum); fused siblings share one.
+    """
+    if w.ndim != 2 or hessian.shape != (w.shape[1], w.shape[1]):
+        raise ValueError(f"gptq_quantize: w [N, K] and hessian [K, K] needed, got {tuple(w.shape)} and "
+                         f"{tuple(hessian.shape)}")
+    if damping < 0:
+        raise ValueError(f"damping must be >= 0, got {damping}")
+    if scales not in SCALE_METHODS:
+        raise ValueError(f"scales={scales!r} is not one of {SCALE_METHODS}")
+    static = act_order if static_scales is None else static_scales
+    if act_order and not static:
+        raise ValueError("act_order needs static scales: its column order scatters every block")
+    w = w.float()
+    n_rows, k = w.shape
+    bs = layout.block_size(k)
+    h = hessian.double().clone()
+    dead = torch.diagonal(h) <= 0
+    h[dead, dead] = 1.0  # an input that is never active: nothing to compensate
+    importance = torch.diagonal(h).float().clone()
+    if layout.format == "nvfp4" and global_scale is None:  # one per-tensor scale, from the original weight
+        global_scale = layout.absmax_scales(w).stored["weight_scale_2"]
+    elif layout.format == "nvfp4":
+        global_scale = global_scale.float().reshape(())
+    else:
+        global_scale = None
+    if static or layout.format == "fp8":  # fp8: one block spans the row, so dynamic == static
+        fixed = choose_scales(layout, w, scales, importance, global_scale)
+        multiplier = fixed.multiplier.clone()
+    else:
+        multiplier = torch.zeros(n_rows, layout.num_blocks(k))
+        chosen_stored: list[dict[str, Tensor]] = []
+
+    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(k)
+    h = h[perm][:, perm]
+    h += damping * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype)
+    upper = _inverse_cholesky_upper(h).float()
+    work = w[:, perm].clone()
+    out = torch.zeros_like(work)
+    block_of = perm // bs  # each permuted column's scale block
+
+    if not static:
+        batch = max(bs, batch // bs * bs)  # a block never straddles two lazy batches
+    for i1 in range(0, k, batch):
+        i2 = min(i1 + batch, k)
+        w1 = work[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        u1 = upper[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if not static and col % bs == 0:  # first column of a block: choose its scale now
+                cols = slice(i, min(i + bs, i2 - i1))
+                part = choose_scales(layout, w1[:, cols], scales, importance[col: col + bs], global_scale)
+                multiplier[:, col // bs] = part.multiplier[:, 0]
+                chosen_stored.append(part.stored)
+            m = multiplier[:, block_of[col]]
+            q = layout.round(w1[:, i] / m) * m
+            out[:, col] = q
+            e = (w1[:, i] - q) / u1[i, i]
+            w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
+            err1[:, i] = e
+        work[:, i2:] -= err1 @ upper[i1:i2, i2:]
+
+    inverse = torch.argsort(perm)
+    values = out[:, inverse].contiguous()
+    if static or layout.format == "fp8":
+        result_scales = fixed
+    else:
+        result_scales = _concat_block_scales(layout, chosen_stored, global_scale)
+    return GptqResult(values, result_scales, output_error(w, values, hessian))
+
+
+def rtn_quantize(w: Tensor, layout: WeightLayout, hessian: Tensor | None = None, scales: str = "absmax") -> GptqResult:
+    """Round to nearest with absmax or MSE scales (weighted by diag H when given): GPTQ's starting point."""
+    importance = torch.diagonal(hessian).float() if hessian is not None else None
+    chosen = choose_scales(layout, w.float(), scales, importance)
+    values = layout.quantize(w.float(), chosen)
+    loss = output_error(w, values, hessian) if hessian is not None else float("nan")
+    return GptqResult(values, chosen, loss)
+
+
+def solve_target_weight(w: Tensor, hessian_q: Tensor, cross: Tensor, damping: float = 0.01) -> Tensor:
+    """W* = argmin ||X W^T - Xq W*^T||: W C^T Hq^-1 with Hq = Xq^T Xq, C = Xq^T X (Hq damped)."""
+    hq = hessian_q.double().clone()
+    hq += damping * torch.diagonal(hq).mean() * torch.eye(hq.shape[0], dtype=hq.dtype)
+    rhs = cross.double() @ w.double().T  # Xq^T X W^T  [K, N]
+    return torch.linalg.solve(hq, rhs).T.float()
+
+
+def _inverse_cholesky_upper(h: Tensor) -> Tensor:
+    """Upper Cholesky factor of H^-1, raising the damping until H is positive definite."""
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    extra = 0.0
+    for _ in range(8):
+        chol, info = torch.linalg.cholesky_ex(h + extra * eye)
+        if int(info) == 0:
+            inverse = torch.cholesky_inverse(chol)
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if int(info) == 0:
+                return upper
+        extra = max(extra * 10, 1e-6 * float(torch.diagonal(h).mean()))
+    raise ValueError("gptq: the Hessian is not positive definite even with extra damping")
+
+
+def _concat_block_scales(layout: WeightLayout, parts: list[dict[str, Tensor]], global_scale: Tensor | None) -> Scales:
+    if layout.format == "nvfp4":
+        block = torch.cat([p["weight_scale"] for p in parts], dim=1)
+        return layout.nvfp4_scales(block, global_scale)
+    return layout.mxfp4_scales(torch.cat([p["weight_scale"] for p in parts], dim=1))

@@ -1,0 +1,113 @@
+"""Observers: running statistics of a linear's inputs, accumulated batch by batch so memory stays bounded.
+
+    InputObserver(K).update(x [..., K])   for every calibration batch, then read:
+        hessian      X^T X / tokens                      [K, K]  (GPTQ, and every output-error proxy)
+        abs_mean     mean |x| per input channel          [K]     (AWQ)
+        absmax       max |x| over everything seen        0-dim   (static activation scales)
+        sample       up to `max_samples` input rows      [S, K]  (searches that must see activation
+                     kept at random (reservoir sampling)         quantization, which H cannot express)
+    With `quantizer` (the runtime's activation fake-quantizer), it also keeps
+        hessian_q    Xq^T Xq / tokens,  cross  Xq^T X / tokens  for Xq = quantizer(X)
+Rows that are all zero (padding) are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+class InputObserver:
+    def __init__(self, in_features: int, max_samples: int = 0,
+                 quantizer: Callable[[Tensor], Tensor] | None = None, seed: int = 0):
+        self.in_features = in_features
+        self.tokens = 0
+        self._h = torch.zeros(in_features, in_features, dtype=torch.float64)
+        self._abs_sum = torch.zeros(in_features, dtype=torch.float64)
+        self._absmax = torch.zeros((), dtype=torch.float32)
+        self.quantizer = quantizer
+        self._hq = torch.zeros_like(self._h) if quantizer is not None else None
+        self._cross = torch.zeros_like(self._h) if quantizer is not None else None
+        self.max_samples = max_samples
+        self._sample: Tensor | None = None
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def update(self, x: Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"observer expects {self.in_features} input features, got {x.shape[-1]}")
+        x = x[x.abs().amax(dim=1) > 0]  # padding rows
+        if x.shape[0] == 0:
+            return
+        xd = x.double()
+        self._h += xd.T @ xd
+        self._abs_sum += xd.abs().sum(0)
+        self._absmax = torch.maximum(self._absmax, x.abs().amax())
+        if self.quantizer is not None:
+            xq = self.quantizer(x).double()
+            self._hq += xq.T @ xq
+            self._cross += xq.T @ xd
+        if self.max_samples:
+            self._reservoir(x)
+        self.tokens += x.shape[0]
+
+    def _reservoir(self, x: Tensor) -> None:
+        # Algorithm R, vectorized per batch: row t (0-based, over everything seen) replaces a random slot
+        # with probability max_samples / (t + 1).
+        seen = self.tokens
+        if self._sample is None:
+            self._sample = x[: self.max_samples].clone()
+            x, seen = x[self.max_samples:], seen + min(self.max_samples, x.shape[0])
+        elif self._sample.shape[0] < self.max_samples:
+            room = self.max_samples - self._sample.shape[0]
+            self._sample = torch.cat([self._sample, x[:room]])
+            x, seen = x[room:], seen + min(room, x.shape[0])
+        if x.shape[0] == 0:
+            return
+        t = torch.arange(seen, seen + x.shape[0], dtype=torch.float64)
+        slot = (torch.rand(x.shape[0], generator=self._generator, dtype=torch.float64) * (t + 1)).long()
+        rows = (slot < self.max_samples).nonzero().squeeze(1)
+        if rows.numel():
+            # a later row wins a shared slot, as in the sequential algorithm (and deterministically)
+            order = torch.argsort(slot[rows], stable=True)
+            rows, slots = rows[order], slot[rows][order]
+            last = torch.ones_like(slots, dtype=torch.bool)
+            last[:-1] = slots[1:] != slots[:-1]
+            self._sample[slots[last]] = x[rows[last]]
+
+    def _mean(self, t: Tensor) -> Tensor:
+        if self.tokens == 0:
+            raise ValueError("observer saw no calibration tokens")
+        return t / self.tokens
+
+    @property
+    def hessian(self) -> Tensor:
+        return self._mean(self._h)
+
+    @property
+    def hessian_q(self) -> Tensor:
+        if self._hq is None:
+            raise ValueError("observer was built without an activation quantizer")
+        return self._mean(self._hq)
+
+    @property
+    def cross(self) -> Tensor:
+        if self._cross is None:
+            raise ValueError("observer was built without an activation quantizer")
+        return self._mean(self._cross)
+
+    @property
+    def abs_mean(self) -> Tensor:
+        return self._mean(self._abs_sum).float()
+
+    @property
+    def absmax(self) -> Tensor:
+        return self._absmax.clone()
+
+    @property
+    def sample(self) -> Tensor:
+        if self._sample is None:
+            raise ValueError("observer keeps no sample (max_samples=0) or saw no tokens")
+        return self._sample

@@ -1,0 +1,309 @@
+"""The calibration hook (`PassContext.calibrator`): the runtime's own modules run over the calibration tokens,
+one block at a time, as the graph stands at that moment.
+
+    session = RuntimeCalibrator(calibration_tokens).session(graph)
+    session.observe(["model.layers.0.self_attn.q_proj", ...], callback)   # callback(name, x [tokens, K])
+
+A session holds the hidden states of every calibration token at the input of one block (plus their
+positions). Observing linears of block L first runs blocks position..L-1 forward, each rebuilt from the
+graph as it is now, i.e. with whatever a pass has already quantized; so a pass that quantizes block by block
+calibrates each block on the outputs of the quantized blocks before it (sequential calibration), and
+within a block it can quantize q/k/v, then observe o_proj's inputs through the quantized q/k/v, and so on.
+Observing an earlier block than the session's position starts again from the embeddings.
+
+    objective = session.distillation(weights, norms)   # end-to-end tuning (calibration.tuning)
+    objective.loss(step)  # KL(source || graph with `weights`/`norms` swapped in) on one batch, differentiable
+
+The source for distillation is the graph as it stood when the session was created (before the pass).
+
+Memory: the hidden states of the calibration set ([tokens, hidden] fp32) plus one block's modules; the
+observers decide what they keep of each batch (Hessians, not activations). The callback sees only real
+tokens: padding positions are dropped (3-D inputs) or zeroed before an MoE block routes them (expert inputs
+are 2-D), and observers skip all-zero rows.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kernels.errors import KilnError
+from optimizer.lower import lower_tensors
+from passes.graph import ModelGraph
+from runtime.model import (
+    Block,
+    DenseMlp,
+    GqaAttention,
+    MlaAttention,
+    MoeMlp,
+    QuantLinear,
+    Rotary,
+    Weights,
+    _mla_softmax_scale,
+)
+from runtime.spec import build_spec
+
+Callback = Callable[[str, torch.Tensor], None]
+
+
+class RuntimeCalibrator:
+    """What the build driver puts in `PassContext.calibrator`."""
+
+    def __init__(self, token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 8192):
+        self.token_lists = [list(t) for t in token_lists if len(t) > 0]
+        if not self.token_lists:
+            raise KilnError("calibration needs at least one non-empty token list")
+        self.max_batch_tokens = max_batch_tokens
+
+    def session(self, graph: ModelGraph) -> RuntimeCalibrationSession:
+        return RuntimeCalibrationSession(graph, self.token_lists, self.max_batch_tokens)
+
+
+class _RecordingWeights(Weights):
+    """Weights that remember which runtime module each linear and norm became, so hooks can find them."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.built: dict[str, QuantLinear] = {}
+        self.norms: dict[str, torch.nn.Module] = {}
+
+    def linear(self, lin):
+        module = super().linear(lin)
+        self.built[lin.name] = module
+        return module
+
+    def norm(self, name: str):
+        module = super().norm(name)
+        self.norms[name] = module
+        return module
+
+
+class _Batch:
+    def __init__(self, token_lists: list[list[int]]):
+        lengths = [len(t) for t in token_lists]
+        T = max(lengths)
+        self.tokens = torch.zeros(len(token_lists), T, dtype=torch.long)
+        for row, ids in enumerate(token_lists):
+            self.tokens[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        self.positions = torch.arange(T).expand(len(token_lists), -1)
+        self.mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # [B, T] real tokens
+        self.hidden: torch.Tensor | None = None  # [B, T, C] at the session's position
+
+
+class RuntimeCalibrationSession:
+    def __init__(self, graph: ModelGraph, token_lists: list[list[int]], max_batch_tokens: int):
+        self.graph = graph
+        self.spec = build_spec(graph.config)
+        order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
+        self.batches: list[_Batch] = []
+        current: list[int] = []
+        for i in order:
+            if current and (len(current) + 1) * len(token_lists[i]) > max_batch_tokens:
+                self.batches.append(_Batch([token_lists[j] for j in current]))
+                current = []
+            current.append(i)
+        if current:
+            self.batches.append(_Batch([token_lists[j] for j in current]))
+        first = self.spec.layers[0].attention
+        if first.kind == "mla":
+            self.rotary = Rotary(self.spec, first.qk_rope_head_dim)
+            self.mla_scale = _mla_softmax_scale(self.spec, first.head_dim)
+        else:
+            self.rotary = Rotary(self.spec, first.head_dim)
+            self.mla_scale = None
+        self.position: int | None = None  # hidden states are at the input of this block
+        self.source = lower_tensors(graph)  # (tensors, formats) before the pass: the distillation teacher
+        self.tokens = int(sum(int(b.mask.sum()) for b in self.batches))
+
+    # --- public --------------------------------------------------------------------------------------------
+    def observe(self, linears: Sequence[str], callback: Callback) -> None:
+        """Feed callback(name, x [tokens, in_features]) the inputs of `linears` (all in one block, or the
+        lm_head) over the whole calibration set, with every earlier block as the graph stands now."""
+        if not linears:
+            return
+        unknown = [n for n in linears if n not in self.graph.linears]
+        if unknown:
+            raise KilnError(f"calibration: unknown linear(s) {', '.join(unknown[:3])}")
+        layers = {self.graph.linears[n].layer for n in linears}
+        if len(layers) != 1:
+            raise KilnError(f"calibration observes one block at a time; got linears of blocks {sorted(map(str, layers))}")
+        (layer,) = layers
+        target = len(self.spec.layers) if layer is None else layer
+        self._seek(target)
+        if target == len(self.spec.layers):
+            self._run_head(linears, callback)
+        else:
+            self._run_block(target, linears, callback, keep_output=False)
+
+    def distillation(self, weights: Mapping[str, Callable[[], torch.Tensor]],
+                     norms: Mapping[str, torch.nn.Parameter], max_batch_tokens: int = 4096) -> Distillation:
+        """A differentiable KL objective: the graph as it stands, with the linears in `weights` computing with
+        weights[name]() and the norms in `norms` (tensor name -> weight) replaced, against the source."""
+        return Distillation(self, weights, norms, max_batch_tokens)
+
+    # --- internals -----------------------------------------------------------------------------------------
+    def _seek(self, layer: int) -> None:
+        if self.position is None or layer < self.position:
+            embed = self.graph.tensors[self.graph.embedding].float()
+            for b in self.batches:
+                b.hidden = F.embedding(b.tokens, embed) * b.mask.unsqueeze(-1)
+            self.position = 0
+        while self.position < layer:
+            self._run_block(self.position, (), None, keep_output=True)
+            self.position += 1
+
+    def _weights(self) -> _RecordingWeights:
+        tensors, formats = lower_tensors(self.graph)
+        return _RecordingWeights(tensors, formats, self.spec)
+
+    def _block(self, index: int, weights: _RecordingWeights) -> Block:
+        layer = self.spec.layers[index]
+        a = layer.attention
+        attention = (MlaAttention(a, weights, layer.prefix, self.mla_scale) if a.kind == "mla"
+                     else GqaAttention(a, weights, layer.prefix))
+        mlp = DenseMlp(layer.mlp.linears, weights) if layer.mlp.kind == "dense" else MoeMlp(layer.mlp, weights)
+        return Block(attention, mlp, weights.norm(layer.norms[0]), weights.norm(layer.norms[1])).eval()
+
+    @torch.inference_mode()
+    def _run_block(self, index: int, linears: Sequence[str], callback: Callback | None, keep_output: bool) -> None:
+        weights = self._weights()
+        block = self._block(index, weights)
+        current: dict[str, torch.Tensor] = {}
+        handles = [self._hook(weights.built[n], n, current, callback) for n in linears]
+        mask_handle = block.mlp.register_forward_pre_hook(lambda m, args: (args[0] * current["mask"],))
+        try:
+            for b in self.batches:
+                current["mask"] = b.mask.unsqueeze(-1).to(b.hidden.dtype)
+                current["bool_mask"] = b.mask
+                out = block(b.hidden, self.rotary(b.positions), b.positions, None, index)
+                if keep_output:
+                    b.hidden = out * current["mask"]
+        finally:
+            for h in handles:
+                h.remove()
+            mask_handle.remove()
+
+    @torch.inference_mode()
+    def _run_head(self, linears: Sequence[str], callback: Callback) -> None:
+        weights = self._weights()
+        norm = weights.norm(self.spec.final_norm)
+        head = weights.linear(self.spec.lm_head)
+        for b in self.batches:
+            callback(self.spec.lm_head.name, norm(b.hidden)[b.mask])
+        del head
+
+    @staticmethod
+    def _hook(module: QuantLinear, name: str, current: dict, callback: Callback):
+        def pre_hook(_module, args):
+            x = args[0]
+            x = x[current["bool_mask"]] if x.dim() == 3 else x.reshape(-1, x.shape[-1])
+            callback(name, x)
+
+        return module.register_forward_pre_hook(pre_hook)
+
+
+
+class _TunedLinear(torch.nn.Module):
+    """A runtime linear whose weight comes from a callable (a latent weight on its format's grid); its
+    activation quantizer, if any, gets a straight-through gradient."""
+
+    def __init__(self, base: QuantLinear, weight: Callable[[], torch.Tensor]):
+        super().__init__()
+        self.weight_fn = weight
+        self.bias = base.bias
+        self.input_quantizer = base.input_quantizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        transform = self.input_quantizer
+        if transform is not None:
+            x = transform.rotate(x)  # linear: differentiated exactly
+            if transform.quantize is not None:
+                with torch.no_grad():
+                    q = transform.quantize(x)
+                x = x + (q - x).detach()
+        return F.linear(x, self.weight_fn(), self.bias)
+
+
+class Distillation:
+    """KL(source || student) per batch of calibration tokens, the student being the runtime's modules built
+    from the graph as it stands with tuned weights and norms swapped in. Batches are shuffled once (seeded)
+    and cycled; the source's log-probabilities are computed once per batch and kept."""
+
+    def __init__(self, session: RuntimeCalibrationSession, weights: Mapping[str, Callable[[], torch.Tensor]],
+                 norms: Mapping[str, torch.nn.Parameter], max_batch_tokens: int):
+        self.session = session
+        spec = session.spec
+        tokens = [b.tokens[r, : int(b.mask[r].sum())].tolist() for b in session.batches for r in range(len(b.tokens))]
+        order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))
+        groups, current = [], []
+        for i in order:
+            if current and (len(current) + 1) * len(tokens[i]) > max_batch_tokens:
+                groups.append(current)
+                current = []
+            current.append(i)
+        if current:
+            groups.append(current)
+        random.Random(0).shuffle(groups)
+        self.batches = [_Batch([tokens[i] for i in g]) for g in groups]
+        self._teacher_logp: list[torch.Tensor | None] = [None] * len(self.batches)
+
+        source_tensors, source_formats = session.source
+        self.teacher = _Model(spec, _RecordingWeights(source_tensors, source_formats, spec), session)
+        tensors, formats = lower_tensors(session.graph)
+        student_weights = _RecordingWeights(tensors, formats, spec)
+        self.student = _Model(spec, student_weights, session)
+        missing = sorted(set(weights) - set(student_weights.built)) + sorted(set(norms) - set(student_weights.norms))
+        if missing:
+            raise KilnError(f"distillation: the model has no linear or norm named {', '.join(missing[:3])}")
+        for name, base in student_weights.built.items():
+            # every linear: straight-through activation quantizers keep gradients flowing to earlier layers
+            fn = weights.get(name, lambda weight=base.weight: weight)
+            _replace_module(self.student, base, _TunedLinear(base, fn))
+        for name, param in norms.items():
+            module = student_weights.norms[name]
+            del module.weight
+            module.weight = param
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def loss(self, step: int) -> torch.Tensor:
+        i = step % len(self.batches)
+        b = self.batches[i]
+        if self._teacher_logp[i] is None:
+            with torch.inference_mode():
+                self._teacher_logp[i] = torch.log_softmax(self.teacher(b), dim=-1)[b.mask]
+        target = self._teacher_logp[i]
+        logp = torch.log_softmax(self.student(b), dim=-1)[b.mask]
+        return (target.exp() * (target - logp)).sum(-1).mean()
+
+
+class _Model(torch.nn.Module):
+    """The runtime Transformer's forward, assembled from modules built by one Weights (so they can be found)."""
+
+    def __init__(self, spec, weights: _RecordingWeights, session: RuntimeCalibrationSession):
+        super().__init__()
+        self.session = session
+        self.embed = weights.tensors[spec.embedding].float()
+        self.blocks = torch.nn.ModuleList(session._block(i, weights) for i in range(len(spec.layers)))
+        self.norm = weights.norm(spec.final_norm)
+        self.lm_head = weights.linear(spec.lm_head)
+
+    def forward(self, b: _Batch) -> torch.Tensor:
+        x = F.embedding(b.tokens, self.embed)
+        rope = self.session.rotary(b.positions)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, b.positions, None, i)
+        return self.lm_head(self.norm(x))
+
+
+def _replace_module(root: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:
+    for parent in root.modules():
+        for attr, child in parent.named_children():
+            if child is old:
+                setattr(parent, attr, new)
+                return
+    raise KilnError("distillation: a linear to tune is not part of the model")
