@@ -1,6 +1,6 @@
 """Weight precision on stories260K: recovery vs effective bits for every format, auto and production, and ModelOpt.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/precision.py [--out artifacts/bench-precision] [--methods rtn,gptq]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/precision.py [--out artifacts/bench-precision] [--methods rtn,best]
     (run it with a Python that has nvidia-modelopt, e.g. the `anchors` extra, to add ModelOpt's rows)
 
 Protocol (the gate's): calibrate on the first 256 paragraphs of calibration.txt; score the first 600 paragraphs
@@ -13,7 +13,10 @@ counted the same way from their formats (FP8: per-tensor scales; INT4 AWQ: 4 bit
 weights + an FP16 pre-quant scale per input channel). ModelOpt 0.47's NVFP4/MXFP4 fake quantization asserts
 CUDA tensors, so on this CPU machine its rows are FP8 and INT4 AWQ, and auto_quantize searches those two (plus
 BF16); its NVFP4 export is compared with Kiln's in tests/optimizer/test_export.py instead.
-Each row runs in its own process: build seconds are the pass's wall time, peak RAM that process's max RSS.
+Each Kiln row is built with round-to-nearest ("rtn") and with the best calibration ("best": GPTQ with MSE
+scales, then 200 steps of end-to-end tuning of the grid points and norms; "gptq" alone is also available).
+Each row runs in its own process: build seconds include the gate's two scorings; peak RAM is that process's
+max RSS.
 """
 
 from __future__ import annotations
@@ -72,6 +75,11 @@ def token_lists(tokenizer, path: Path, paragraphs: int) -> list[list[int]]:
     return load_token_lists(tokenizer, path, paragraphs)
 
 
+# --methods names -> the precision passes' calibration fields
+METHODS = {"rtn": {"method": "rtn"}, "gptq": {"method": "gptq"},
+           "best": {"method": "gptq", "tune_steps": 200}}  # GPTQ, then end-to-end tuning (calibration.tuning)
+
+
 def kiln_row(label: str, method: str, paragraphs: int) -> dict:
     import torch
 
@@ -81,13 +89,14 @@ def kiln_row(label: str, method: str, paragraphs: int) -> dict:
 
     torch.set_num_threads(1)
     kind = KILN_ROWS[label]
+    calibration = METHODS[method]
     if kind[0] == "uniform":
-        p = ProductionPrecision(mlp=kind[1], attention=kind[1], keep_most_sensitive=0, method=method)
+        p = ProductionPrecision(mlp=kind[1], attention=kind[1], keep_most_sensitive=0, **calibration)
         recipe = Recipe(label, (p,))
     elif kind[0] in ("auto", "auto-gate"):
-        recipe = Recipe(label, (AutoPrecision(weight_bits=kind[1], method=method),))
+        recipe = Recipe(label, (AutoPrecision(weight_bits=kind[1], **calibration),))
     else:
-        recipe = Recipe(label, (ProductionPrecision(method=method),))
+        recipe = Recipe(label, (ProductionPrecision(**calibration),))
     gated = kind[0] == "auto-gate"
     if kind[0] == "uniform":  # one option for every group: nothing to rank, so no sensitivity is measured
         recipe = Recipe(label, (uniform_with_zero_table(recipe.passes[0]),))
@@ -239,7 +248,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8.5, 5.5), dpi=110)
-    style = {"rtn": ("o", "#1f77b4"), "gptq": ("s", "#2ca02c"), "mse": ("D", "#9467bd"),
+    style = {"rtn": ("o", "#1f77b4"), "gptq": ("s", "#2ca02c"), "best": ("D", "#9467bd"),
              "modelopt": ("^", "#d62728")}
     for method, (marker, color) in style.items():
         pts = [r for r in rows if r["method"] == method]
@@ -264,9 +273,10 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "artifacts" / "bench-precision")
-    parser.add_argument("--methods", default="rtn,gptq", help="Kiln calibration methods, comma-separated")
+    parser.add_argument("--methods", default="rtn,best", help=f"Kiln calibration, comma-separated: {', '.join(METHODS)}")
     parser.add_argument("--rows", default="", help="only these rows (comma-separated labels)")
     parser.add_argument("--paragraphs", type=int, default=600)
+    parser.add_argument("--jobs", type=int, default=1, help="rows run at once (one core each; times then contend)")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--method", default="rtn", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
@@ -282,20 +292,26 @@ def main() -> None:
     else:
         print("nvidia-modelopt is not importable: no ModelOpt rows (install the `anchors` extra)", flush=True)
     jobs = [j for j in jobs if not wanted or j[0] in wanted]
-    rows = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for label, method in jobs:
-        out = args.out / f"row-{len(rows)}.json"
+
+    def run(index: int) -> dict | None:
+        label, method = jobs[index]
+        out = args.out / f"row-{index}.json"
         cmd = [sys.executable, __file__, "--row", label, "--method", method, "--json", str(out),
                "--paragraphs", str(args.paragraphs)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             print(f"{label} [{method}] failed:\n{done.stderr[-2000:]}", flush=True)
-            continue
-        rows.append(json.loads(out.read_text()))
-        r = rows[-1]
+            return None
+        r = json.loads(out.read_text())
         print(f"{label:27s} {method:8s} recovery {r['recovery']:.4f}  bits {r['bits']:.3f}  "
               f"{r['seconds']:.1f} s  {r['peak_rss_mib']:.0f} MiB", flush=True)
+        return r
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each row is its own single-threaded process
+        rows = [r for r in pool.map(run, range(len(jobs))) if r is not None]
     text = table(rows)
     print("\n" + text)
     (args.out / "precision.md").write_text(text + "\n")

@@ -16,10 +16,6 @@ Scales, on the FP8 / E2M1 grids of Kiln's formats (calibration.grids):
     dynamic  chosen when GPTQ reaches a block's first column, from the weights as GPTQ has updated them so far
              (natural order only; blocks of 16/32 columns for NVFP4/MXFP4, the whole row for FP8)
 The returned values lie exactly on the grid of the returned scales (`WeightLayout.pack` stores them).
-
-`gptq_quantize` also takes a "target" weight: with activation quantization the runtime computes
-Xq Q^T for a target X W^T, and min ||X W^T - Xq Q^T|| is GPTQ on Hq = Xq^T Xq with the weight
-W* = W C^T Hq^-1 (C = Xq^T X); `solve_target_weight` computes W*.
 """
 
 from __future__ import annotations
@@ -87,12 +83,13 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
     h[dead, dead] = 1.0  # an input that is never active: nothing to compensate
     importance = torch.diagonal(h).float().clone()
     if layout.format == "nvfp4" and global_scale is None:  # one per-tensor scale, from the original weight
-        global_scale = layout.absmax_scales(w).stored["weight_scale_2"]
+        global_scale = choose_scales(layout, w, scales, importance).stored["weight_scale_2"]
     elif layout.format == "nvfp4":
         global_scale = global_scale.float().reshape(())
     else:
         global_scale = None
-    if static or layout.format == "fp8":  # fp8: one block spans the row, so dynamic == static
+    dynamic = not static and layout.format != "fp8"  # fp8: one block spans the row, so dynamic == static
+    if not dynamic:
         fixed = choose_scales(layout, w, scales, importance, global_scale)
         multiplier = fixed.multiplier.clone()
     else:
@@ -107,7 +104,7 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
     out = torch.zeros_like(work)
     block_of = perm // bs  # each permuted column's scale block
 
-    if not static:
+    if dynamic:
         batch = max(bs, batch // bs * bs)  # a block never straddles two lazy batches
     for i1 in range(0, k, batch):
         i2 = min(i1 + batch, k)
@@ -116,7 +113,7 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
         u1 = upper[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if not static and col % bs == 0:  # first column of a block: choose its scale now
+            if dynamic and col % bs == 0:  # first column of a block: choose its scale now
                 cols = slice(i, min(i + bs, i2 - i1))
                 part = choose_scales(layout, w1[:, cols], scales, importance[col: col + bs], global_scale)
                 multiplier[:, col // bs] = part.multiplier[:, 0]
@@ -131,7 +128,7 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
 
     inverse = torch.argsort(perm)
     values = out[:, inverse].contiguous()
-    if static or layout.format == "fp8":
+    if not dynamic:
         result_scales = fixed
     else:
         result_scales = _concat_block_scales(layout, chosen_stored, global_scale)
@@ -145,14 +142,6 @@ def rtn_quantize(w: Tensor, layout: WeightLayout, hessian: Tensor | None = None,
     values = layout.quantize(w.float(), chosen)
     loss = output_error(w, values, hessian) if hessian is not None else float("nan")
     return GptqResult(values, chosen, loss)
-
-
-def solve_target_weight(w: Tensor, hessian_q: Tensor, cross: Tensor, damping: float = 0.01) -> Tensor:
-    """W* = argmin ||X W^T - Xq W*^T||: W C^T Hq^-1 with Hq = Xq^T Xq, C = Xq^T X (Hq damped)."""
-    hq = hessian_q.double().clone()
-    hq += damping * torch.diagonal(hq).mean() * torch.eye(hq.shape[0], dtype=hq.dtype)
-    rhs = cross.double() @ w.double().T  # Xq^T X W^T  [K, N]
-    return torch.linalg.solve(hq, rhs).T.float()
 
 
 def _inverse_cholesky_upper(h: Tensor) -> Tensor:

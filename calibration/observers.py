@@ -6,30 +6,22 @@
         absmax       max |x| over everything seen        0-dim   (static activation scales)
         sample       up to `max_samples` input rows      [S, K]  (searches that must see activation
                      kept at random (reservoir sampling)         quantization, which H cannot express)
-    With `quantizer` (the runtime's activation fake-quantizer), it also keeps
-        hessian_q    Xq^T Xq / tokens,  cross  Xq^T X / tokens  for Xq = quantizer(X)
 Rows that are all zero (padding) are skipped.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 
 class InputObserver:
-    def __init__(self, in_features: int, max_samples: int = 0,
-                 quantizer: Callable[[Tensor], Tensor] | None = None, seed: int = 0):
+    def __init__(self, in_features: int, max_samples: int = 0, seed: int = 0):
         self.in_features = in_features
         self.tokens = 0
         self._h = torch.zeros(in_features, in_features, dtype=torch.float64)
         self._abs_sum = torch.zeros(in_features, dtype=torch.float64)
         self._absmax = torch.zeros((), dtype=torch.float32)
-        self.quantizer = quantizer
-        self._hq = torch.zeros_like(self._h) if quantizer is not None else None
-        self._cross = torch.zeros_like(self._h) if quantizer is not None else None
         self.max_samples = max_samples
         self._sample: Tensor | None = None
         self._generator = torch.Generator().manual_seed(seed)
@@ -45,10 +37,6 @@ class InputObserver:
         self._h += xd.T @ xd
         self._abs_sum += xd.abs().sum(0)
         self._absmax = torch.maximum(self._absmax, x.abs().amax())
-        if self.quantizer is not None:
-            xq = self.quantizer(x).double()
-            self._hq += xq.T @ xq
-            self._cross += xq.T @ xd
         if self.max_samples:
             self._reservoir(x)
         self.tokens += x.shape[0]
@@ -85,18 +73,6 @@ class InputObserver:
     @property
     def hessian(self) -> Tensor:
         return self._mean(self._h)
-
-    @property
-    def hessian_q(self) -> Tensor:
-        if self._hq is None:
-            raise ValueError("observer was built without an activation quantizer")
-        return self._mean(self._hq)
-
-    @property
-    def cross(self) -> Tensor:
-        if self._cross is None:
-            raise ValueError("observer was built without an activation quantizer")
-        return self._mean(self._cross)
 
     @property
     def abs_mean(self) -> Tensor:

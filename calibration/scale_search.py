@@ -6,7 +6,9 @@ of the layer's input Hessian (E[x_k^2]) when calibration data is available, else
 always candidate 0 and ties keep the earlier candidate, so the search is never worse than absmax.
 
     nvfp4   E4M3 block-scale codes from the absmax code - 1 up to the code that maps the block maximum onto
-            4 (instead of 6) + 1, i.e. the "4 over 6" choice plus every E4M3 step between
+            4 (instead of 6) + 1, i.e. the "4 over 6" choice plus every E4M3 step between; with the
+            per-tensor scale amax / (6 * 448) and with one 6/4 larger (the block holding the tensor maximum
+            needs it to map onto 4), keeping the better
     mxfp4   E8M0 exponents absmax - 1, absmax, absmax + 1 (the default FLOOR exponent clips values in (6, 8))
     fp8     amax * r / 448 for r in a grid from 1 down to `fp8_min_ratio` (E4M3 is floating point: clipping
             the largest weights rarely pays, but it costs nothing to check)
@@ -19,6 +21,7 @@ from torch import Tensor
 
 from calibration.grids import Scales, WeightLayout
 from kernels import fp8
+from kernels.fp4 import E2M1_MAX
 
 NVFP4_CODE_OFFSETS = (0, -1, 1, 2, 3, 4, 5, 6)  # e4m3 code steps from the absmax code; 4/6 is ~4.7 steps
 MXFP4_EXPONENT_OFFSETS = (0, 1, -1)
@@ -42,15 +45,15 @@ def mse_scales(layout: WeightLayout, w: Tensor, importance: Tensor | None = None
                global_scale: Tensor | None = None) -> Scales:
     """The stored scales, per block, that minimize the importance-weighted squared error of w [N, K]."""
     w = w.float()
-    base = layout.absmax_scales(w, global_scale)
     if layout.format == "nvfp4":
-        codes = base.stored["weight_scale"].view(torch.uint8).to(torch.int16)  # e4m3 codes are monotone
-        offsets = torch.tensor(NVFP4_CODE_OFFSETS, dtype=torch.int16)
-        cand = (codes.unsqueeze(-1) + offsets).clamp(_E4M3_MIN_CODE, _E4M3_MAX_CODE).to(torch.uint8)
-        g = base.stored["weight_scale_2"]  # cand: [N, blocks, C] e4m3 codes
-        best = _argmin(block_errors(layout, w, cand.view(torch.float8_e4m3fn).float() * g, importance))
-        chosen = cand.gather(-1, best.unsqueeze(-1)).squeeze(-1).view(torch.float8_e4m3fn)
-        return layout.nvfp4_scales(chosen, g)
+        if global_scale is not None:
+            return _nvfp4_block_search(layout, w, importance, global_scale)[0]
+        # The per-tensor scale maps the largest block scale onto E4M3's 448, which leaves the block holding the
+        # tensor maximum no room to map it onto 4; a per-tensor scale 6/4 larger gives every block both choices.
+        g6 = layout.absmax_scales(w).stored["weight_scale_2"]
+        found = [_nvfp4_block_search(layout, w, importance, g) for g in (g6, g6 * (E2M1_MAX / 4))]
+        return min(found, key=lambda f: f[1])[0]  # ties keep the absmax per-tensor scale
+    base = layout.absmax_scales(w, global_scale)
     if layout.format == "mxfp4":
         codes = base.stored["weight_scale"].to(torch.int16)
         offsets = torch.tensor(MXFP4_EXPONENT_OFFSETS, dtype=torch.int16)
@@ -72,6 +75,19 @@ def mse_scales(layout: WeightLayout, w: Tensor, importance: Tensor | None = None
     cand[0] = base.stored["weight_scale"]
     err = block_errors(layout, w, cand.expand(w.shape[0], 1, -1), importance).sum(dim=(0, 1))  # [C]
     return layout.fp8_scales(cand[_argmin(err)], rows=w.shape[0])
+
+
+def _nvfp4_block_search(layout: WeightLayout, w: Tensor, importance: Tensor | None,
+                        global_scale: Tensor) -> tuple[Scales, float]:
+    base = layout.absmax_scales(w, global_scale)
+    codes = base.stored["weight_scale"].view(torch.uint8).to(torch.int16)  # e4m3 codes are monotone
+    offsets = torch.tensor(NVFP4_CODE_OFFSETS, dtype=torch.int16)
+    cand = (codes.unsqueeze(-1) + offsets).clamp(_E4M3_MIN_CODE, _E4M3_MAX_CODE).to(torch.uint8)
+    g = base.stored["weight_scale_2"]  # cand: [N, blocks, C] e4m3 codes
+    errors = block_errors(layout, w, cand.view(torch.float8_e4m3fn).float() * g, importance)
+    best = _argmin(errors)
+    chosen = cand.gather(-1, best.unsqueeze(-1)).squeeze(-1).view(torch.float8_e4m3fn)
+    return layout.nvfp4_scales(chosen, g), float(errors.gather(-1, best.unsqueeze(-1)).sum())
 
 
 def _safe(scale: Tensor) -> Tensor:

@@ -29,10 +29,11 @@ def hadamard_matrix(n: int) -> Tensor:
     """Sylvester's Hadamard matrix of order n (a power of two), divided by sqrt(n): orthogonal, symmetric."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"hadamard_matrix: n must be a power of two, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(n)).float()
+    with torch.inference_mode(False):  # cached: must stay usable by autograd even if first built in inference
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return (h / math.sqrt(n)).float()
 
 
 def block_sizes(in_features: int, block_size: int) -> tuple[int, ...]:

@@ -70,9 +70,12 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         eval_info = {"data": Path(eval_data).name, "paragraphs": len(tokens), "tokens": gate_fn.baseline.tokens,
                      "baseline_perplexity": round(gate_fn.baseline.perplexity, 6)}
     calib_tokens = load_token_lists(tokenizer, calib_data, calib_paragraphs) if calib_data else []
+    # end-to-end tuning fits far more parameters than an observation: it gets every calibration paragraph
+    calib_all = load_token_lists(tokenizer, calib_data, None) if calib_data else []
     ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, calibration_tokens=calib_tokens, log=log,
                       capture_kv=KvCapture(calib_tokens) if calib_tokens else None,
-                      calibrator=RuntimeCalibrator(calib_tokens) if calib_tokens else None,
+                      calibrator=RuntimeCalibrator(calib_all, observe_sequences=len(calib_tokens))
+                      if calib_tokens else None,
                       logit_kl=LogitKl(graph, calib_tokens) if calib_tokens else None)
 
     start = time.perf_counter()

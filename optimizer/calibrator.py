@@ -9,7 +9,8 @@ positions). Observing linears of block L first runs blocks position..L-1 forward
 graph as it is now, i.e. with whatever a pass has already quantized; so a pass that quantizes block by block
 calibrates each block on the outputs of the quantized blocks before it (sequential calibration), and
 within a block it can quantize q/k/v, then observe o_proj's inputs through the quantized q/k/v, and so on.
-Observing an earlier block than the session's position starts again from the embeddings.
+Observing an earlier block than the session's position, or after a block the hidden states went through
+has changed (a tensor or quant annotation replaced), starts again from the embeddings.
 
     objective = session.distillation(weights, norms)   # end-to-end tuning (calibration.tuning)
     objective.loss(step)  # KL(source || graph with `weights`/`norms` swapped in) on one batch, differentiable
@@ -50,16 +51,24 @@ Callback = Callable[[str, torch.Tensor], None]
 
 
 class RuntimeCalibrator:
-    """What the build driver puts in `PassContext.calibrator`."""
+    """What the build driver puts in `PassContext.calibrator`.
 
-    def __init__(self, token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 8192):
+    `observe` runs over the first `observe_sequences` token lists (None: all): Hessians and ranges settle
+    within a few hundred paragraphs. Distillation, which fits many more parameters, uses every token list.
+    """
+
+    def __init__(self, token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 8192,
+                 observe_sequences: int | None = None):
         self.token_lists = [list(t) for t in token_lists if len(t) > 0]
         if not self.token_lists:
             raise KilnError("calibration needs at least one non-empty token list")
+        if observe_sequences is not None and observe_sequences < 1:
+            raise KilnError(f"observe_sequences must be positive, got {observe_sequences}")
         self.max_batch_tokens = max_batch_tokens
+        self.observe_sequences = observe_sequences
 
     def session(self, graph: ModelGraph) -> RuntimeCalibrationSession:
-        return RuntimeCalibrationSession(graph, self.token_lists, self.max_batch_tokens)
+        return RuntimeCalibrationSession(graph, self.token_lists, self.max_batch_tokens, self.observe_sequences)
 
 
 class _RecordingWeights(Weights):
@@ -81,6 +90,20 @@ class _RecordingWeights(Weights):
         return module
 
 
+class _Same:
+    """Compares by identity (tensors' == is elementwise)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and self.obj is other.obj
+
+    __hash__ = None
+
+
 class _Batch:
     def __init__(self, token_lists: list[list[int]]):
         lengths = [len(t) for t in token_lists]
@@ -94,9 +117,12 @@ class _Batch:
 
 
 class RuntimeCalibrationSession:
-    def __init__(self, graph: ModelGraph, token_lists: list[list[int]], max_batch_tokens: int):
+    def __init__(self, graph: ModelGraph, token_lists: list[list[int]], max_batch_tokens: int,
+                 observe_sequences: int | None = None):
         self.graph = graph
         self.spec = build_spec(graph.config)
+        self.all_token_lists = token_lists  # distillation
+        token_lists = token_lists[:observe_sequences] if observe_sequences else token_lists
         order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
         self.batches: list[_Batch] = []
         current: list[int] = []
@@ -115,6 +141,7 @@ class RuntimeCalibrationSession:
             self.rotary = Rotary(self.spec, first.head_dim)
             self.mla_scale = None
         self.position: int | None = None  # hidden states are at the input of this block
+        self._ran: dict[int, tuple[_Same, ...]] = {}  # what each block held when the hidden states went through
         self.source = lower_tensors(graph)  # (tensors, formats) before the pass: the distillation teacher
         self.tokens = int(sum(int(b.mask.sum()) for b in self.batches))
 
@@ -146,14 +173,35 @@ class RuntimeCalibrationSession:
 
     # --- internals -----------------------------------------------------------------------------------------
     def _seek(self, layer: int) -> None:
-        if self.position is None or layer < self.position:
+        # The stored hidden states are valid while every block they went through is as it was when it ran
+        # (compared by identity: passes replace tensors and quant annotations, never mutate them).
+        if self.position is not None and (layer < self.position or any(
+                self._fingerprint(i) != self._ran[i] for i in range(-1, self.position))):
+            self.position = None
+        if self.position is None:
             embed = self.graph.tensors[self.graph.embedding].float()
             for b in self.batches:
                 b.hidden = F.embedding(b.tokens, embed) * b.mask.unsqueeze(-1)
             self.position = 0
+            self._ran = {-1: self._fingerprint(-1)}
         while self.position < layer:
+            self._ran[self.position] = self._fingerprint(self.position)
             self._run_block(self.position, (), None, keep_output=True)
             self.position += 1
+
+    def _fingerprint(self, index: int) -> tuple[_Same, ...]:
+        """What block `index` (-1: the embedding) computes with: its tensors and quant annotations."""
+        if index < 0:
+            return (_Same(self.graph.tensors[self.graph.embedding]),)
+        layer = self.spec.layers[index]
+        names = [*layer.attention.linears.values(), *layer.mlp.linears.values(),
+                 *(ls for expert in layer.mlp.experts for ls in expert.values())]
+        parts = [_Same(self.graph.tensors.get(n)) for n in layer.norms]
+        for ls in names:
+            lin = self.graph.linears[ls.name]
+            parts += [_Same(self.graph.tensors.get(lin.weight_name)), _Same(lin.quant),
+                      _Same(self.graph.tensors.get(f"{lin.name}.bias"))]
+        return tuple(parts)
 
     def _weights(self) -> _RecordingWeights:
         tensors, formats = lower_tensors(self.graph)
@@ -230,13 +278,16 @@ class _TunedLinear(torch.nn.Module):
 class Distillation:
     """KL(source || student) per batch of calibration tokens, the student being the runtime's modules built
     from the graph as it stands with tuned weights and norms swapped in. Batches are shuffled once (seeded)
-    and cycled; the source's log-probabilities are computed once per batch and kept."""
+    and cycled; the source's last hidden states are computed once per batch and kept.
+
+    Memory: both models whole (with the student's activations for one batch) and [tokens, hidden] for the
+    source: this is for models that fit on the machine, unlike `observe`, which needs one block at a time."""
 
     def __init__(self, session: RuntimeCalibrationSession, weights: Mapping[str, Callable[[], torch.Tensor]],
                  norms: Mapping[str, torch.nn.Parameter], max_batch_tokens: int):
         self.session = session
         spec = session.spec
-        tokens = [b.tokens[r, : int(b.mask[r].sum())].tolist() for b in session.batches for r in range(len(b.tokens))]
+        tokens = session.all_token_lists
         order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))
         groups, current = [], []
         for i in order:
@@ -248,7 +299,9 @@ class Distillation:
             groups.append(current)
         random.Random(0).shuffle(groups)
         self.batches = [_Batch([tokens[i] for i in g]) for g in groups]
-        self._teacher_logp: list[torch.Tensor | None] = [None] * len(self.batches)
+        # the source's last hidden states, not its log-probabilities: [tokens, hidden] is vocab/hidden times
+        # smaller, and the lm_head product is cheap to redo
+        self._teacher_hidden: list[torch.Tensor | None] = [None] * len(self.batches)
 
         source_tensors, source_formats = session.source
         self.teacher = _Model(spec, _RecordingWeights(source_tensors, source_formats, spec), session)
@@ -273,10 +326,11 @@ class Distillation:
     def loss(self, step: int) -> torch.Tensor:
         i = step % len(self.batches)
         b = self.batches[i]
-        if self._teacher_logp[i] is None:
+        if self._teacher_hidden[i] is None:
             with torch.inference_mode():
-                self._teacher_logp[i] = torch.log_softmax(self.teacher(b), dim=-1)[b.mask]
-        target = self._teacher_logp[i]
+                self._teacher_hidden[i] = self.teacher.hidden(b)[b.mask]
+        with torch.no_grad():
+            target = torch.log_softmax(self.teacher.lm_head(self._teacher_hidden[i]), dim=-1)
         logp = torch.log_softmax(self.student(b), dim=-1)[b.mask]
         return (target.exp() * (target - logp)).sum(-1).mean()
 
@@ -292,12 +346,16 @@ class _Model(torch.nn.Module):
         self.norm = weights.norm(spec.final_norm)
         self.lm_head = weights.linear(spec.lm_head)
 
-    def forward(self, b: _Batch) -> torch.Tensor:
+    def hidden(self, b: _Batch) -> torch.Tensor:
+        """The final norm's output [B, T, C]."""
         x = F.embedding(b.tokens, self.embed)
         rope = self.session.rotary(b.positions)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, b.positions, None, i)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
+
+    def forward(self, b: _Batch) -> torch.Tensor:
+        return self.lm_head(self.hidden(b))
 
 
 def _replace_module(root: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:

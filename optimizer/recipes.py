@@ -36,24 +36,34 @@ BUILTIN_PASSES: dict[str, type[Pass]] = {
     ProductionPrecision.name: ProductionPrecision,
 }
 
+BEST_TUNE_STEPS = 200  # end-to-end tuning steps of the FP4 recipes (weight-quant, auto, production)
+
 BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
     "none": lambda: [],
-    "fp8-weights": lambda: [WeightQuantization(format="fp8")],
-    "fp8": lambda: [WeightQuantization(format="fp8", activations="dynamic")],
-    "nvfp4-w4a16": lambda: [WeightQuantization(format="nvfp4")],
-    "mxfp4-w4a16": lambda: [WeightQuantization(format="mxfp4")],
-    "nvfp4": lambda: [WeightQuantization(format="nvfp4", activations="dynamic")],
-    "mxfp4": lambda: [WeightQuantization(format="mxfp4", activations="dynamic")],
+    # Uniform formats, calibrated (calibration text needed; a recipe file with `method: rtn` rounds to
+    # nearest): AWQ scales folded into norms / linears with GPTQ values (FP8 W8A8: MSE scales, which measured
+    # better than GPTQ there), sequential over the blocks; FP4 then tunes its grid points end to end.
+    "fp8-weights": lambda: [WeightQuantization(format="fp8", method="gptq", awq=True)],
+    "fp8": lambda: [WeightQuantization(format="fp8", activations="dynamic", method="mse", awq=True)],
+    "nvfp4-w4a16": lambda: [WeightQuantization(format="nvfp4", method="gptq", act_order=False,
+                                               tune_steps=BEST_TUNE_STEPS)],
+    "mxfp4-w4a16": lambda: [WeightQuantization(format="mxfp4", method="gptq", tune_steps=BEST_TUNE_STEPS)],
+    "nvfp4": lambda: [WeightQuantization(format="nvfp4", activations="dynamic", method="gptq", act_order=False,
+                                         tune_steps=BEST_TUNE_STEPS)],
+    "mxfp4": lambda: [WeightQuantization(format="mxfp4", activations="dynamic", method="gptq", rotation_block=16,
+                                         tune_steps=BEST_TUNE_STEPS)],
     "fp8-kv": lambda: [KvCacheQuantization(format="fp8", scaling="per_tensor")],
     "nvfp4-kv": lambda: [KvCacheQuantization(format="nvfp4")],
     # FP4 MLPs/experts (NVFP4 W4A4 on Blackwell, W4A16 on Hopper), FP8 attention, 2 most sensitive groups BF16;
-    # GPTQ values (the best calibration this pass has; round-to-nearest: a recipe file with method: rtn)
-    "production": lambda: [ProductionPrecision(method="gptq")],
+    # GPTQ values, then 200 steps of end-to-end tuning (the best calibration there is; a recipe file with
+    # method: rtn and tune_steps: 0 builds in seconds)
+    "production": lambda: [ProductionPrecision(method="gptq", tune_steps=BEST_TUNE_STEPS)],
 }
 
 # Recipes that take the weight budget (--weight-bits / --weight-bytes); the budget matches nothing else.
 BUDGET_RECIPES: dict[str, Callable[[float | None, int | None], list[Pass]]] = {
-    "auto": lambda bits, nbytes: [AutoPrecision(weight_bits=bits, weight_bytes=nbytes, method="gptq")],
+    "auto": lambda bits, nbytes: [AutoPrecision(weight_bits=bits, weight_bytes=nbytes, method="gptq",
+                                                tune_steps=BEST_TUNE_STEPS)],
 }
 
 

@@ -580,9 +580,9 @@ def calibrated_weight(w: torch.Tensor, fmt: str, method: str, hessian: torch.Ten
                       global_amax: float | None) -> tuple[dict[str, torch.Tensor], str]:
     """(stored tensors, the method actually used) for one [N, K] weight in `fmt` (fp8 per channel, nvfp4,
     mxfp4). The algorithms are calibration's (scale_search.mse_scales, gptq.gptq_quantize); `global_amax`
-    pins NVFP4's per-tensor scale to amax / (6 * 448) shared by fused siblings. Without a Hessian (a linear that
-    saw no calibration token) "gptq" falls back to "mse" on the weights alone and "mse" to unweighted MSE:
-    weight-only statistics."""
+    pins NVFP4's per-tensor scale to amax / (6 * 448), shared by fused siblings (ModelOpt's choice too).
+    Without a Hessian (a linear that saw no calibration token) "gptq" falls back to "mse" on the weights
+    alone and "mse" to unweighted MSE: weight-only statistics."""
     layout = WeightLayout(fmt)
     global_scale = None
     if fmt == "nvfp4":
@@ -592,26 +592,12 @@ def calibrated_weight(w: torch.Tensor, fmt: str, method: str, hessian: torch.Ten
             return dict(nvfp4_quantize(w, global_scale=global_scale).tensors()), "rtn"
         return dict(quantize_linear_weight(w, fmt, "per_channel").tensors), "rtn"
     if method == "gptq" and hessian is not None:
-        # gptq_quantize takes NVFP4's global scale from the weight's own maximum: one extra row holding the
-        # siblings' maximum pins it to the shared scale (GPTQ treats rows independently; the row is dropped)
-        extra = fmt == "nvfp4" and global_amax is not None and global_amax > float(w.abs().amax())
-        w_in = torch.cat([w, torch.full((1, w.shape[1]), 0.0).index_fill_(1, torch.tensor([0]), global_amax)]) \
-            if extra else w
-        result = gptq_quantize(w_in, hessian, layout, scales="mse")
-        values = result.values[: w.shape[0]]
-        scales = _drop_rows(result.scales, w.shape[0]) if extra else result.scales
-        return dict(layout.pack(values, scales)), "gptq"
+        result = gptq_quantize(w, hessian, layout, scales="mse", global_scale=global_scale)
+        return dict(layout.pack(result.values, result.scales)), "gptq"
     importance = torch.diagonal(hessian).float() if hessian is not None else None
     scales = mse_scales(layout, w, importance, global_scale)
     return dict(layout.pack(layout.quantize(w, scales), scales)), "mse" if hessian is not None or method == "mse" \
         else "mse (weight-only)"
-
-
-def _drop_rows(scales, rows: int):
-    from calibration.grids import Scales
-
-    stored = {k: (v[:rows] if v.ndim == 2 else v) for k, v in scales.stored.items()}
-    return Scales(scales.multiplier[:rows], stored)
 
 
 def next_rung(p: GroupPlan, table: SensitivityTable, current: str) -> str | None:

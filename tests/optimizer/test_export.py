@@ -29,6 +29,8 @@ HAS_MODELOPT = importlib.util.find_spec("modelopt") is not None
 
 # recipe -> the ModelOpt config that makes the same format
 RECIPES = {
+    "fp8": (lambda: (WeightQuantization(format="fp8", activations="static", granularity="per_tensor"),),
+            "FP8_DEFAULT_CFG"),
     "fp8-pc-pt": (lambda: (WeightQuantization(format="fp8", activations="dynamic"),), "FP8_PER_CHANNEL_PER_TOKEN_CFG"),
     "nvfp4": (lambda: (ProductionPrecision(mlp="nvfp4-w4a4", attention="nvfp4-w4a4", keep_most_sensitive=0),),
               "NVFP4_DEFAULT_CFG"),
@@ -188,8 +190,11 @@ def test_export_equals_modelopts_own(llama, tmp_path, name):
     ours_w, theirs_w = dequantize_hf_modelopt(ours), dequantize_hf_modelopt(theirs)
     for key in ours_w if name != "mxfp4" else ():
         assert torch.equal(ours_w[key], theirs_w[key]), key
+    # weight-quant calibrates sequentially (block i on the outputs of the quantized blocks before it), ModelOpt
+    # on the source model, so their static input scales differ slightly; the precision passes match ModelOpt
+    tolerance = 0.02 if name == "fp8" else 1e-4
     for key in (k for k in a if k.endswith("input_scale")):
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=0)
+        torch.testing.assert_close(a[key], b[key], rtol=tolerance, atol=0)
 
 
 @pytest.mark.modelopt

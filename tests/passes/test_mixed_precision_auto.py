@@ -276,3 +276,17 @@ def test_cli_auto_build_inspect_and_report(tmp_path, cli):
     code, _, stderr = cli("build", checkpoint, "--target", "hopper", "--recipe", "nvfp4",
                           "--eval-data", SAMPLE_TEXT, "-o", tmp_path / "never")
     assert code == 2 and stderr.count("\n") == 1 and "hopper" in stderr
+
+
+def test_gptq_and_end_to_end_tuning_over_mixed_formats(tiny):
+    graph = load_checkpoint(tiny["llama"])
+    before = LogitKl(graph, tokens())
+    p = AutoPrecision(weight_bits=6.0, method="gptq", tune_steps=4, tune_lr=1e-4, sensitivity_paragraphs=2)
+    records = Pipeline((p,)).run(graph, context(graph))
+    quantized = [lin for lin in graph.iter_linears() if lin.quant is not None]
+    assert len({lin.quant.format for lin in quantized}) > 1  # a mixed assignment, tuned as one model
+    assert all(lin.quant.method == "gptq+tuned" for lin in quantized)
+    assert any(n.startswith("tuned 4 steps") for n in records[0].result.notes)
+    assert before(graph, 6) > 0
+    with pytest.raises(KilnError, match="tune_steps"):
+        AutoPrecision(weight_bits=5.0, tune_steps=-1)

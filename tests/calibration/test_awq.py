@@ -1,0 +1,59 @@
+"""AWQ search: alpha 0 is plain quantization (so the search never loses to it), the loss it reports is the
+output error, and tie groups share one scale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from calibration.awq import awq_candidate, awq_search
+from calibration.grids import WeightLayout
+from kernels.fp8 import fp8_fake_quantize_per_token
+
+
+def layer(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1024, 64, generator=g) * (torch.rand(64, generator=g) * 4 + 0.1)
+    x[:, 3] *= 20  # an activation outlier channel, what AWQ is for
+    return [torch.randn(32, 64, generator=g) * 0.05, torch.randn(48, 64, generator=g) * 0.05], x
+
+
+def test_search_beats_or_matches_plain_quantization_and_reports_the_output_error():
+    weights, x = layer()
+    layout = WeightLayout("mxfp4")
+
+    def quantize(w):
+        return layout.quantize(w, layout.absmax_scales(w))
+
+    h = x.T @ x / x.shape[0]
+    found = awq_search(weights, quantize, x.abs().mean(0), hessian=h)
+    assert found.loss <= found.loss_unscaled and found.alpha > 0
+    s = found.scale
+    direct = sum(float((x @ w.T - (x / s) @ quantize(w * s).T).pow(2).sum()) / x.shape[0] for w in weights)
+    assert abs(direct - found.loss) <= 1e-3 * direct
+    plain = sum(float((x @ w.T - x @ quantize(w).T).pow(2).sum()) / x.shape[0] for w in weights)
+    assert abs(plain - found.loss_unscaled) <= 1e-3 * plain
+
+
+def test_search_with_quantized_inputs_uses_the_sample():
+    weights, x = layer(1)
+    layout = WeightLayout("fp8")
+    found = awq_search(weights, lambda w: layout.quantize(w, layout.absmax_scales(w)), x.abs().mean(0),
+                       sample=x[:256], act_quantize=fp8_fake_quantize_per_token)
+    assert found.loss <= found.loss_unscaled
+
+
+def test_candidate_is_one_at_alpha_zero_and_shared_within_ties():
+    mean = torch.rand(16) + 0.1
+    assert torch.equal(awq_candidate(mean, 0.0), torch.ones(16))
+    tie = torch.arange(16) % 4
+    s = awq_candidate(mean, 0.7, tie)
+    for group in range(4):
+        assert torch.unique(s[tie == group]).numel() == 1
+    assert abs(float(s.max() * s.min()) - 1.0) < 1e-5  # normalized
+
+
+def test_needs_exactly_one_statistic():
+    weights, x = layer()
+    with pytest.raises(ValueError, match="exactly one"):
+        awq_search(weights, lambda w: w, x.abs().mean(0))

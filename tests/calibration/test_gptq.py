@@ -1,0 +1,88 @@
+"""GPTQ on the FP8 and E2M1 grids: it lowers the layer's output error against round-to-nearest, its act-order
+permutation is undone exactly, and what it returns is exactly what the stored format holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from calibration.gptq import gptq_quantize, output_error, rtn_quantize
+from calibration.grids import WeightLayout
+from calibration.scale_search import mse_scales
+from passes.mixed_precision import dequantize, quantize_linear_weight
+
+FORMATS = ("fp8", "nvfp4", "mxfp4")
+
+
+def correlated_layer(n_out=48, k=72, tokens=2048, seed=0):
+    """A random weight and inputs with correlated channels and a few loud ones (what GPTQ exploits)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k**0.5 + torch.eye(k)
+    x = torch.randn(tokens, k, generator=g) @ mix
+    x[:, :4] *= 6.0
+    w = torch.randn(n_out, k, generator=g) * 0.05
+    return w, x
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_lowers_output_error_against_round_to_nearest(fmt, act_order):
+    w, x = correlated_layer()
+    h = x.T @ x / x.shape[0]
+    layout = WeightLayout(fmt)
+    rtn = layout.quantize(w, layout.absmax_scales(w))
+    res = gptq_quantize(w, h, layout, act_order=act_order, scales="absmax")
+
+    def err(q):
+        return float((x @ w.T - x @ q.T).pow(2).sum())
+
+    assert err(res.values) < 0.8 * err(rtn)
+    assert res.loss == pytest.approx(err(res.values) / x.shape[0], rel=1e-4)  # the loss is that error
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gptq_values_are_exactly_what_the_format_stores(fmt):
+    w, x = correlated_layer(k=70)  # K not a multiple of 16/32: the block formats pad
+    res = gptq_quantize(w, x.T @ x, WeightLayout(fmt), act_order=False, scales="mse")
+    stored = quantize_linear_weight(w, fmt, method="gptq", hessian=x.T @ x, act_order=False)
+    assert torch.equal(dequantize(stored), res.values)
+    assert stored.method == "gptq"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_act_order_permutation_is_restored(fmt):
+    """With a diagonal Hessian nothing propagates, so GPTQ in any order is round-to-nearest with its static
+    scales: equal values, column for column, prove the permutation is undone."""
+    w, _ = correlated_layer(k=64)
+    diag = torch.rand(64, generator=torch.Generator().manual_seed(3)) + 0.1  # distinct: a real permutation
+    layout = WeightLayout(fmt)
+    res = gptq_quantize(w, torch.diag(diag), layout, act_order=True, scales="mse")
+    expected = layout.quantize(w, mse_scales(layout, w, diag))
+    assert torch.equal(res.values, expected)
+    assert not torch.equal(torch.argsort(diag, descending=True), torch.arange(64))
+
+
+def test_dynamic_scales_follow_the_updated_weights_and_stay_stored():
+    w, x = correlated_layer(k=80)
+    layout = WeightLayout("nvfp4")
+    res = gptq_quantize(w, x.T @ x, layout, act_order=False, static_scales=False)
+    assert torch.equal(layout.quantize(res.values, res.scales), res.values)  # on its own grid
+    assert res.scales.stored["weight_scale"].shape == (w.shape[0], 5)
+
+
+def test_rtn_quantize_and_output_error_agree():
+    w, x = correlated_layer()
+    h = x.T @ x / x.shape[0]
+    res = rtn_quantize(w, WeightLayout("mxfp4"), h, "mse")
+    assert res.loss == pytest.approx(output_error(w, res.values, h))
+    assert res.loss <= rtn_quantize(w, WeightLayout("mxfp4"), h, "absmax").loss
+
+
+def test_bad_inputs_raise_with_the_values():
+    w, x = correlated_layer(k=32)
+    with pytest.raises(ValueError, match="hessian"):
+        gptq_quantize(w, torch.eye(31), WeightLayout("fp8"))
+    with pytest.raises(ValueError, match="static scales"):
+        gptq_quantize(w, x.T @ x, WeightLayout("nvfp4"), act_order=True, static_scales=False)
+    with pytest.raises(ValueError, match="scales='max'"):
+        gptq_quantize(w, x.T @ x, WeightLayout("nvfp4"), scales="max")

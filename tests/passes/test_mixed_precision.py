@@ -1,0 +1,235 @@
+"""WeightQuantization's calibration: AWQ folding and rotations keep the fp32 function, calibration is
+sequential through the runtime's own modules, calibrated scales and tuned values are what the artifact
+stores, and on the real model the calibrated methods beat round-to-nearest (the recovery floors: slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.errors import KilnError
+from kernels.rotation import block_hadamard
+from kernels.targets import get_target
+from optimizer.calibrator import RuntimeCalibrator
+from optimizer.gate import engine_from_graph
+from optimizer.loader import load_checkpoint
+from passes.base import PassContext, Pipeline
+from passes.mixed_precision import (
+    WeightQuantization,
+    _awq_groups,
+    _fold_input_scale,
+    dequantize,
+    static_input_scale,
+)
+from runtime.engine import Engine
+from tests.conftest import CALIB_TEXT, EVAL_TEXT, STORIES, needs_stories
+
+
+def token_lists(vocab: int, count: int = 12, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+def logits(graph, tokens):
+    return torch.cat(engine_from_graph(graph).logits(tokens))
+
+
+def test_awq_folding_keeps_the_fp32_function(generated_checkpoint):
+    graph = load_checkpoint(generated_checkpoint)  # GQA, tied embeddings
+    tokens = token_lists(graph.config["vocab_size"])
+    before = logits(graph, tokens)
+    embedding = graph.tensors[graph.embedding]
+    source = dict(graph.tensors)
+    g = torch.Generator().manual_seed(1)
+    for block in graph.blocks:
+        groups, why_not = _awq_groups(graph, block.index)
+        assert why_not is None and len(groups) == 4
+        for group in groups:
+            k = graph.linears[group.consumers[0]].in_features
+            scale = torch.rand(k, generator=g) * 1.5 + 0.5
+            if group.tie is not None:  # o_proj: query heads sharing a KV head share a scale
+                scale = scale[: int(group.tie.max()) + 1][group.tie]
+            _fold_input_scale(graph, group, scale)
+    torch.testing.assert_close(logits(graph, tokens), before, atol=1e-5, rtol=1e-5)
+    assert graph.tensors[graph.embedding] is embedding  # the tied embedding is never touched
+    changed = [n for n in source if graph.tensors[n] is not source[n]]
+    assert changed and all(not torch.equal(graph.tensors[n], source[n]) for n in changed)  # replaced, not mutated
+
+
+def test_rotation_folding_is_exact_in_fp32(tiny_checkpoints):
+    from optimizer.lower import lower_tensors
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = token_lists(graph.config["vocab_size"])
+    tensors, formats = lower_tensors(graph)
+    before = torch.cat(Engine.from_tensors(graph.config, tensors, formats).logits(tokens))
+    for lin in graph.iter_linears(("q", "k", "v", "o", "gate", "up", "down")):
+        tensors[lin.weight_name] = block_hadamard(tensors[lin.weight_name], 32)  # W R
+        formats[lin.name] = {**formats[lin.name], "input_rotation": {"kind": "block_hadamard", "block_size": 32}}
+    after = torch.cat(Engine.from_tensors(graph.config, tensors, formats).logits(tokens))
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+def test_rotated_pass_stores_the_rotated_weight_and_its_rotation(tiny_checkpoints):
+    from optimizer.lower import lower_tensors
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    source = graph.weight("model.layers.0.mlp.down_proj").clone()
+    Pipeline([WeightQuantization(format="nvfp4", rotation_block=16)]).run(graph, PassContext(get_target("hopper")))
+    q = graph.linears["model.layers.0.mlp.down_proj"].quant
+    assert q.rotation_block == 16
+    rotated = block_hadamard(source, 16)
+    assert float((dequantize(q) - rotated).pow(2).sum() / rotated.pow(2).sum()) < 0.02
+    _, formats = lower_tensors(graph)
+    assert formats["model.layers.0.mlp.down_proj"]["input_rotation"] == {"kind": "block_hadamard", "block_size": 16}
+
+
+def test_without_calibration_text_static_scales_fail_and_the_rest_falls_back_loudly(tiny_checkpoints):
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    with pytest.raises(KilnError, match="activations='static' needs calibration text"):
+        WeightQuantization(activations="static").apply(graph, PassContext(get_target("hopper")))
+    logged = []
+    ctx = PassContext(get_target("hopper"), log=logged.append)
+    result = WeightQuantization(format="nvfp4", method="gptq", awq=True, tune_steps=3).apply(graph, ctx)
+    assert "method='gptq', awq, tune_steps not possible" in result.notes[0] and logged[0].startswith("warning")
+    assert {lin.quant.method for lin in graph.linears.values() if lin.quant} == {"mse"}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "gptq2"}, "method='gptq2' is not allowed"),
+    ({"format": "mxfp4", "activations": "static"}, "not allowed for mxfp4"),
+    ({"rotation_block": 24}, "power of two"),
+    ({"damping": 2.0}, "damping must be"),
+    ({"tune_steps": -1}, "tune_steps must be"),
+])
+def test_config_validation(config, message):
+    with pytest.raises(KilnError, match=message):
+        WeightQuantization(**config)
+
+
+def test_calibration_is_sequential_through_the_runtime(tiny_checkpoints):
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = token_lists(graph.config["vocab_size"])
+    session = RuntimeCalibrator(tokens, max_batch_tokens=128).session(graph)
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def keep(name, x):
+        seen.setdefault(name, []).append(x.clone())
+
+    name = "model.layers.1.self_attn.o_proj"
+    session.observe([name], keep)
+    observed = torch.cat(seen.pop(name))
+    # the same inputs, hooked on the runtime's own model over the same tokens (real tokens only)
+    engine = engine_from_graph(graph)
+    direct = []
+    hook = engine.model.blocks[1].attention.o_proj.register_forward_pre_hook(lambda m, a: direct.append(a[0][0]))
+    for ids in tokens:
+        engine.logits([ids])
+    hook.remove()
+    assert observed.shape[0] == sum(map(len, tokens))
+    torch.testing.assert_close(observed.sum(0), torch.cat(direct).sum(0), atol=1e-4, rtol=1e-4)
+    # quantizing block 0 changes what block 1 sees (sequential), and the session follows the graph
+    Pipeline([WeightQuantization(format="mxfp4", roles=("q", "k", "v", "o", "gate", "up", "down"),
+                                 keep=tuple(n for n in graph.linears if ".layers.0." not in n))]).run(
+        graph, PassContext(get_target("hopper")))
+    session.observe([name], keep)
+    assert not torch.allclose(torch.cat(seen[name]), observed, atol=1e-6)
+
+
+def test_static_fp8_scales_are_the_calibrated_input_maxima(tiny_checkpoints):
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = token_lists(graph.config["vocab_size"])
+    ctx = PassContext(get_target("hopper"), calibrator=RuntimeCalibrator(tokens))
+    maxima: dict[str, float] = {}
+    reference = RuntimeCalibrator(tokens).session(load_checkpoint(tiny_checkpoints["llama"]))
+    reference.observe(["model.layers.0.self_attn.q_proj"],
+                      lambda n, x: maxima.__setitem__(n, max(maxima.get(n, 0.0), float(x.abs().max()))))
+    (_record,) = Pipeline([WeightQuantization(format="fp8", activations="static", method="mse")]).run(graph, ctx)
+    q = graph.linears["model.layers.0.self_attn.q_proj"].quant
+    assert q.activation == "fp8_static_per_tensor" and q.method == "mse"
+    expected = static_input_scale("fp8", torch.tensor(maxima["model.layers.0.self_attn.q_proj"]))
+    torch.testing.assert_close(q.tensors["input_scale"], expected)
+    engine_from_graph(graph).logits(tokens[:2])  # the runtime runs it
+
+
+def test_gptq_awq_and_tuning_store_grid_values_and_lower_the_kl(generated_checkpoint):
+    graph = load_checkpoint(generated_checkpoint)
+    tokens = token_lists(graph.config["vocab_size"], count=24)
+    source = engine_from_graph(graph)
+
+    def kl(g):
+        base = torch.log_softmax(torch.cat(source.logits(tokens)), -1)
+        cand = torch.log_softmax(torch.cat(engine_from_graph(g).logits(tokens)), -1)
+        return float((base.exp() * (base - cand)).sum(-1).mean())
+
+    rtn = load_checkpoint(generated_checkpoint)
+    Pipeline([WeightQuantization(format="mxfp4")]).run(rtn, PassContext(get_target("hopper")))
+    ctx = PassContext(get_target("hopper"), calibrator=RuntimeCalibrator(tokens, max_batch_tokens=256))
+    norm = graph.tensors["model.layers.0.input_layernorm.weight"]
+    (record,) = Pipeline([WeightQuantization(format="mxfp4", method="gptq", awq=True, tune_steps=8,
+                                             tune_lr=1e-3)]).run(graph, ctx)
+    q = graph.linears["model.layers.1.mlp.down_proj"].quant
+    assert q.method == "awq+gptq+tuned"
+    assert any(n.startswith("tuned 8 steps") for n in record.result.notes)
+    assert graph.tensors["model.layers.0.input_layernorm.weight"] is not norm  # AWQ and tuning replace norms
+    assert kl(graph) < kl(rtn)
+
+
+@needs_stories
+def test_gptq_beats_round_to_nearest_on_the_real_model():
+    from calibration.data import load_token_lists
+    from optimizer.gate import AccuracyGate
+    from runtime.engine import load_tokenizer
+
+    graph = load_checkpoint(STORIES)
+    tokenizer = load_tokenizer(STORIES)
+    gate = AccuracyGate(engine_from_graph(graph), load_token_lists(tokenizer, EVAL_TEXT, 100))
+    calibrator = RuntimeCalibrator(load_token_lists(tokenizer, CALIB_TEXT, 64))
+    rtn, gptq = load_checkpoint(STORIES), load_checkpoint(STORIES)
+    Pipeline([WeightQuantization(format="nvfp4")]).run(rtn, PassContext(get_target("hopper")))
+    Pipeline([WeightQuantization(format="nvfp4", method="gptq", act_order=False)]).run(
+        gptq, PassContext(get_target("hopper"), calibrator=calibrator))
+    assert gate(gptq, 0.0).recovery > gate(rtn, 0.0).recovery + 0.02
+
+
+FLOORS = {"fp8": 0.995, "nvfp4-w4a16": 0.97, "mxfp4-w4a16": 0.94}
+
+
+@pytest.mark.slow
+@needs_stories
+@pytest.mark.parametrize("recipe", sorted(FLOORS))
+def test_builtin_recipes_reach_the_recovery_floors(recipe, tmp_path):
+    """The fixed protocol: first 600 paragraphs of evaluation.txt, through the runtime; calibration.txt only."""
+    from optimizer.build import build
+
+    result = build(STORIES, "blackwell", recipe, None, eval_data=EVAL_TEXT, calib_data=CALIB_TEXT,
+                   min_recovery=FLOORS[recipe])
+    (record,) = result.records
+    assert record.decision == "kept" and record.gate.recovery >= FLOORS[recipe]
+
+
+def test_distillation_objective_is_the_runtimes_kl(tiny_checkpoints):
+    """The tuning's forward is the runtime's: its KL equals the one computed from two runtime engines."""
+    from calibration.grids import WeightLayout
+    from calibration.tuning import FakeQuantWeight
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = token_lists(graph.config["vocab_size"], count=6)
+    session = RuntimeCalibrator(tokens, max_batch_tokens=10_000).session(graph)
+    assert float(session.distillation({}, {}, max_batch_tokens=10_000).loss(0)) < 1e-6  # nothing changed
+    source = engine_from_graph(graph)
+    Pipeline([WeightQuantization(format="nvfp4", activations="dynamic")]).run(graph, PassContext(get_target("blackwell")))
+    layout = WeightLayout("nvfp4")
+    latents = {lin.name: FakeQuantWeight(layout, dequantize(lin.quant),
+                                         layout.scales_from_stored(dict(lin.quant.tensors), lin.out_features))
+               for lin in graph.linears.values() if lin.quant is not None}
+    objective = session.distillation(latents, {}, max_batch_tokens=10_000)
+    assert len(objective) == 1
+    base = torch.log_softmax(torch.cat(source.logits(tokens)), -1)
+    cand = torch.log_softmax(torch.cat(engine_from_graph(graph).logits(tokens)), -1)
+    expected = float((base.exp() * (base - cand)).sum(-1).mean())
+    loss = objective.loss(0)
+    assert abs(float(loss.detach()) - expected) < 1e-6 + 1e-4 * expected and expected > 1e-5
+    loss.backward()  # straight-through: every latent weight gets a gradient
+    assert all(fq.latent.grad is not None and fq.latent.grad.abs().sum() > 0 for fq in latents.values())
