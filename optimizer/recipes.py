@@ -40,18 +40,19 @@ BEST_TUNE_STEPS = 200  # end-to-end tuning steps of the FP4 recipes (weight-quan
 
 BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
     "none": lambda: [],
-    # Uniform formats, calibrated (calibration text needed; a recipe file with `method: rtn` rounds to
-    # nearest): AWQ scales folded into norms / linears with GPTQ values (FP8 W8A8: MSE scales, which measured
-    # better than GPTQ there), sequential over the blocks; FP4 then tunes its grid points end to end.
+    # Uniform formats, calibrated on the calibration text (without it: data-free MSE scales and a warning; a
+    # recipe file with `method: rtn` rounds to nearest): AWQ scales folded into norms / linears and GPTQ values
+    # (FP8 W8A8: MSE scales, which measured better there), block by block; FP4 then tunes its grid points end
+    # to end; MXFP4 W4A4 rotates each linear's input by a 16-wide block Hadamard transform (online).
     "fp8-weights": lambda: [WeightQuantization(format="fp8", method="gptq", awq=True)],
     "fp8": lambda: [WeightQuantization(format="fp8", activations="dynamic", method="mse", awq=True)],
     "nvfp4-w4a16": lambda: [WeightQuantization(format="nvfp4", method="gptq", act_order=False,
                                                tune_steps=BEST_TUNE_STEPS)],
     "mxfp4-w4a16": lambda: [WeightQuantization(format="mxfp4", method="gptq", tune_steps=BEST_TUNE_STEPS)],
     "nvfp4": lambda: [WeightQuantization(format="nvfp4", activations="dynamic", method="gptq", act_order=False,
-                                         tune_steps=BEST_TUNE_STEPS)],
-    "mxfp4": lambda: [WeightQuantization(format="mxfp4", activations="dynamic", method="gptq", rotation_block=16,
-                                         tune_steps=BEST_TUNE_STEPS)],
+                                         awq=True, tune_steps=BEST_TUNE_STEPS)],
+    "mxfp4": lambda: [WeightQuantization(format="mxfp4", activations="dynamic", method="gptq", awq=True,
+                                         rotation_block=16, tune_steps=BEST_TUNE_STEPS)],
     "fp8-kv": lambda: [KvCacheQuantization(format="fp8", scaling="per_tensor")],
     "nvfp4-kv": lambda: [KvCacheQuantization(format="nvfp4")],
     # FP4 MLPs/experts (NVFP4 W4A4 on Blackwell, W4A16 on Hopper), FP8 attention, 2 most sensitive groups BF16;

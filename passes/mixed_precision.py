@@ -351,6 +351,7 @@ class WeightQuantization(Pass):
         by_layer: dict[int | None, list[Linear]] = {}
         for lin in chosen:
             by_layer.setdefault(lin.layer, []).append(lin)
+        idle: list[str] = []
         for layer in sorted(by_layer, key=lambda i: (i is None, i or 0)):
             lins = by_layer[layer]
             if self.awq:
@@ -358,15 +359,34 @@ class WeightQuantization(Pass):
             for stage in sorted({_stage(lin) for lin in lins}):
                 members = [lin for lin in lins if _stage(lin) == stage]
                 stats = self._observe(observe, members)
+                # an MoE expert the router never picked on the calibration text has no statistics: data-free
+                # MSE scales, and (static activations) the largest input range its stage did see
+                seen = [float(o.absmax) for o in stats.values() if o.tokens]
                 for lin in members:
                     w = self._rotate(graph.weight(lin).float())
                     obs = stats[lin.name]
-                    input_scale = static_input_scale(self.format, obs.absmax) if self.activations == "static" else None
-                    qw = quantize_linear_weight(w, self.format, self.granularity, self._act(), method=self.method,
-                                                hessian=obs.hessian, act_order=self.act_order,
-                                                damping=self.damping, input_scale=input_scale)
-                    self._store(lin, w, replace(qw, method=self._method_label(tuned=False),
-                                                rotation_block=self.rotation_block), result)
+                    input_scale = None
+                    if self.activations == "static":
+                        if not seen:
+                            raise KilnError(f"{self.name}: no calibration token reached {lin.name} or the linears "
+                                            "beside it, so there is no input range for a static scale")
+                        absmax = obs.absmax if obs.tokens else torch.tensor(max(seen))
+                        input_scale = static_input_scale(self.format, absmax)
+                    if obs.tokens:
+                        qw = quantize_linear_weight(w, self.format, self.granularity, self._act(),
+                                                    method=self.method, hessian=obs.hessian,
+                                                    act_order=self.act_order, damping=self.damping,
+                                                    input_scale=input_scale)
+                        qw = replace(qw, method=self._method_label(tuned=False))
+                    else:
+                        idle.append(lin.name)
+                        qw = quantize_linear_weight(w, self.format, self.granularity, self._act(),
+                                                    method="rtn" if self.method == "rtn" else "mse",
+                                                    input_scale=input_scale)
+                    self._store(lin, w, replace(qw, rotation_block=self.rotation_block), result)
+        if idle:
+            result.notes.append(f"{len(idle)} linear(s) saw no calibration token (experts never routed to), "
+                                f"data-free MSE scales: {', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''}")
         if self.tune_steps:
             self._tune(graph, session, chosen, result, ctx.log)
         return result
