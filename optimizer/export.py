@@ -57,6 +57,9 @@ def modelopt_algo(module: str, entry: Mapping, tensors: Mapping[str, torch.Tenso
     fmt, act = entry.get("format"), entry.get("activation", "none")
     if fmt == "dense":
         return None
+    if entry.get("input_rotation"):
+        raise KilnError(f"{module}: its input is rotated online (Hadamard block {entry['input_rotation']}), "
+                        "which the ModelOpt unified checkpoint cannot express; export a recipe without rotation")
     if fmt == "fp8_e4m3":
         per_tensor = tensors[f"{module}.weight_scale"].numel() == 1
         if per_tensor and act == "fp8_static_per_tensor":
@@ -112,17 +115,15 @@ def summarize_excluded(unquantized: Iterable[str], quantized: Iterable[str]) -> 
     return sorted(summary)
 
 
-def _kv_algo(kv_cache: Mapping) -> str | None:
+def _kv_algo(kv_cache: Mapping) -> None:
+    """ModelOpt's kv_cache_quant_algo: None (BF16). The artifact's quantized KV layers (fp8_e4m3 / nvfp4 with
+    calibrated scales and optional per-channel offsets) are not mapped onto ModelOpt's k_proj.k_scale /
+    v_proj.v_scale convention yet: refuse rather than write KV scales a serving engine would misread."""
     formats = {row.get("format") for row in kv_cache.values()}
-    if not formats:
-        return None
-    if formats == {"fp8"} and all(row.get("scaling") == "per_tensor" for row in kv_cache.values()):
-        return "FP8"
-    if formats == {"nvfp4"}:
-        return "NVFP4"
-    raise KilnError(f"KV-cache formats {sorted(map(str, formats))} (scaling "
-                    f"{sorted({str(r.get('scaling')) for r in kv_cache.values()})}) have no ModelOpt "
-                    "kv_cache_quant_algo; export supports FP8 per-tensor or NVFP4 for every layer")
+    if formats - {"bf16"}:
+        raise KilnError(f"KV-cache formats {sorted(map(str, formats))} are not exported yet; export an artifact "
+                        "built without a kv-cache pass (the serving engine can then apply its own FP8 KV)")
+    return None
 
 
 def hf_quant_config(manifest: Mapping, tensors: Mapping[str, torch.Tensor], embedding: str | None,

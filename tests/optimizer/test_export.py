@@ -231,3 +231,15 @@ def test_fp8_per_tensor_static_export_equals_modelopts_fp8(llama, tmp_path):
     assert {k: (v.dtype, v.shape) for k, v in a.items()} == {k: (v.dtype, v.shape) for k, v in reference.items()}
     ours_w, theirs_w = dequantize_hf_modelopt(ours), dequantize_hf_modelopt(theirs)
     assert all(torch.equal(ours_w[k], theirs_w[k]) for k in ours_w)
+
+
+def test_export_refuses_what_modelopt_cannot_express():
+    from kernels.errors import KilnError
+    from optimizer.export import _kv_algo, modelopt_algo
+
+    rotated = {"format": "mxfp4", "activation": "mxfp4", "input_rotation": 16}
+    with pytest.raises(KilnError, match="rotated online"):
+        modelopt_algo("model.layers.0.mlp.down_proj", rotated, {})
+    with pytest.raises(KilnError, match="not exported yet"):
+        _kv_algo({"0": {"format": "fp8_e4m3", "scaling": "per_tensor"}})
+    assert _kv_algo({}) is None
