@@ -233,7 +233,7 @@ def test_fp8_per_tensor_static_export_equals_modelopts_fp8(llama, tmp_path):
     assert all(torch.equal(ours_w[k], theirs_w[k]) for k in ours_w)
 
 
-def test_export_refuses_what_modelopt_cannot_express():
+def test_export_refuses_rotations_and_quantized_kv_caches():
     from kernels.errors import KilnError
     from optimizer.export import _kv_algo, modelopt_algo
 
