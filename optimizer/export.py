@@ -31,9 +31,7 @@ FP8/NVFP4 per-tensor.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -43,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from kernels import fp8
 from kernels.errors import KilnError
 from optimizer import __version__
+from optimizer.lower import atomic_directory
 from runtime.artifact import MANIFEST, WEIGHTS, read_manifest
 
 FORMATS = ("hf-modelopt",)
@@ -223,9 +222,7 @@ def export_hf_modelopt(artifact: Path | str, output: Path | str, overwrite: bool
     embedding = spec.embedding.removesuffix(".weight")
     hf_quant = hf_quant_config(manifest, tensors, embedding, [lin.name for lin in spec.linears()])
     exported = export_tensors(manifest, tensors)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    try:
+    with atomic_directory(output, overwrite) as tmp:
         save_file(exported, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if hf_quant["quantization"]["quant_algo"] or hf_quant["quantization"]["kv_cache_quant_algo"]:
             (tmp / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
@@ -235,16 +232,6 @@ def export_hf_modelopt(artifact: Path | str, output: Path | str, overwrite: bool
             if (artifact / name).is_file():
                 shutil.copyfile(artifact / name, tmp / name)
         verify_export(tmp, artifact)
-        if output.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-            os.replace(output, trash / output.name)
-            os.replace(tmp, output)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return output
 
 

@@ -7,10 +7,12 @@ engine from the same pair (after a safetensors round trip), so the gate measures
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -93,6 +95,29 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
+@contextlib.contextmanager
+def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of `out` to fill; on success rename it into place (replacing `out` only
+    when `overwrite`), on any error remove it. So a directory is either whole or absent."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise KilnError(f"output {out} already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, trash / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, overwrite: bool = False,
                    extra_files: dict[str, bytes] | None = None) -> Path:
     """Write the artifact atomically: everything into `.<name>.tmp-*` beside `out`, then rename.
@@ -103,12 +128,8 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
     for name in extra_files or {}:
         if Path(name).name != name or name in (WEIGHTS, MANIFEST, "config.json", "report.md"):
             raise KilnError(f"artifact extra file name {name!r} must be a plain file name not used by Kiln")
-    if out.exists() and not overwrite:
-        raise KilnError(f"output {out} already exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tensors, formats = lower_tensors(graph)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out, overwrite) as tmp:
         # one metadata key only: safetensors writes metadata in a nondeterministic order
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         shutil.copyfile(graph.source.path / "config.json", tmp / "config.json")
@@ -130,14 +151,4 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
             "files": files,
         }
         (tmp / MANIFEST).write_text(_json(manifest))
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, trash / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
