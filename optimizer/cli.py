@@ -50,15 +50,16 @@ def _progress_factory(label: str):
 
 def _gate_table(records_json: list[dict]) -> Table:
     table = Table(title="accuracy gate (through the runtime)")
-    for col in ("pass", "decision", "baseline ppl", "ppl", "recovery", "KL", "top-1", "floor"):
+    for col in ("pass", "decision", "baseline ppl", "ppl", "recovery", "pass recovery", "KL", "top-1", "floor"):
         table.add_column(col, justify="left" if col in ("pass", "decision") else "right")
     for p in records_json:
         g = p["gate"]
         if g is None:
-            table.add_row(p["name"], p["decision"], *[""] * 6)
+            table.add_row(p["name"], p["decision"], *[""] * 7)
         else:
             table.add_row(p["name"], p["decision"], f"{g['baseline_perplexity']:.4f}", f"{g['perplexity']:.4f}",
-                          f"{g['recovery']:.4f}", f"{g['kl']:.5f}", f"{g['top1']:.4f}", f"{g['floor']}")
+                          f"{g['recovery']:.4f}", f"{g.get('pass_recovery', g['recovery']):.4f}", f"{g['kl']:.5f}",
+                          f"{g['top1']:.4f}", f"{g['floor']}")
     return table
 
 

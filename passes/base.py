@@ -53,18 +53,28 @@ class GateResult:
     tokens: int
     floor: float
     seconds: float | None = None
+    # recovery of the graph this pass started from (1.0 for the first pass): in a pipeline each pass is
+    # judged on what it costs itself, so a KV pass after a weight pass is not charged for the weights
+    reference_recovery: float = 1.0
 
     @property
     def recovery(self) -> float:
+        """Against the source model: ppl_source / ppl_candidate."""
         return self.baseline_perplexity / self.perplexity
 
     @property
+    def pass_recovery(self) -> float:
+        """This pass's own cost: recovery relative to the graph before it. The floor applies to this."""
+        return self.recovery / self.reference_recovery
+
+    @property
     def passed(self) -> bool:
-        return self.recovery >= self.floor
+        return self.pass_recovery >= self.floor
 
     def to_json(self, timings: bool = True) -> dict:
         out = {"perplexity": round(self.perplexity, 6), "baseline_perplexity": round(self.baseline_perplexity, 6),
-               "recovery": round(self.recovery, 6), "kl": round(self.kl, 8), "top1": round(self.top1, 6),
+               "recovery": round(self.recovery, 6), "pass_recovery": round(self.pass_recovery, 6),
+               "kl": round(self.kl, 8), "top1": round(self.top1, 6),
                "tokens": self.tokens, "floor": self.floor, "passed": self.passed}
         if timings:
             out["seconds"] = None if self.seconds is None else round(self.seconds, 3)
@@ -210,10 +220,18 @@ class Pipeline(Pass):
     def run(self, graph: ModelGraph, ctx: PassContext) -> list[PassRecord]:
         """Apply every pass with its gate and back-offs; return one record per pass."""
         self.check(graph, ctx.target)
-        return [run_gated(p, graph, ctx) for p in self.flat()]
+        records, reference = [], 1.0
+        for p in self.flat():
+            record = run_gated(p, graph, ctx, reference)
+            if record.gate is not None and record.decision != "reverted":
+                reference = record.gate.recovery
+            records.append(record)
+        return records
 
 
-def run_gated(p: Pass, graph: ModelGraph, ctx: PassContext) -> PassRecord:
+def run_gated(p: Pass, graph: ModelGraph, ctx: PassContext, reference_recovery: float = 1.0) -> PassRecord:
+    """Apply `p`, gate it, back off or revert. The floor applies to the recovery relative to
+    `reference_recovery`, the source-relative recovery of the graph as the pass found it."""
     state = graph.snapshot()
     floor = p.floor(ctx)
     attempts: list[dict] = []
@@ -225,11 +243,13 @@ def run_gated(p: Pass, graph: ModelGraph, ctx: PassContext) -> PassRecord:
             raise KilnError(f"pass {candidate.name!r} matched no layers: "
                             + ("; ".join(f"{k}: {v}" for k, v in list(result.skipped.items())[:3]) or "nothing to do"))
         gate = ctx.gate(graph, floor) if ctx.gate is not None else None
+        if gate is not None:
+            gate = dataclasses.replace(gate, reference_recovery=reference_recovery)
         attempts.append({"config": config_dict(candidate), "changed": len(result.changed),
                          "skipped": len(result.skipped), "gate": gate,
                          "apply_seconds": round(time.perf_counter() - start, 3)})
         if gate is not None:
-            ctx.log(f"{candidate.name}: recovery {gate.recovery:.4f} (floor {floor}) "
+            ctx.log(f"{candidate.name}: recovery {gate.recovery:.4f}, this pass {gate.pass_recovery:.4f} (floor {floor}) "
                     f"ppl {gate.perplexity:.4f} vs {gate.baseline_perplexity:.4f} -> "
                     f"{'pass' if gate.passed else 'FAIL'}")
         return result, gate

@@ -125,3 +125,32 @@ def test_first_back_off_that_passes_is_kept(tiny_checkpoints):
     fresh = load_checkpoint(tiny_checkpoints["llama"])
     name = "model.layers.1.self_attn.q_proj"  # layer 1: scrambled by the kept back-off, not by the one-layer one
     assert not torch.equal(graph.weight(name), fresh.weight(name))
+
+
+@dataclass(frozen=True)
+class CopyNorms(Pass):
+    """Replaces norm tensors with equal copies: changes nothing the FakeGate measures."""
+
+    name: ClassVar[str] = "copy-norms"
+    default_floor: ClassVar[float] = 0.999
+
+    def apply(self, graph, ctx):
+        result = PassResult(self.name)
+        for name in graph.blocks[0].norms:
+            graph.tensors[name] = graph.tensors[name].clone()
+            result.changed[name] = "copied"
+        return result
+
+
+def test_each_pass_is_judged_on_its_own_cost(tiny_checkpoints):
+    """A later pass's floor applies to its recovery against the graph it started from, not the source."""
+    from optimizer.loader import load_checkpoint
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    scramble, copy = Pipeline([Scramble(noise=0.05, layers=1), CopyNorms()]).run(
+        graph, PassContext(get_target("hopper"), gate=FakeGate(graph)))
+    assert scramble.decision == "kept" and 0.95 <= scramble.gate.recovery < 0.999
+    # cumulative recovery is below copy-norms' floor of 0.999, yet the pass itself costs nothing
+    assert copy.gate.recovery == pytest.approx(scramble.gate.recovery)
+    assert copy.gate.pass_recovery == pytest.approx(1.0)
+    assert copy.decision == "kept"
