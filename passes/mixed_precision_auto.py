@@ -38,6 +38,8 @@ weight-quant), sequential calibration (every linear's inputs are observed once, 
 
 from __future__ import annotations
 
+import abc
+
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -263,13 +265,14 @@ class _PrecisionPass(Pass):
             raise KilnError(f"tune_lr must be a positive number, got {self.tune_lr!r}")
 
     # -- policy hooks -------------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def group_candidates(self, lin_roles: set[str], group: str, target: Target) -> tuple[str, ...]:
-        raise NotImplementedError
+        """The options a group may take on this target, cheapest first."""
 
+    @abc.abstractmethod
     def choose(self, plan: dict[str, GroupPlan], table: SensitivityTable, graph: ModelGraph,
                target: Target) -> tuple[dict[str, str], dict[str, str], dict]:
         """(group -> option, group -> why, summary for the manifest)."""
-        raise NotImplementedError
 
     # -- the plan -----------------------------------------------------------------------------------------------
     def build_plan(self, graph: ModelGraph, target: Target) -> tuple[dict[str, GroupPlan], dict[str, str]]:
