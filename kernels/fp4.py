@@ -114,3 +114,53 @@ def _check_codes(name: str, codes: object) -> None:
         raise TypeError(f"{name} must be uint8 E2M1 codes, got {codes.dtype}")
     if codes.numel() and int(codes.max()) > 15:
         raise ValueError(f"{name} must hold 4-bit codes 0..15, got a maximum of {int(codes.max())}")
+
+
+# --- shared by the block formats (NVFP4, MXFP4): input checks and padding along K ---------------------------
+
+
+def check_tensor(name: str, t: object, dtype: torch.dtype) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+
+
+def check_float_input(name: str, x: object, min_ndim: int) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_INPUT_DTYPES:
+        raise TypeError(f"{name} must have dtype in {_FLOAT_INPUT_DTYPES}, got {x.dtype}")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
+
+
+def check_packed_layout(packed: object, in_features: object, padded: int) -> None:
+    """`in_features` a positive int and `packed` uint8 [N, padded / 2]."""
+    if isinstance(in_features, bool) or not isinstance(in_features, int):
+        raise TypeError(f"in_features must be an int, got {type(in_features).__name__}")
+    if in_features <= 0:
+        raise ValueError(f"in_features must be positive, got {in_features}")
+    check_tensor("packed", packed, torch.uint8)
+    if packed.ndim != 2 or packed.shape[1] != padded // 2:
+        raise ValueError(
+            f"packed must be [N, {padded // 2}] for in_features={in_features}, got {tuple(packed.shape)}"
+        )
+
+
+def round_up(in_features: int, block: int) -> int:
+    return -(-in_features // block) * block
+
+
+def pad_last_dim(x: Tensor, padded: int) -> Tensor:
+    if x.shape[-1] == padded:
+        return x
+    return torch.nn.functional.pad(x, (0, padded - x.shape[-1]))
+
+
+def drop_padding(x: Tensor, in_features: int) -> Tensor:
+    if x.shape[-1] == in_features:
+        return x
+    return x[..., :in_features].contiguous()

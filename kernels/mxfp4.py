@@ -30,7 +30,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.fp4 import e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
+from kernels.fp4 import (
+    check_float_input,
+    check_packed_layout,
+    check_tensor,
+    drop_padding,
+    e2m1_decode,
+    e2m1_encode,
+    pack_fp4,
+    pad_last_dim,
+    round_up,
+    unpack_fp4,
+)
 
 MXFP4_BLOCK_SIZE = 32
 """Values per E8M0 block scale, along the last (K) dimension."""
@@ -47,7 +58,6 @@ E2M1_MAX_EXPONENT = 2
 MXFP4_TENSOR_NAMES = ("weight", "weight_scale")
 """Keys of `Mxfp4Weight.tensors()`."""
 
-_FLOAT_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLOAT32_MANTISSA_BITS = 23
 _FLOAT32_SUBNORMAL_2_POW_MINUS_127 = 0x00400000  # the float32 bit pattern of 2^-127
 
@@ -67,18 +77,9 @@ class Mxfp4Weight:
     in_features: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.in_features, bool) or not isinstance(self.in_features, int):
-            raise TypeError(f"in_features must be an int, got {type(self.in_features).__name__}")
-        if self.in_features <= 0:
-            raise ValueError(f"in_features must be positive, got {self.in_features}")
-        padded = padded_in_features(self.in_features)
-        _check_tensor("packed", self.packed, torch.uint8)
-        _check_tensor("scale_e8m0", self.scale_e8m0, torch.uint8)
-        if self.packed.ndim != 2 or self.packed.shape[1] != padded // 2:
-            raise ValueError(
-                f"packed must be [N, {padded // 2}] for in_features={self.in_features}, "
-                f"got {tuple(self.packed.shape)}"
-            )
+        padded = padded_in_features(self.in_features) if isinstance(self.in_features, int) else 0
+        check_packed_layout(self.packed, self.in_features, padded)
+        check_tensor("scale_e8m0", self.scale_e8m0, torch.uint8)
         expected_scale_shape = (self.packed.shape[0], padded // MXFP4_BLOCK_SIZE)
         if tuple(self.scale_e8m0.shape) != expected_scale_shape:
             raise ValueError(
@@ -113,12 +114,12 @@ class Mxfp4Weight:
 
 def padded_in_features(in_features: int) -> int:
     """`in_features` rounded up to a multiple of the MXFP4 block size (32)."""
-    return -(-in_features // MXFP4_BLOCK_SIZE) * MXFP4_BLOCK_SIZE
+    return round_up(in_features, MXFP4_BLOCK_SIZE)
 
 
 def mxfp4_block_scales(w_padded: Tensor) -> Tensor:
     """Biased E8M0 scales uint8 [..., Kp / 32] for `w_padded` [..., Kp] (Kp a multiple of 32)."""
-    _check_float_input("w_padded", w_padded, min_ndim=1)
+    check_float_input("w_padded", w_padded, min_ndim=1)
     if w_padded.shape[-1] % MXFP4_BLOCK_SIZE != 0:
         raise ValueError(
             f"w_padded's last dimension must be a multiple of {MXFP4_BLOCK_SIZE}, "
@@ -141,15 +142,15 @@ def mxfp4_quantize(w: Tensor, scale_e8m0: Tensor | None = None) -> Mxfp4Weight:
         w: float32/bfloat16/float16 [N, K], finite.
         scale_e8m0: uint8 [N, Kp / 32] biased exponents (0..254); None computes `mxfp4_block_scales`.
     """
-    _check_float_input("w", w, min_ndim=2)
+    check_float_input("w", w, min_ndim=2)
     if w.ndim != 2:
         raise ValueError(f"w must be a 2-D weight [N, K], got shape {tuple(w.shape)}")
     in_features = w.shape[1]
-    w_padded = _pad_last_dim(w.float(), padded_in_features(in_features))
+    w_padded = pad_last_dim(w.float(), padded_in_features(in_features))
     if scale_e8m0 is None:
         scale_e8m0 = mxfp4_block_scales(w_padded)
     else:
-        _check_tensor("scale_e8m0", scale_e8m0, torch.uint8)
+        check_tensor("scale_e8m0", scale_e8m0, torch.uint8)
         expected_shape = (w.shape[0], w_padded.shape[1] // MXFP4_BLOCK_SIZE)
         if tuple(scale_e8m0.shape) != expected_shape:
             raise ValueError(
@@ -169,7 +170,7 @@ def mxfp4_dequantize(q: Mxfp4Weight) -> Tensor:
     if not isinstance(q, Mxfp4Weight):
         raise TypeError(f"q must be an Mxfp4Weight, got {type(q).__name__}")
     values = e2m1_decode(unpack_fp4(q.packed))
-    return _drop_padding(_scale_blocks(values, q.scale_e8m0), q.in_features)
+    return drop_padding(_scale_blocks(values, q.scale_e8m0), q.in_features)
 
 
 def mxfp4_fake_quantize(x: Tensor) -> Tensor:
@@ -177,17 +178,17 @@ def mxfp4_fake_quantize(x: Tensor) -> Tensor:
 
     Equal to `mxfp4_dequantize(mxfp4_quantize(x))` for a 2-D x.
     """
-    _check_float_input("x", x, min_ndim=1)
+    check_float_input("x", x, min_ndim=1)
     in_features = x.shape[-1]
-    x_padded = _pad_last_dim(x.float(), padded_in_features(in_features))
+    x_padded = pad_last_dim(x.float(), padded_in_features(in_features))
     scale_e8m0 = mxfp4_block_scales(x_padded)
     values = e2m1_decode(_encode_blocks(x_padded, scale_e8m0))
-    return _drop_padding(_scale_blocks(values, scale_e8m0), in_features)
+    return drop_padding(_scale_blocks(values, scale_e8m0), in_features)
 
 
 def e8m0_to_float32(scale_e8m0: Tensor) -> Tensor:
     """Exact float32 2^(e - 127) for biased E8M0 codes 0..254 (code 0 is the subnormal 2^-127)."""
-    _check_tensor("scale_e8m0", scale_e8m0, torch.uint8)
+    check_tensor("scale_e8m0", scale_e8m0, torch.uint8)
     codes = scale_e8m0.to(torch.int32)
     bits = torch.where(codes == 0, _FLOAT32_SUBNORMAL_2_POW_MINUS_127, codes << _FLOAT32_MANTISSA_BITS)
     return bits.view(torch.float32)
@@ -204,36 +205,6 @@ def _scale_blocks(values: Tensor, scale_e8m0: Tensor) -> Tensor:
     return (blocks * e8m0_to_float32(scale_e8m0).unsqueeze(-1)).reshape(values.shape)
 
 
-def _pad_last_dim(x: Tensor, padded: int) -> Tensor:
-    if x.shape[-1] == padded:
-        return x
-    return torch.nn.functional.pad(x, (0, padded - x.shape[-1]))
-
-
-def _drop_padding(x: Tensor, in_features: int) -> Tensor:
-    if x.shape[-1] == in_features:
-        return x
-    return x[..., :in_features].contiguous()
-
-
 def _check_scale_values(scale_e8m0: Tensor) -> None:
     if scale_e8m0.numel() and int(scale_e8m0.max()) == E8M0_NAN:
         raise ValueError(f"scale_e8m0 must hold exponents 0..254; {E8M0_NAN} is the E8M0 NaN")
-
-
-def _check_tensor(name: str, t: object, dtype: torch.dtype) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-
-
-def _check_float_input(name: str, x: object, min_ndim: int) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_INPUT_DTYPES:
-        raise TypeError(f"{name} must have dtype in {_FLOAT_INPUT_DTYPES}, got {x.dtype}")
-    if x.ndim < min_ndim:
-        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(x.shape)}")
-    if x.numel() == 0:
-        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")

@@ -38,7 +38,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.fp4 import E2M1_MAX, e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
+from kernels.fp4 import (
+    E2M1_MAX,
+    check_float_input,
+    check_packed_layout,
+    check_tensor,
+    drop_padding,
+    e2m1_decode,
+    e2m1_encode,
+    pack_fp4,
+    pad_last_dim,
+    round_up,
+    unpack_fp4,
+)
 
 NVFP4_BLOCK_SIZE = 16
 """Values per E4M3 block scale, along the last (K) dimension."""
@@ -51,8 +63,6 @@ E4M3_MIN_SUBNORMAL = 2.0**-9
 
 NVFP4_TENSOR_NAMES = ("weight", "weight_scale", "weight_scale_2")
 """Keys of `Nvfp4Weight.tensors()`, as in ModelOpt's export."""
-
-_FLOAT_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -72,19 +82,10 @@ class Nvfp4Weight:
     in_features: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.in_features, bool) or not isinstance(self.in_features, int):
-            raise TypeError(f"in_features must be an int, got {type(self.in_features).__name__}")
-        if self.in_features <= 0:
-            raise ValueError(f"in_features must be positive, got {self.in_features}")
-        padded = padded_in_features(self.in_features)
-        _check_tensor("packed", self.packed, torch.uint8)
-        _check_tensor("block_scale", self.block_scale, torch.float8_e4m3fn)
-        _check_tensor("global_scale", self.global_scale, torch.float32)
-        if self.packed.ndim != 2 or self.packed.shape[1] != padded // 2:
-            raise ValueError(
-                f"packed must be [N, {padded // 2}] for in_features={self.in_features}, "
-                f"got {tuple(self.packed.shape)}"
-            )
+        padded = padded_in_features(self.in_features) if isinstance(self.in_features, int) else 0
+        check_packed_layout(self.packed, self.in_features, padded)
+        check_tensor("block_scale", self.block_scale, torch.float8_e4m3fn)
+        check_tensor("global_scale", self.global_scale, torch.float32)
         expected_scale_shape = (self.packed.shape[0], padded // NVFP4_BLOCK_SIZE)
         if tuple(self.block_scale.shape) != expected_scale_shape:
             raise ValueError(
@@ -130,7 +131,7 @@ class Nvfp4Weight:
 
 def padded_in_features(in_features: int) -> int:
     """`in_features` rounded up to a multiple of the NVFP4 block size (16)."""
-    return -(-in_features // NVFP4_BLOCK_SIZE) * NVFP4_BLOCK_SIZE
+    return round_up(in_features, NVFP4_BLOCK_SIZE)
 
 
 def nvfp4_global_scale(w: Tensor) -> Tensor:
@@ -139,7 +140,7 @@ def nvfp4_global_scale(w: Tensor) -> Tensor:
     An all-zero tensor has no natural scale; any positive one gives all-zero codes, and 1.0 keeps
     quantize from dividing by zero.
     """
-    _check_float_input("w", w, min_ndim=1)
+    check_float_input("w", w, min_ndim=1)
     amax = _abs_max(w).float()
     _check_finite_amax("w", amax)
     if amax == 0:
@@ -149,7 +150,7 @@ def nvfp4_global_scale(w: Tensor) -> Tensor:
 
 def nvfp4_block_scales(w_padded: Tensor, global_scale: Tensor | float) -> Tensor:
     """E4M3 block scales [..., Kp / 16] for `w_padded` [..., Kp] (Kp a multiple of 16) and `global_scale`."""
-    _check_float_input("w_padded", w_padded, min_ndim=1)
+    check_float_input("w_padded", w_padded, min_ndim=1)
     if w_padded.shape[-1] % NVFP4_BLOCK_SIZE != 0:
         raise ValueError(
             f"w_padded's last dimension must be a multiple of {NVFP4_BLOCK_SIZE}, "
@@ -175,16 +176,16 @@ def nvfp4_quantize(
         block_scale: float8_e4m3fn [N, Kp / 16], positive; None computes `nvfp4_block_scales`.
             Explicit scales let a calibration algorithm (e.g. an MSE search) choose them.
     """
-    _check_float_input("w", w, min_ndim=2)
+    check_float_input("w", w, min_ndim=2)
     if w.ndim != 2:
         raise ValueError(f"w must be a 2-D weight [N, K], got shape {tuple(w.shape)}")
     in_features = w.shape[1]
-    w_padded = _pad_last_dim(w.float(), padded_in_features(in_features))
+    w_padded = pad_last_dim(w.float(), padded_in_features(in_features))
     g = nvfp4_global_scale(w) if global_scale is None else _as_global_scale(global_scale, w.device)
     if block_scale is None:
         block_scale = nvfp4_block_scales(w_padded, g)
     else:
-        _check_tensor("block_scale", block_scale, torch.float8_e4m3fn)
+        check_tensor("block_scale", block_scale, torch.float8_e4m3fn)
         expected_shape = (w.shape[0], w_padded.shape[1] // NVFP4_BLOCK_SIZE)
         if tuple(block_scale.shape) != expected_shape:
             raise ValueError(
@@ -204,7 +205,7 @@ def nvfp4_dequantize(q: Nvfp4Weight) -> Tensor:
     if not isinstance(q, Nvfp4Weight):
         raise TypeError(f"q must be an Nvfp4Weight, got {type(q).__name__}")
     values = e2m1_decode(unpack_fp4(q.packed))
-    return _drop_padding(_scale_blocks(values, q.block_scale, q.global_scale), q.in_features)
+    return drop_padding(_scale_blocks(values, q.block_scale, q.global_scale), q.in_features)
 
 
 def nvfp4_fake_quantize(x: Tensor, global_scale: Tensor | float | None = None) -> Tensor:
@@ -214,13 +215,13 @@ def nvfp4_fake_quantize(x: Tensor, global_scale: Tensor | float | None = None) -
     share one per-tensor scale: `global_scale` when given, else `nvfp4_global_scale(x)`. Equal to
     `nvfp4_dequantize(nvfp4_quantize(x))` for a 2-D x.
     """
-    _check_float_input("x", x, min_ndim=1)
+    check_float_input("x", x, min_ndim=1)
     in_features = x.shape[-1]
-    x_padded = _pad_last_dim(x.float(), padded_in_features(in_features))
+    x_padded = pad_last_dim(x.float(), padded_in_features(in_features))
     g = nvfp4_global_scale(x) if global_scale is None else _as_global_scale(global_scale, x.device)
     block_scale = nvfp4_block_scales(x_padded, g)
     values = e2m1_decode(_encode_blocks(x_padded, block_scale, g))
-    return _drop_padding(_scale_blocks(values, block_scale, g), in_features)
+    return drop_padding(_scale_blocks(values, block_scale, g), in_features)
 
 
 def _encode_blocks(w_padded: Tensor, block_scale: Tensor, g: Tensor) -> Tensor:
@@ -234,12 +235,6 @@ def _scale_blocks(values: Tensor, block_scale: Tensor, g: Tensor) -> Tensor:
     return (blocks * (block_scale.float() * g).unsqueeze(-1)).reshape(values.shape)
 
 
-def _pad_last_dim(x: Tensor, padded: int) -> Tensor:
-    if x.shape[-1] == padded:
-        return x
-    return torch.nn.functional.pad(x, (0, padded - x.shape[-1]))
-
-
 def _abs_max(x: Tensor, dim: int | None = None) -> Tensor:
     """max(|x|) over `dim` (all of x when None), exactly; NaN if any element is NaN.
 
@@ -247,12 +242,6 @@ def _abs_max(x: Tensor, dim: int | None = None) -> Tensor:
     """
     low, high = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
     return torch.maximum(-low, high).abs()  # abs: an all -0.0 input gives +0.0
-
-
-def _drop_padding(x: Tensor, in_features: int) -> Tensor:
-    if x.shape[-1] == in_features:
-        return x
-    return x[..., :in_features].contiguous()
 
 
 def _as_global_scale(global_scale: Tensor | float, device: torch.device) -> Tensor:
@@ -290,21 +279,3 @@ def _check_finite_amax(name: str, amax: Tensor) -> None:
     # amax is NaN when any element is NaN, inf when any element is infinite.
     if not torch.isfinite(amax).all():
         raise ValueError(f"{name} must be finite, but contains NaN or inf")
-
-
-def _check_tensor(name: str, t: object, dtype: torch.dtype) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-
-
-def _check_float_input(name: str, x: object, min_ndim: int) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_INPUT_DTYPES:
-        raise TypeError(f"{name} must have dtype in {_FLOAT_INPUT_DTYPES}, got {x.dtype}")
-    if x.ndim < min_ndim:
-        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(x.shape)}")
-    if x.numel() == 0:
-        raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
