@@ -9,9 +9,10 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from optimizer.defaults import SAMPLE_TEXT
+from tests.breakage import broken_copy
 from tests.conftest import EVAL_TEXT, ROOT, STORIES, needs_stories
 
 
@@ -50,39 +51,19 @@ def test_two_builds_are_byte_identical(cli, generated_checkpoint, tmp_path):
         assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes(), name
 
 
-def _break(kind, src, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(src, ckpt)
-    weights = ckpt / "model.safetensors"
-    if kind == "missing config.json":
-        (ckpt / "config.json").unlink()
-    elif kind == "truncated safetensors":
-        weights.write_bytes(weights.read_bytes()[:1000])
-    elif kind == "NaN weight":
-        t = load_file(weights)
-        t["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
-        save_file(t, weights)
-    elif kind == "unknown architecture":
-        cfg = json.loads((ckpt / "config.json").read_text())
-        cfg["model_type"] = "bloom"
-        (ckpt / "config.json").write_text(json.dumps(cfg))
-    elif kind == "pickle-only checkpoint":
-        weights.unlink()
-        (ckpt / "pytorch_model.bin").write_bytes(b"\x80\x04not-unpickled")
-    return ckpt
-
-
 @pytest.mark.parametrize("kind, message", [
-    ("missing config.json", "no config.json"),
-    ("truncated safetensors", "corrupt or truncated"),
-    ("NaN weight", "contains NaN"),
-    ("unknown architecture", "unsupported architecture 'bloom'"),
-    ("pickle-only checkpoint", "only pickle weights"),
+    ("no_config", "no config.json"),
+    ("truncated", "corrupt or truncated"),
+    ("nan", "contains NaN"),
+    ("unknown_arch", "unsupported architecture 'gpt2'"),
+    ("pickle_only", "only pickle weights"),
+    ("missing_tensor", "lacks 1 tensor"),
     ("unknown recipe", "unknown recipe 'fp7'"),
 ])
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(cli, generated_checkpoint, tmp_path, kind, message):
-    ckpt = _break(kind, generated_checkpoint, tmp_path)
-    recipe = "fp7" if kind == "unknown recipe" else "fp8-weights"
+    unknown_recipe = kind == "unknown recipe"
+    ckpt = broken_copy(generated_checkpoint, tmp_path / "ckpt", "intact" if unknown_recipe else kind)
+    recipe = "fp7" if unknown_recipe else "fp8-weights"
     outdir = tmp_path / "outs"
     outdir.mkdir()
     code, stdout, stderr = cli("build", ckpt, "--recipe", recipe, "-o", outdir / "art", "--eval-data", SAMPLE_TEXT)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels.errors import KilnError
 from optimizer.loader import load_checkpoint
+from tests.breakage import broken_copy
 from tests.conftest import STORIES, needs_stories
 
 # Expected structure of the tiny configs in tests/tiny_models.py
@@ -97,11 +98,6 @@ def test_sharded_checkpoint_loads_the_same(tiny_checkpoints, tmp_path):
         assert torch.equal(graph.tensors[k], v)
 
 
-def _copy(src, dst):
-    shutil.copytree(src, dst)
-    return dst
-
-
 @pytest.mark.parametrize("breakage, message", [
     ("no_config", "no config.json"),
     ("truncated", "corrupt or truncated"),
@@ -111,28 +107,7 @@ def _copy(src, dst):
     ("missing_tensor", "lacks 1 tensor"),
 ])
 def test_bad_checkpoints_raise_one_line_errors(tiny_checkpoints, tmp_path, breakage, message):
-    ckpt = _copy(tiny_checkpoints["llama"], tmp_path / "ckpt")
-    weights = ckpt / "model.safetensors"
-    if breakage == "no_config":
-        (ckpt / "config.json").unlink()
-    elif breakage == "truncated":
-        data = weights.read_bytes()
-        weights.write_bytes(data[: len(data) // 2])
-    elif breakage == "nan":
-        tensors = load_file(weights)
-        tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
-        save_file(tensors, weights)
-    elif breakage == "unknown_arch":
-        cfg = json.loads((ckpt / "config.json").read_text())
-        cfg["model_type"] = "gpt2"
-        (ckpt / "config.json").write_text(json.dumps(cfg))
-    elif breakage == "pickle_only":
-        weights.unlink()
-        (ckpt / "pytorch_model.bin").write_bytes(b"not read")
-    elif breakage == "missing_tensor":
-        tensors = load_file(weights)
-        del tensors["model.layers.0.self_attn.k_proj.weight"]
-        save_file(tensors, weights)
+    ckpt = broken_copy(tiny_checkpoints["llama"], tmp_path / "ckpt", breakage)
     with pytest.raises(KilnError) as err:
         load_checkpoint(ckpt)
     text = str(err.value)
