@@ -83,12 +83,14 @@ def _choice(field_name: str, value, allowed) -> None:
 def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_channel",
                            activation: str = "none", *, method: str = "rtn", hessian: torch.Tensor | None = None,
                            act_order: bool = True, damping: float = 0.01,
-                           input_scale: torch.Tensor | None = None) -> QuantizedWeight:
+                           input_scale: torch.Tensor | None = None,
+                           global_scale: torch.Tensor | None = None) -> QuantizedWeight:
     """Quantize one [out, in] weight to `fmt`.
 
     method "rtn" is the kernels' round-to-nearest (what every calibration refines); "mse" searches the
     scales (weighted by diag(hessian) when given); "gptq" needs `hessian` (E[x^T x] of the layer's inputs).
-    `input_scale` (static activations) is stored beside the weight.
+    `input_scale` (static activations) is stored beside the weight. `global_scale` pins NVFP4's per-tensor
+    scale (fused siblings share one: `shared_global_scale`); None: from this weight alone.
     """
     _choice("method", method, METHODS)
     w = w.float()
@@ -102,7 +104,7 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
         elif fmt == "nvfp4":
             from kernels.nvfp4 import nvfp4_quantize
 
-            tensors = nvfp4_quantize(w).tensors()
+            tensors = nvfp4_quantize(w, global_scale=global_scale).tensors()
         elif fmt == "mxfp4":
             from kernels.mxfp4 import mxfp4_quantize
 
@@ -114,12 +116,13 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
         layout = WeightLayout(fmt, granularity)
         if method == "mse":
             importance = torch.diagonal(hessian).float() if hessian is not None else None
-            scales = mse_scales(layout, w, importance)
+            scales = mse_scales(layout, w, importance, global_scale if fmt == "nvfp4" else None)
             values = layout.quantize(w, scales)
         else:
             if hessian is None:
                 raise KilnError("method='gptq' needs the layer's input Hessian (calibration data)")
-            result = gptq_quantize(w, hessian, layout, damping=damping, act_order=act_order, scales="mse")
+            result = gptq_quantize(w, hessian, layout, damping=damping, act_order=act_order, scales="mse",
+                                   global_scale=global_scale if fmt == "nvfp4" else None)
             values, scales = result.values, result.scales
         tensors = layout.pack(values, scales)
     if input_scale is not None:
@@ -182,12 +185,42 @@ def _safe(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())
 
 
-def _stage(lin: Linear) -> int:
+def stage_of(lin: Linear) -> int:
     role = lin.proj if lin.role == "expert" else lin.role
     for i, roles in enumerate(STAGES):
         if role in roles:
             return i
     raise KilnError(f"{lin.name}: no calibration stage for role {lin.role!r}")
+
+
+def fusion_key(lin: Linear) -> str:
+    """Linears that serving engines fuse into one GEMM (q/k/v; MLA q_a/kv_a; gate/up, also per expert): they
+    run with one NVFP4 per-tensor scale (and one input scale), so they must store the same one."""
+    if lin.role in ("q", "k", "v"):
+        return f"layers.{lin.layer}.qkv"
+    if lin.role in ("q_a", "kv_a"):
+        return f"layers.{lin.layer}.qkv_a"
+    if lin.role in ("gate", "up"):
+        return f"layers.{lin.layer}.{'shared_' if 'shared' in lin.name else ''}gate_up"
+    if lin.role == "expert" and lin.proj in ("gate", "up"):
+        return f"layers.{lin.layer}.experts.{lin.expert}.gate_up"
+    return lin.name
+
+
+def shared_global_scales(weights: dict[str, torch.Tensor], keys: dict[str, str]) -> dict[str, torch.Tensor]:
+    """NVFP4 per-tensor scale per linear: amax / (6 * 448) over every weight with the same fusion key (ModelOpt's
+    export unifies fused siblings the same way)."""
+    from kernels.nvfp4 import nvfp4_global_scale
+
+    amax: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        m = w.abs().amax().float()
+        amax[keys[name]] = torch.maximum(amax[keys[name]], m) if keys[name] in amax else m
+    out = {}
+    for name in weights:
+        # nvfp4_global_scale of a tensor holding only the set's maximum: the same checks and zero handling
+        out[name] = nvfp4_global_scale(amax[keys[name]].reshape(1))
+    return out
 
 
 @dataclass(frozen=True)
@@ -341,9 +374,12 @@ class WeightQuantization(Pass):
             result.notes.append(note)
             method = "mse"
         if ctx.calibrator is None or (method == "rtn" and not self.needs_calibration()):
+            weights = {lin.name: self._rotate(graph.weight(lin).float()) for lin in chosen}
+            shared = self._global_scales(chosen, weights)
             for lin in chosen:
-                w = self._rotate(graph.weight(lin).float())
-                qw = quantize_linear_weight(w, self.format, self.granularity, self._act(), method=method)
+                w = weights[lin.name]
+                qw = quantize_linear_weight(w, self.format, self.granularity, self._act(), method=method,
+                                            global_scale=shared.get(lin.name))
                 self._store(lin, w, replace(qw, rotation_block=self.rotation_block), result)
             return result
         session = ctx.calibrator.session(graph)  # before anything changes: its source is the distillation teacher
@@ -356,14 +392,16 @@ class WeightQuantization(Pass):
             lins = by_layer[layer]
             if self.awq:
                 self._awq(graph, observe, layer, lins, result)
-            for stage in sorted({_stage(lin) for lin in lins}):
-                members = [lin for lin in lins if _stage(lin) == stage]
+            for stage in sorted({stage_of(lin) for lin in lins}):
+                members = [lin for lin in lins if stage_of(lin) == stage]
                 stats = self._observe(observe, members)
                 # an MoE expert the router never picked on the calibration text has no statistics: data-free
                 # MSE scales, and (static activations) the largest input range its stage did see
                 seen = [float(o.absmax) for o in stats.values() if o.tokens]
+                weights = {lin.name: self._rotate(graph.weight(lin).float()) for lin in members}
+                shared = self._global_scales(members, weights)
                 for lin in members:
-                    w = self._rotate(graph.weight(lin).float())
+                    w = weights[lin.name]
                     obs = stats[lin.name]
                     input_scale = None
                     if self.activations == "static":
@@ -376,13 +414,13 @@ class WeightQuantization(Pass):
                         qw = quantize_linear_weight(w, self.format, self.granularity, self._act(),
                                                     method=self.method, hessian=obs.hessian,
                                                     act_order=self.act_order, damping=self.damping,
-                                                    input_scale=input_scale)
+                                                    input_scale=input_scale, global_scale=shared.get(lin.name))
                         qw = replace(qw, method=self._method_label(tuned=False))
                     else:
                         idle.append(lin.name)
                         qw = quantize_linear_weight(w, self.format, self.granularity, self._act(),
                                                     method="rtn" if self.method == "rtn" else "mse",
-                                                    input_scale=input_scale)
+                                                    input_scale=input_scale, global_scale=shared.get(lin.name))
                     self._store(lin, w, replace(qw, rotation_block=self.rotation_block), result)
         if idle:
             result.notes.append(f"{len(idle)} linear(s) saw no calibration token (experts never routed to), "
@@ -394,6 +432,12 @@ class WeightQuantization(Pass):
     # --- internals ---------------------------------------------------------------------------------------------
     def _act(self) -> str:
         return activation_format(self.format, self.activations)
+
+    def _global_scales(self, lins: list[Linear], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """NVFP4: one per-tensor scale per fused set of `lins` (q/k/v, gate/up); other formats: none."""
+        if self.format != "nvfp4":
+            return {}
+        return shared_global_scales(weights, {lin.name: fusion_key(lin) for lin in lins})
 
     def _calibration_reason(self) -> str:
         wanted = [why for flag, why in ((self.method == "gptq", "method='gptq'"), (self.awq, "awq"),

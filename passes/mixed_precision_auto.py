@@ -18,7 +18,10 @@ one, a layer's routed experts share one. Routers and norms stay in source precis
         sensitivity[g][o] = KL(source || graph) - KL(source || graph before this pass)    # ctx.logit_kl
     options = policy(sensitivity)                      # the budget solver, or the production policy
     for g in promote: options[g] = next_rung(g)         # back-off steps carried in the config
-    quantize every group to its option; then, with tune_steps, tune all of them end to end (KL to the source)
+    quantize every group to its option, sequentially (`sequential`, with calibration text and a method other
+        than rtn): block by block, stage by stage (q/k/v, o, gate/up, down), each linear on the Hessian of its
+        inputs with everything before it already quantized
+    then, with tune_steps, tune all of them end to end (KL to the source)
     next_rung(g) = the cheapest candidate of g that loses less than options[g]
                    (e.g. nvfp4-w4a4 -> nvfp4 -> fp8-w8a8 -> bf16)
 Back-off: step k promotes the group that loses most at its current option (the most sensitive remaining
@@ -33,13 +36,13 @@ experts is an error).
 Effective bits: 8 x stored bytes (weights + every scale, padding included) / weights, over the linears the
 pass assigns; BF16 counts 16 bits (the deployment dtype), kept routers and a kept lm_head are left out.
 What it does not handle: embeddings (kept), FP8 with per-tensor weights or static activation scales (use
-weight-quant), sequential calibration (every linear's inputs are observed once, on the source model).
+weight-quant), AWQ (use weight-quant). Sensitivity is measured with each group quantized on the source model's
+inputs (one observation of every linear), not sequentially.
 """
 
 from __future__ import annotations
 
 import abc
-
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -60,7 +63,7 @@ from kernels.nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK_SIZE, nvfp4_quantize
 from kernels.targets import Target
 from passes.base import Pass, PassContext, PassResult
 from passes.graph import Linear, ModelGraph, QuantizedWeight
-from passes.mixed_precision import quantize_linear_weight
+from passes.mixed_precision import fusion_key, quantize_linear_weight, shared_global_scales, stage_of
 
 BF16 = "bf16"
 
@@ -192,19 +195,6 @@ class PrecisionResult(PassResult):
         return out
 
 
-def fusion_key(lin: Linear) -> str:
-    """Linears that serving engines fuse into one GEMM (they share NVFP4 per-tensor and input scales)."""
-    if lin.role in ("q", "k", "v"):
-        return f"layers.{lin.layer}.qkv"
-    if lin.role in ("q_a", "kv_a"):
-        return f"layers.{lin.layer}.qkv_a"
-    if lin.role in ("gate", "up"):
-        return f"layers.{lin.layer}.{'shared_' if 'shared' in lin.name else ''}gate_up"
-    if lin.role == "expert" and lin.proj in ("gate", "up"):
-        return f"layers.{lin.layer}.experts.{lin.expert}.gate_up"
-    return lin.name
-
-
 @dataclass
 class InputRange:
     """What a linear's inputs looked like on the calibration text: their range, token count and, for the
@@ -243,6 +233,8 @@ class _PrecisionPass(Pass):
     max_back_offs: int | None = None
     tune_steps: int = 0
     tune_lr: float = 3e-4
+    tune_batch_tokens: int = 4096
+    sequential: bool = True
 
     default_floor: ClassVar[float] = 0.98
 
@@ -263,6 +255,11 @@ class _PrecisionPass(Pass):
             raise KilnError(f"tune_steps must be a non-negative integer, got {self.tune_steps!r}")
         if isinstance(self.tune_lr, bool) or not isinstance(self.tune_lr, int | float) or not self.tune_lr > 0:
             raise KilnError(f"tune_lr must be a positive number, got {self.tune_lr!r}")
+        if not isinstance(self.sequential, bool):
+            raise KilnError(f"sequential must be true or false, got {self.sequential!r}")
+        if isinstance(self.tune_batch_tokens, bool) or not isinstance(self.tune_batch_tokens, int) \
+                or self.tune_batch_tokens < 1:
+            raise KilnError(f"tune_batch_tokens must be a positive integer, got {self.tune_batch_tokens!r}")
 
     # -- policy hooks -------------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -348,10 +345,14 @@ class _PrecisionPass(Pass):
             options[group] = after
             reasons[group] = (f"back-off step {step}: promoted from {before} (KL {_loss(table, group, before):.3g}) "
                               f"to {after} (KL {_loss(table, group, after):.3g}), the most sensitive remaining group")
+        sequential = self.sequential and ctx.calibrator is not None and self.method != "rtn"
+        if sequential:
+            final = self._quantize_sequential(graph, ctx, plan, options)
         for group, name in options.items():
-            quantized = cache.get((group, name))
-            if quantized is None:
-                quantized = self._quantize_group(graph, plan[group], OPTIONS[name], stats)
+            if sequential:
+                quantized = {n: final[n] for n in plan[group].linears if n in final}
+            else:
+                quantized = cache.get((group, name)) or self._quantize_group(graph, plan[group], OPTIONS[name], stats)
             for lin_name in plan[group].linears:
                 lin = graph.linears[lin_name]
                 lin.quant = quantized.get(lin_name)
@@ -489,12 +490,12 @@ class _PrecisionPass(Pass):
         for lin in lins:
             sets.setdefault(fusion_key(lin), []).append(lin)
         out: dict[str, QuantizedWeight] = {}
-        for members in sets.values():
+        for key, members in sets.items():
             weights = {lin.name: graph.weight(lin).float() for lin in members}
-            global_amax = None
+            global_scales = {}
             input_scale = None
             if opt.weight == "nvfp4":
-                global_amax = max(float(w.abs().amax()) for w in weights.values())
+                global_scales = shared_global_scales(weights, dict.fromkeys(weights, key))
                 if opt.activations == "static":
                     x_amax = max(input_amax[lin.name] for lin in members)
                     input_scale = torch.tensor(x_amax / (E2M1_MAX * E4M3_MAX) if x_amax > 0 else 1.0)
@@ -502,13 +503,49 @@ class _PrecisionPass(Pass):
                 seen = stats.get(lin.name)
                 hessian = seen.hessian if seen is not None else None
                 tensors, method = calibrated_weight(weights[lin.name], opt.weight, self.method, hessian,
-                                                    global_amax)
+                                                    global_scales.get(lin.name))
                 if input_scale is not None:
                     tensors["input_scale"] = input_scale.clone()
                 fmt = "fp8_e4m3" if opt.weight == "fp8" else opt.weight
                 out[lin.name] = QuantizedWeight(fmt, tensors, opt.runtime_activation,
                                                 in_features=None if opt.weight == "fp8" else lin.in_features,
                                                 method=method)
+        return out
+
+    def _quantize_sequential(self, graph: ModelGraph, ctx: PassContext, plan: dict[str, GroupPlan],
+                             options: Mapping[str, str]) -> dict[str, QuantizedWeight]:
+        """Every assigned linear quantized block by block, stage by stage (mixed_precision.STAGES): each on the
+        Hessian of its inputs with everything before it already quantized. Linears are set on the graph as they
+        are quantized, so later stages see them; the caller stores the returned weights."""
+        session = ctx.calibrator.session(graph)
+        stages: dict[tuple[float, int], list[tuple[str, str]]] = {}
+        for group, name in options.items():
+            if name == BF16:
+                continue
+            for n in plan[group].linears:
+                lin = graph.linears[n]
+                key = (math.inf if lin.layer is None else lin.layer, stage_of(lin))
+                stages.setdefault(key, []).append((group, n))
+        routers: dict[int | None, list[str]] = {}
+        for lin in graph.iter_linears(("router",)):
+            routers.setdefault(lin.layer, []).append(lin.name)  # experts' fallback input range
+        out: dict[str, QuantizedWeight] = {}
+        for (layer, stage), members in sorted(stages.items()):
+            names = [n for _, n in members]
+            observed = names + (routers.get(None if layer == math.inf else int(layer), []) if stage == 3 else [])
+            stats: dict[str, InputRange] = {}
+
+            def observe(name: str, x: torch.Tensor, stats=stats) -> None:
+                if name not in stats:
+                    lin = graph.linears[name]
+                    stats[name] = InputRange(observer=None if lin.role == "router" else InputObserver(lin.in_features))
+                stats[name].update(x)
+
+            session.observe(observed, observe)
+            for group in dict.fromkeys(g for g, _ in members):
+                part = replace(plan[group], linears=tuple(n for g, n in members if g == group))
+                for n, q in self._quantize_group(graph, part, OPTIONS[options[group]], stats).items():
+                    graph.linears[n].quant = out[n] = q
         return out
 
     def _tune(self, graph: ModelGraph, session, names: list[str], result: PassResult, log) -> None:
@@ -526,7 +563,7 @@ class _PrecisionPass(Pass):
         norm_names = [n for block in graph.blocks if block.index in layers for n in block.norms[:2]]
         norm_names.append(graph.final_norm)
         norms = {n: torch.nn.Parameter(graph.tensors[n].float().clone()) for n in norm_names}
-        objective = session.distillation(latents, norms)
+        objective = session.distillation(latents, norms, self.tune_batch_tokens)
         params = [fq.latent for fq in latents.values()] + list(norms.values())
         history = tune(params, objective.loss, self.tune_steps, self.tune_lr, log=log)
         for name in names:
@@ -580,16 +617,13 @@ class _PrecisionPass(Pass):
 
 
 def calibrated_weight(w: torch.Tensor, fmt: str, method: str, hessian: torch.Tensor | None,
-                      global_amax: float | None) -> tuple[dict[str, torch.Tensor], str]:
+                      global_scale: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], str]:
     """(stored tensors, the method actually used) for one [N, K] weight in `fmt` (fp8 per channel, nvfp4,
-    mxfp4). The algorithms are calibration's (scale_search.mse_scales, gptq.gptq_quantize); `global_amax`
-    pins NVFP4's per-tensor scale to amax / (6 * 448), shared by fused siblings (ModelOpt's choice too).
+    mxfp4). The algorithms are calibration's (scale_search.mse_scales, gptq.gptq_quantize); `global_scale`
+    pins NVFP4's per-tensor scale (fused siblings share one: mixed_precision.shared_global_scales).
     Without a Hessian (a linear that saw no calibration token) "gptq" falls back to "mse" on the weights
     alone and "mse" to unweighted MSE: weight-only statistics."""
     layout = WeightLayout(fmt)
-    global_scale = None
-    if fmt == "nvfp4":
-        global_scale = torch.tensor(global_amax / (E2M1_MAX * E4M3_MAX) if global_amax else 1.0)
     if method == "rtn":
         if fmt == "nvfp4":
             return dict(nvfp4_quantize(w, global_scale=global_scale).tensors()), "rtn"
@@ -687,6 +721,9 @@ class AutoPrecision(_PrecisionPass):
                       (each on its own format's grid, scales fixed) and of the norms, by KL to the source model
                       on the calibration text (calibration.tuning); 0: none
         tune_lr       the tuning's Adam learning rate (cosine decay to 0)
+        tune_batch_tokens  calibration tokens per tuning step (whole paragraphs, padded)
+        sequential    quantize the assigned groups block by block on the quantized prefix's inputs (see the
+                      module doc); False: every linear on the source model's inputs
     """
 
     weight_bits: float | None = None
@@ -767,8 +804,8 @@ class ProductionPrecision(_PrecisionPass):
                             fastest FP4 (`target_fp4`: NVFP4 W4A4 on Blackwell, NVFP4 W4A16 on Hopper)
         attention           option for attention groups (q/k/v, o; MLA projections)
         keep_most_sensitive how many groups (the ones that lose most at their policy option) stay BF16
-        lm_head, method, sensitivity_paragraphs, sensitivity, promote, max_back_offs, tune_steps, tune_lr:
-                            as AutoPrecision
+        lm_head, method, sensitivity_paragraphs, sensitivity, promote, max_back_offs, tune_steps, tune_lr,
+        tune_batch_tokens, sequential: as AutoPrecision
     Back-off ladder of a group: its policy option, then (for W4A4) the same format weight-only, FP8 W8A8, BF16.
     """
 

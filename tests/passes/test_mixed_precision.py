@@ -250,3 +250,25 @@ def test_calibrated_pass_runs_on_every_architecture(tiny_checkpoints, model_type
     if model_type in ("mixtral", "qwen3_moe", "deepseek_v3"):
         assert any("AWQ folding supports" in n for n in record.result.notes)
     engine_from_graph(graph).logits(tokens)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_nvfp4_fused_siblings_share_one_global_scale(tiny_checkpoints, method):
+    """q/k/v and gate/up run as one GEMM in serving engines: one NVFP4 per-tensor scale, amax of the set / (6 * 448)."""
+    from kernels.nvfp4 import nvfp4_global_scale
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    source = {n: graph.weight(lin).float().clone() for n, lin in graph.linears.items()}
+    tokens = token_lists(graph.config["vocab_size"])
+    ctx = PassContext(get_target("hopper"), calibration_tokens=tokens,
+                      calibrator=RuntimeCalibrator(tokens) if method != "rtn" else None)
+    Pipeline([WeightQuantization(format="nvfp4", method=method, act_order=False)]).run(graph, ctx)
+    a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    sets = [[a + "q_proj", a + "k_proj", a + "v_proj"], [m + "gate_proj", m + "up_proj"], [a + "o_proj"],
+            [m + "down_proj"]]
+    for names in sets:
+        expected = nvfp4_global_scale(torch.cat([source[n].flatten() for n in names]))
+        for n in names:
+            assert torch.equal(graph.linears[n].quant.tensors["weight_scale_2"], expected), n
+    assert not torch.equal(graph.linears[a + "o_proj"].quant.tensors["weight_scale_2"],
+                           graph.linears[a + "q_proj"].quant.tensors["weight_scale_2"])

@@ -290,3 +290,23 @@ def test_gptq_and_end_to_end_tuning_over_mixed_formats(tiny):
     assert before(graph, 6) > 0
     with pytest.raises(KilnError, match="tune_steps"):
         AutoPrecision(weight_bits=5.0, tune_steps=-1)
+
+
+def test_final_quantization_is_sequential(tiny):
+    """With `sequential`, block 1 is quantized on the inputs that block 0, already quantized, produces; block 0's
+    first stage sees source inputs either way."""
+    graph0 = load_checkpoint(tiny["llama"])
+    plan, _ = AutoPrecision(weight_bits=16.0).build_plan(graph0, get_target("hopper"))
+    table = tuple((g, "nvfp4", 0.0) for g in plan)
+    stored = {}
+    for sequential in (True, False):
+        graph = load_checkpoint(tiny["llama"])
+        p = AutoPrecision(weight_bits=5.0, candidates=("nvfp4",), method="gptq", sensitivity=table,
+                          sequential=sequential)
+        Pipeline((p,)).run(graph, context(graph, target="hopper"))
+        stored[sequential] = {n: lin.quant.tensors["weight"] for n, lin in graph.linears.items() if lin.quant}
+    assert stored[True].keys() == stored[False].keys() and len(stored[True]) == 14
+    first = "model.layers.0.self_attn.q_proj"
+    assert torch.equal(stored[True][first], stored[False][first])
+    later = [n for n in stored[True] if ".layers.1." in n]
+    assert later and all(not torch.equal(stored[True][n], stored[False][n]) for n in later)
