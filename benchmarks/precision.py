@@ -3,18 +3,20 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/precision.py [--out artifacts/bench-precision] [--methods rtn,best]
     (run it with a Python that has nvidia-modelopt, e.g. the `anchors` extra, to add ModelOpt's rows)
 
-Protocol (the gate's): calibrate on the first 256 paragraphs of calibration.txt; score the first 600 paragraphs
-of evaluation.txt through Kiln's runtime (ModelOpt rows: its fake-quantized Hugging Face model on the same
-token lists); recovery = ppl_fp32 / ppl. Every row is built for Blackwell without the gate (so nothing backs off
-or reverts), except "auto 5.0 + gate", which shows what the gate's back-off does at --min-recovery 0.985.
+Protocol (the gate's): calibrate on calibration.txt (observations on its first 256 paragraphs, end-to-end
+tuning on all of it); score the first 600 paragraphs of evaluation.txt through Kiln's runtime (ModelOpt rows:
+its fake-quantized Hugging Face model on the same token lists); recovery = ppl_fp32 / ppl. Every row is built
+for Blackwell with the gate's floor set near 0, so nothing backs off or reverts: the row is what the recipe
+itself reaches.
 Effective bits = 8 x stored bytes (weights + scales, block padding included; BF16 = 16) / weights over the
 decoder linears (the tied lm_head/embedding stays unquantized in every row and is left out). ModelOpt rows are
 counted the same way from their formats (FP8: per-tensor scales; INT4 AWQ: 4 bits + an FP16 scale per 128
 weights + an FP16 pre-quant scale per input channel). ModelOpt 0.47's NVFP4/MXFP4 fake quantization asserts
 CUDA tensors, so on this CPU machine its rows are FP8 and INT4 AWQ, and auto_quantize searches those two (plus
 BF16); its NVFP4 export is compared with Kiln's in tests/optimizer/test_export.py instead.
-Each Kiln row is built with round-to-nearest ("rtn") and with the best calibration ("best": GPTQ with MSE
-scales, then 200 steps of end-to-end tuning of the grid points and norms; "gptq" alone is also available).
+Each Kiln row is the built-in recipe of the row (`optimize build --recipe R`, "best": its calibration, e.g.
+AWQ + GPTQ + end-to-end tuning; see optimizer/recipes.py) and the same recipe rounding to nearest ("rtn": no
+GPTQ, AWQ or tuning; rotations and activation modes kept).
 Each row runs in its own process: build seconds include the gate's two scorings; peak RAM is that process's
 max RSS.
 """
@@ -39,18 +41,17 @@ STORIES = SHARED / "models" / "stories260K"
 CALIB = SHARED / "data" / "tinystories" / "calibration.txt"
 EVAL = SHARED / "data" / "tinystories" / "evaluation.txt"
 
-# label -> how the row is made: ("uniform", option) | ("auto", bits) | ("auto-gate", bits) | ("production",)
+# label -> (built-in recipe, weight bits for `auto`)
 KILN_ROWS = {
-    "FP8 W8A8": ("uniform", "fp8-w8a8"),
-    "FP8 W8A16": ("uniform", "fp8"),
-    "NVFP4 W4A16": ("uniform", "nvfp4"),
-    "NVFP4 W4A4": ("uniform", "nvfp4-w4a4"),
-    "MXFP4 W4A16": ("uniform", "mxfp4"),
-    "MXFP4 W4A4": ("uniform", "mxfp4-w4a4"),
+    "FP8 W8A8": ("fp8", None),
+    "FP8 W8A16": ("fp8-weights", None),
+    "NVFP4 W4A16": ("nvfp4-w4a16", None),
+    "NVFP4 W4A4": ("nvfp4", None),
+    "MXFP4 W4A16": ("mxfp4-w4a16", None),
+    "MXFP4 W4A4": ("mxfp4", None),
     "auto 4.5": ("auto", 4.5),
     "auto 5.0": ("auto", 5.0),
-    "production": ("production",),
-    "auto 5.0 + gate": ("auto-gate", 5.0),
+    "production": ("production", None),
 }
 MODELOPT_ROWS = {  # label -> ModelOpt config (auto_quantize: effective bits)
     "ModelOpt FP8_DEFAULT_CFG": ("FP8_DEFAULT_CFG",),
@@ -75,53 +76,60 @@ def token_lists(tokenizer, path: Path, paragraphs: int) -> list[list[int]]:
     return load_token_lists(tokenizer, path, paragraphs)
 
 
-# --methods names -> the precision passes' calibration fields
-METHODS = {"rtn": {"method": "rtn"}, "gptq": {"method": "gptq"},
-           "best": {"method": "gptq", "tune_steps": 200}}  # GPTQ, then end-to-end tuning (calibration.tuning)
+METHODS = ("rtn", "best")
+
+
+def rtn_version(p):
+    """The same pass rounding to nearest: no GPTQ, AWQ or tuning (rotations and activation modes stay)."""
+    from dataclasses import replace
+
+    from passes.mixed_precision import WeightQuantization
+
+    if isinstance(p, WeightQuantization):
+        return replace(p, method="rtn", awq=False, tune_steps=0)
+    return replace(p, method="rtn", tune_steps=0)
 
 
 def kiln_row(label: str, method: str, paragraphs: int) -> dict:
     import torch
 
     from optimizer.build import build
-    from optimizer.recipes import Recipe
-    from passes.mixed_precision_auto import AutoPrecision, ProductionPrecision
+    from optimizer.recipes import Recipe, resolve_recipe
 
     torch.set_num_threads(1)
-    kind = KILN_ROWS[label]
-    calibration = METHODS[method]
-    if kind[0] == "uniform":
-        p = ProductionPrecision(mlp=kind[1], attention=kind[1], keep_most_sensitive=0, **calibration)
-        recipe = Recipe(label, (p,))
-    elif kind[0] in ("auto", "auto-gate"):
-        recipe = Recipe(label, (AutoPrecision(weight_bits=kind[1], **calibration),))
-    else:
-        recipe = Recipe(label, (ProductionPrecision(**calibration),))
-    gated = kind[0] == "auto-gate"
-    if kind[0] == "uniform":  # one option for every group: nothing to rank, so no sensitivity is measured
-        recipe = Recipe(label, (uniform_with_zero_table(recipe.passes[0]),))
+    name, bits = KILN_ROWS[label]
+    recipe = resolve_recipe(name, weight_bits=bits)
+    if method == "rtn":
+        recipe = Recipe(f"{name} (rtn)", tuple(rtn_version(p) for p in recipe.passes))
     start = time.perf_counter()
     result = build(STORIES, "blackwell", recipe, None, eval_data=EVAL, calib_data=CALIB, paragraphs=paragraphs,
-                   gate=True, min_recovery=0.985 if gated else 1e-6)
+                   gate=True, min_recovery=1e-6)
     seconds = time.perf_counter() - start
     record = result.records[0]
-    precision = result.graph.metadata["precision"]
-    return {"label": label, "method": method, "recovery": record.gate.recovery, "kl": record.gate.kl,
-            "ppl": record.gate.perplexity, "baseline_ppl": record.gate.baseline_perplexity,
-            "bits": precision["effective_bits"], "seconds": seconds, "decision": record.decision,
-            "back_offs": len(record.attempts) - 1,
-            "formats": _count(e["option"] for e in precision["groups"].values())}
+    bits, formats = effective_bits(result.graph)
+    return {"label": label, "method": method, "recipe": name, "recovery": record.gate.recovery,
+            "kl": record.gate.kl, "ppl": record.gate.perplexity, "baseline_ppl": record.gate.baseline_perplexity,
+            "bits": bits, "seconds": seconds, "decision": record.decision, "formats": formats}
 
 
-def uniform_with_zero_table(p):
-    """A production pass with one option everywhere and an all-zero sensitivity table: nothing to measure."""
-    from dataclasses import replace
-
-    from kernels.targets import get_target
-    from optimizer.loader import load_checkpoint
-
-    plan, _ = p.build_plan(load_checkpoint(STORIES), get_target("blackwell"))
-    return replace(p, sensitivity=tuple((g, o, 0.0) for g, gp in plan.items() for o in gp.candidates if o != "bf16"))
+def effective_bits(graph) -> tuple[float, dict[str, int]]:
+    """8 x stored bytes / weights over the decoder linears (routers and the lm_head left out; BF16 = 16 bits),
+    and how many linears each stored format has."""
+    total, weights, formats = 0, 0, {}
+    for lin in graph.iter_linears():
+        if lin.role in ("lm_head", "router"):
+            continue
+        n = lin.out_features * lin.in_features
+        weights += n
+        if lin.quant is None:
+            total += 2 * n
+            kind = "bf16"
+        else:
+            total += sum(t.numel() * t.element_size() for t in lin.quant.tensors.values())
+            act = lin.quant.activation
+            kind = lin.quant.format + ("" if act == "none" else f" + {act} act")
+        formats[kind] = formats.get(kind, 0) + 1
+    return 8 * total / weights, formats
 
 
 def _count(values) -> dict[str, int]:
@@ -168,7 +176,7 @@ def modelopt_row(label: str, paragraphs: int) -> dict:
     score = hf_score(model, evaluation)
     return {"label": label, "method": "modelopt", "recovery": baseline.perplexity / score.perplexity,
             "ppl": score.perplexity, "baseline_ppl": baseline.perplexity, "bits": modelopt_bits(model),
-            "seconds": seconds, "decision": "", "back_offs": 0, "formats": {}}
+            "seconds": seconds, "decision": "", "formats": {}}
 
 
 def hf_score(model, lists):
@@ -234,8 +242,8 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
         notes = ", ".join(f"{n}x {o}" for o, n in sorted(r.get("formats", {}).items()))
-        if r.get("decision") == "backed-off":
-            notes = f"gate backed off {r['back_offs']} step(s): " + notes
+        if r.get("recipe"):
+            notes = f"--recipe {r['recipe']}: {notes}"
         lines.append(f"| {r['label']:27s} | {r['method']:8s} | {r['recovery']:8.4f} | {r['bits']:9.3f} | "
                      f"{r['seconds']:7.1f} | {r['peak_rss_mib']:12.0f} | {notes} |")
     return "\n".join(lines)
@@ -248,7 +256,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8.5, 5.5), dpi=110)
-    style = {"rtn": ("o", "#1f77b4"), "gptq": ("s", "#2ca02c"), "best": ("D", "#9467bd"),
+    style = {"rtn": ("o", "#1f77b4"), "best": ("D", "#9467bd"),
              "modelopt": ("^", "#d62728")}
     for method, (marker, color) in style.items():
         pts = [r for r in rows if r["method"] == method]

@@ -36,7 +36,8 @@ BUILTIN_PASSES: dict[str, type[Pass]] = {
     ProductionPrecision.name: ProductionPrecision,
 }
 
-BEST_TUNE_STEPS = 200  # end-to-end tuning steps of the FP4 recipes (weight-quant, auto, production)
+BEST_TUNE_STEPS = 200  # end-to-end tuning steps of the FP4 recipes (weight-quant, production)
+AUTO_TUNE_STEPS = 400  # auto: its mixed assignment measured 0.982-0.983 after 200 steps, 0.986 after 400 (5.0 bits)
 
 BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
     "none": lambda: [],
@@ -64,7 +65,7 @@ BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
 # Recipes that take the weight budget (--weight-bits / --weight-bytes); the budget matches nothing else.
 BUDGET_RECIPES: dict[str, Callable[[float | None, int | None], list[Pass]]] = {
     "auto": lambda bits, nbytes: [AutoPrecision(weight_bits=bits, weight_bytes=nbytes, method="gptq",
-                                                tune_steps=BEST_TUNE_STEPS)],
+                                                tune_steps=AUTO_TUNE_STEPS)],
 }
 
 

@@ -25,12 +25,13 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-def make_tiny_checkpoint(model_type: str, path: Path, seed: int = 0) -> Path:
-    """Save a random tiny model of `model_type` (safetensors) to `path` and return it."""
+def make_tiny_checkpoint(model_type: str, path: Path, seed: int = 0, overrides: dict | None = None) -> Path:
+    """Save a random tiny model of `model_type` (safetensors) to `path` and return it; `overrides` replace
+    config entries (e.g. vocab_size to match a tokenizer)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **TINY_CONFIGS[model_type])
+    config = AutoConfig.for_model(model_type, **{**TINY_CONFIGS[model_type], **(overrides or {})})
     model = AutoModelForCausalLM.from_config(config)
     if model_type == "deepseek_v3":
         # random router biases so group-limited routing is exercised
