@@ -72,9 +72,11 @@ def modelopt_algo(module: str, entry: Mapping, tensors: Mapping[str, torch.Tenso
             return "NVFP4"
     elif fmt == "mxfp4" and act in ("none", "mxfp4"):
         return "mxfp4"
+    hint = ("; for an auto-precision build, leave 'fp8' (weight-only) out of its candidates in a recipe file"
+            if fmt == "fp8_e4m3" and act == "none" else "")
     raise KilnError(f"{module}: {fmt} weights with {act} activations have no ModelOpt unified-checkpoint "
                     "algorithm (exportable: FP8 per-tensor + static activations, FP8 per-channel + per-token, "
-                    "NVFP4 with calibrated input scale, NVFP4 weight-only, MXFP4)")
+                    f"NVFP4 with calibrated input scale, NVFP4 weight-only, MXFP4){hint}")
 
 
 def _layer_config(algo: str) -> dict:
