@@ -65,6 +65,7 @@ STORED_FORMATS = {"fp8": "fp8_e4m3", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
 
 # Dataflow order inside a block: a stage's inputs depend only on the stages before it.
 STAGES = (("q", "k", "v", "q_a", "kv_a"), ("q_b", "kv_b"), ("o",), ("gate", "up"), ("down",), ("lm_head",))
+MLP_INPUT_STAGE = STAGES.index(("gate", "up"))  # gate/up (an MoE layer's experts and its router read the same input)
 
 # Default gate floors (recovery = ppl_source / ppl) per weight format and activation mode, used unless the
 # context sets one: the weight-only FP4 floors of the precision issue, and for FP8 and W4A4 what the built-in
@@ -90,7 +91,7 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
     method "rtn" is the kernels' round-to-nearest (what every calibration refines); "mse" searches the
     scales (weighted by diag(hessian) when given); "gptq" needs `hessian` (E[x^T x] of the layer's inputs).
     `input_scale` (static activations) is stored beside the weight. `global_scale` pins NVFP4's per-tensor
-    scale (fused siblings share one: `shared_global_scale`); None: from this weight alone.
+    scale (fused siblings share one: `shared_global_scales`); None: from this weight alone.
     """
     _choice("method", method, METHODS)
     w = w.float()

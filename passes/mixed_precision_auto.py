@@ -63,7 +63,13 @@ from kernels.nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK_SIZE, nvfp4_quantize
 from kernels.targets import Target
 from passes.base import Pass, PassContext, PassResult
 from passes.graph import Linear, ModelGraph, QuantizedWeight
-from passes.mixed_precision import fusion_key, quantize_linear_weight, shared_global_scales, stage_of
+from passes.mixed_precision import (
+    MLP_INPUT_STAGE,
+    fusion_key,
+    quantize_linear_weight,
+    shared_global_scales,
+    stage_of,
+)
 
 BF16 = "bf16"
 
@@ -545,7 +551,8 @@ class _PrecisionPass(Pass):
         out: dict[str, QuantizedWeight] = {}
         for (layer, stage), members in sorted(stages.items()):
             names = [n for _, n in members]
-            observed = names + (routers.get(None if layer == math.inf else int(layer), []) if stage == 3 else [])
+            observed = names + (routers.get(None if layer == math.inf else int(layer), []) if stage == MLP_INPUT_STAGE
+                                  else [])
             stats: dict[str, InputRange] = {}
 
             def observe(name: str, x: torch.Tensor, stats=stats) -> None:
