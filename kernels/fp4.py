@@ -164,3 +164,34 @@ def drop_padding(x: Tensor, in_features: int) -> Tensor:
     if x.shape[-1] == in_features:
         return x
     return x[..., :in_features].contiguous()
+
+
+def blocks_of(x: Tensor, block: int) -> Tensor:
+    """x [..., Kp] (Kp a multiple of `block`) viewed as [..., Kp / block, block]."""
+    return x.reshape(*x.shape[:-1], -1, block)
+
+
+def check_whole_blocks(name: str, x: Tensor, block: int) -> None:
+    if x.shape[-1] % block != 0:
+        raise ValueError(f"{name}'s last dimension must be a multiple of {block}, got shape {tuple(x.shape)}")
+
+
+def check_scale_shape(name: str, scale: Tensor, expected: tuple[int, ...], context: str = "") -> None:
+    """A block-scale tensor's shape; `context` (e.g. " for w of shape ...") goes into the message."""
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected}{context}, got {tuple(scale.shape)}")
+
+
+def abs_max(x: Tensor, dim: int | None = None) -> Tensor:
+    """max(|x|) over `dim` (all of x when None), exactly; NaN if any element is NaN.
+
+    max(-min, max) reads x once and allocates nothing the size of x, unlike x.abs().amax().
+    """
+    low, high = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
+    return torch.maximum(-low, high).abs()  # abs: an all -0.0 input gives +0.0
+
+
+def check_finite_amax(name: str, amax: Tensor) -> None:
+    # amax is NaN when any element is NaN, inf when any element is infinite.
+    if not torch.isfinite(amax).all():
+        raise ValueError(f"{name} must be finite, but contains NaN or inf")

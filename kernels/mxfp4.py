@@ -31,9 +31,14 @@ import torch
 from torch import Tensor
 
 from kernels.fp4 import (
+    abs_max,
+    blocks_of,
+    check_finite_amax,
     check_float_input,
     check_packed_layout,
+    check_scale_shape,
     check_tensor,
+    check_whole_blocks,
     drop_padding,
     e2m1_decode,
     e2m1_encode,
@@ -80,11 +85,7 @@ class Mxfp4Weight:
         padded = padded_in_features(self.in_features) if isinstance(self.in_features, int) else 0
         check_packed_layout(self.packed, self.in_features, padded)
         check_tensor("scale_e8m0", self.scale_e8m0, torch.uint8)
-        expected_scale_shape = (self.packed.shape[0], padded // MXFP4_BLOCK_SIZE)
-        if tuple(self.scale_e8m0.shape) != expected_scale_shape:
-            raise ValueError(
-                f"scale_e8m0 must have shape {expected_scale_shape}, got {tuple(self.scale_e8m0.shape)}"
-            )
+        check_scale_shape("scale_e8m0", self.scale_e8m0, (self.packed.shape[0], padded // MXFP4_BLOCK_SIZE))
         _check_scale_values(self.scale_e8m0)
 
     @property
@@ -120,16 +121,9 @@ def padded_in_features(in_features: int) -> int:
 def mxfp4_block_scales(w_padded: Tensor) -> Tensor:
     """Biased E8M0 scales uint8 [..., Kp / 32] for `w_padded` [..., Kp] (Kp a multiple of 32)."""
     check_float_input("w_padded", w_padded, min_ndim=1)
-    if w_padded.shape[-1] % MXFP4_BLOCK_SIZE != 0:
-        raise ValueError(
-            f"w_padded's last dimension must be a multiple of {MXFP4_BLOCK_SIZE}, "
-            f"got shape {tuple(w_padded.shape)}"
-        )
-    blocks = w_padded.float().reshape(*w_padded.shape[:-1], -1, MXFP4_BLOCK_SIZE)
-    low, high = torch.aminmax(blocks, dim=-1)  # max(-min, max) == max(|x|) without an |x| copy
-    block_amax = torch.maximum(-low, high).abs().contiguous()  # abs: an all -0.0 block gives +0.0
-    if not torch.isfinite(block_amax).all():
-        raise ValueError("w_padded must be finite, but contains NaN or inf")
+    check_whole_blocks("w_padded", w_padded, MXFP4_BLOCK_SIZE)
+    block_amax = abs_max(blocks_of(w_padded.float(), MXFP4_BLOCK_SIZE), dim=-1).contiguous()
+    check_finite_amax("w_padded", block_amax)
     # The float32 exponent field is floor(log2(amax)) + 127 for a normal amax, and 0 for 0 or a subnormal.
     biased_floor_log2 = (block_amax.view(torch.int32) >> _FLOAT32_MANTISSA_BITS) & 0xFF
     return (biased_floor_log2 - E2M1_MAX_EXPONENT).clamp(min=0).to(torch.uint8)
@@ -151,16 +145,10 @@ def mxfp4_quantize(w: Tensor, scale_e8m0: Tensor | None = None) -> Mxfp4Weight:
         scale_e8m0 = mxfp4_block_scales(w_padded)
     else:
         check_tensor("scale_e8m0", scale_e8m0, torch.uint8)
-        expected_shape = (w.shape[0], w_padded.shape[1] // MXFP4_BLOCK_SIZE)
-        if tuple(scale_e8m0.shape) != expected_shape:
-            raise ValueError(
-                f"scale_e8m0 must have shape {expected_shape} for w of shape "
-                f"{tuple(w.shape)}, got {tuple(scale_e8m0.shape)}"
-            )
+        check_scale_shape("scale_e8m0", scale_e8m0, (w.shape[0], w_padded.shape[1] // MXFP4_BLOCK_SIZE),
+                          f" for w of shape {tuple(w.shape)}")
         _check_scale_values(scale_e8m0)
-        low, high = torch.aminmax(w_padded)
-        if not (torch.isfinite(low) and torch.isfinite(high)):
-            raise ValueError("w must be finite, but contains NaN or inf")
+        check_finite_amax("w", abs_max(w_padded))
     codes = _encode_blocks(w_padded, scale_e8m0)
     return Mxfp4Weight(packed=pack_fp4(codes), scale_e8m0=scale_e8m0, in_features=in_features)
 
@@ -195,13 +183,13 @@ def e8m0_to_float32(scale_e8m0: Tensor) -> Tensor:
 
 
 def _encode_blocks(w_padded: Tensor, scale_e8m0: Tensor) -> Tensor:
-    blocks = w_padded.reshape(*w_padded.shape[:-1], -1, MXFP4_BLOCK_SIZE)  # [..., Kp/32, 32]
+    blocks = blocks_of(w_padded, MXFP4_BLOCK_SIZE)  # [..., Kp/32, 32]
     scaled = blocks / e8m0_to_float32(scale_e8m0).unsqueeze(-1)
     return e2m1_encode(scaled).reshape(w_padded.shape)
 
 
 def _scale_blocks(values: Tensor, scale_e8m0: Tensor) -> Tensor:
-    blocks = values.reshape(*values.shape[:-1], -1, MXFP4_BLOCK_SIZE)  # [..., Kp/32, 32]
+    blocks = blocks_of(values, MXFP4_BLOCK_SIZE)  # [..., Kp/32, 32]
     return (blocks * e8m0_to_float32(scale_e8m0).unsqueeze(-1)).reshape(values.shape)
 
 

@@ -40,9 +40,14 @@ from torch import Tensor
 
 from kernels.fp4 import (
     E2M1_MAX,
+    abs_max,
+    blocks_of,
+    check_finite_amax,
     check_float_input,
     check_packed_layout,
+    check_scale_shape,
     check_tensor,
+    check_whole_blocks,
     drop_padding,
     e2m1_decode,
     e2m1_encode,
@@ -86,11 +91,7 @@ class Nvfp4Weight:
         check_packed_layout(self.packed, self.in_features, padded)
         check_tensor("block_scale", self.block_scale, torch.float8_e4m3fn)
         check_tensor("global_scale", self.global_scale, torch.float32)
-        expected_scale_shape = (self.packed.shape[0], padded // NVFP4_BLOCK_SIZE)
-        if tuple(self.block_scale.shape) != expected_scale_shape:
-            raise ValueError(
-                f"block_scale must have shape {expected_scale_shape}, got {tuple(self.block_scale.shape)}"
-            )
+        check_scale_shape("block_scale", self.block_scale, (self.packed.shape[0], padded // NVFP4_BLOCK_SIZE))
         _check_block_scale_values(self.block_scale)
         if self.global_scale.ndim != 0:
             raise ValueError(f"global_scale must be 0-dim, got shape {tuple(self.global_scale.shape)}")
@@ -141,8 +142,8 @@ def nvfp4_global_scale(w: Tensor) -> Tensor:
     quantize from dividing by zero.
     """
     check_float_input("w", w, min_ndim=1)
-    amax = _abs_max(w).float()
-    _check_finite_amax("w", amax)
+    amax = abs_max(w).float()
+    check_finite_amax("w", amax)
     if amax == 0:
         return torch.ones((), dtype=torch.float32, device=w.device)
     return amax / (E2M1_MAX * E4M3_MAX)
@@ -151,15 +152,10 @@ def nvfp4_global_scale(w: Tensor) -> Tensor:
 def nvfp4_block_scales(w_padded: Tensor, global_scale: Tensor | float) -> Tensor:
     """E4M3 block scales [..., Kp / 16] for `w_padded` [..., Kp] (Kp a multiple of 16) and `global_scale`."""
     check_float_input("w_padded", w_padded, min_ndim=1)
-    if w_padded.shape[-1] % NVFP4_BLOCK_SIZE != 0:
-        raise ValueError(
-            f"w_padded's last dimension must be a multiple of {NVFP4_BLOCK_SIZE}, "
-            f"got shape {tuple(w_padded.shape)}"
-        )
+    check_whole_blocks("w_padded", w_padded, NVFP4_BLOCK_SIZE)
     g = _as_global_scale(global_scale, w_padded.device)
-    blocks = w_padded.float().reshape(*w_padded.shape[:-1], -1, NVFP4_BLOCK_SIZE)
-    block_amax = _abs_max(blocks, dim=-1)
-    _check_finite_amax("w_padded", block_amax.amax())
+    block_amax = abs_max(blocks_of(w_padded.float(), NVFP4_BLOCK_SIZE), dim=-1)
+    check_finite_amax("w_padded", block_amax.amax())
     scale = block_amax / (E2M1_MAX * g)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     return scale.clamp(min=E4M3_MIN_SUBNORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
@@ -186,14 +182,10 @@ def nvfp4_quantize(
         block_scale = nvfp4_block_scales(w_padded, g)
     else:
         check_tensor("block_scale", block_scale, torch.float8_e4m3fn)
-        expected_shape = (w.shape[0], w_padded.shape[1] // NVFP4_BLOCK_SIZE)
-        if tuple(block_scale.shape) != expected_shape:
-            raise ValueError(
-                f"block_scale must have shape {expected_shape} for w of shape "
-                f"{tuple(w.shape)}, got {tuple(block_scale.shape)}"
-            )
+        check_scale_shape("block_scale", block_scale, (w.shape[0], w_padded.shape[1] // NVFP4_BLOCK_SIZE),
+                          f" for w of shape {tuple(w.shape)}")
         _check_block_scale_values(block_scale, strictly_positive=True)
-        _check_finite_amax("w", _abs_max(w_padded))
+        check_finite_amax("w", abs_max(w_padded))
     codes = _encode_blocks(w_padded, block_scale, g)
     return Nvfp4Weight(
         packed=pack_fp4(codes), block_scale=block_scale, global_scale=g, in_features=in_features
@@ -225,23 +217,14 @@ def nvfp4_fake_quantize(x: Tensor, global_scale: Tensor | float | None = None) -
 
 
 def _encode_blocks(w_padded: Tensor, block_scale: Tensor, g: Tensor) -> Tensor:
-    blocks = w_padded.reshape(*w_padded.shape[:-1], -1, NVFP4_BLOCK_SIZE)  # [..., Kp/16, 16]
+    blocks = blocks_of(w_padded, NVFP4_BLOCK_SIZE)  # [..., Kp/16, 16]
     scaled = blocks / (block_scale.float() * g).unsqueeze(-1)
     return e2m1_encode(scaled).reshape(w_padded.shape)
 
 
 def _scale_blocks(values: Tensor, block_scale: Tensor, g: Tensor) -> Tensor:
-    blocks = values.reshape(*values.shape[:-1], -1, NVFP4_BLOCK_SIZE)  # [..., Kp/16, 16]
+    blocks = blocks_of(values, NVFP4_BLOCK_SIZE)  # [..., Kp/16, 16]
     return (blocks * (block_scale.float() * g).unsqueeze(-1)).reshape(values.shape)
-
-
-def _abs_max(x: Tensor, dim: int | None = None) -> Tensor:
-    """max(|x|) over `dim` (all of x when None), exactly; NaN if any element is NaN.
-
-    max(-min, max) reads x once and allocates nothing the size of x, unlike x.abs().amax().
-    """
-    low, high = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
-    return torch.maximum(-low, high).abs()  # abs: an all -0.0 input gives +0.0
 
 
 def _as_global_scale(global_scale: Tensor | float, device: torch.device) -> Tensor:
@@ -273,9 +256,3 @@ def _check_block_scale_values(block_scale: Tensor, strictly_positive: bool = Fal
     if smallest < 0 or (strictly_positive and smallest == 0):
         allowed = "positive" if strictly_positive else "non-negative"
         raise ValueError(f"block_scale must be {allowed}, got a minimum of {smallest}")
-
-
-def _check_finite_amax(name: str, amax: Tensor) -> None:
-    # amax is NaN when any element is NaN, inf when any element is infinite.
-    if not torch.isfinite(amax).all():
-        raise ValueError(f"{name} must be finite, but contains NaN or inf")
