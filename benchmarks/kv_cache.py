@@ -27,6 +27,9 @@ sys.path.insert(0, str(ROOT))
 from calibration.data import load_token_lists
 from kernels.targets import get_target
 from optimizer.calibrate import KvCapture
+from optimizer.defaults import CALIBRATION_TEXT as CALIB
+from optimizer.defaults import EVALUATION_TEXT as EVAL
+from optimizer.defaults import STORIES260K as STORIES
 from optimizer.gate import AccuracyGate, engine_from_graph
 from optimizer.loader import load_checkpoint
 from passes.base import PassContext
@@ -35,11 +38,6 @@ from runtime.engine import decode_one_token, load_tokenizer, prefill
 from runtime.kv_cache import ContiguousKVCache
 from runtime.kv_format import kv_bytes_per_token
 from runtime.spec import build_spec
-
-SHARED = (ROOT / ".." / "shared").resolve()
-STORIES = SHARED / "models" / "stories260K"
-CALIB = SHARED / "data" / "tinystories" / "calibration.txt"
-EVAL = SHARED / "data" / "tinystories" / "evaluation.txt"
 
 CONFIGS = [  # label, pass config (None: the BF16 baseline)
     ("bf16", None),

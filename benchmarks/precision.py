@@ -36,10 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SHARED = (ROOT / ".." / "shared").resolve()
-STORIES = SHARED / "models" / "stories260K"
-CALIB = SHARED / "data" / "tinystories" / "calibration.txt"
-EVAL = SHARED / "data" / "tinystories" / "evaluation.txt"
+from optimizer.defaults import CALIBRATION_TEXT as CALIB
+from optimizer.defaults import EVALUATION_TEXT as EVAL
+from optimizer.defaults import STORIES260K as STORIES
 
 # label -> (built-in recipe, weight bits for `auto`)
 KILN_ROWS = {

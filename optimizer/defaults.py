@@ -11,9 +11,15 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_TEXT = Path(__file__).resolve().parent / "data" / "sample.txt"
 
+# ../shared beside the project (tests and benchmarks use these fixed places; shared_dir() also looks near the cwd)
+SHARED_BESIDE = (PROJECT_ROOT / ".." / "shared").resolve()
+STORIES260K = SHARED_BESIDE / "models" / "stories260K"
+CALIBRATION_TEXT = SHARED_BESIDE / "data" / "tinystories" / "calibration.txt"
+EVALUATION_TEXT = SHARED_BESIDE / "data" / "tinystories" / "evaluation.txt"
+
 
 def shared_dir() -> Path | None:
-    for candidate in (Path.cwd() / ".." / "shared", PROJECT_ROOT / ".." / "shared", Path.cwd() / "shared"):
+    for candidate in (Path.cwd() / ".." / "shared", SHARED_BESIDE, Path.cwd() / "shared"):
         if (candidate / "models" / "stories260K" / "config.json").is_file():
             return candidate.resolve()
     return None

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
+
+from optimizer.defaults import CALIBRATION_TEXT, EVALUATION_TEXT, PROJECT_ROOT, STORIES260K
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED = (ROOT / ".." / "shared").resolve()
-STORIES = SHARED / "models" / "stories260K"
-EVAL_TEXT = SHARED / "data" / "tinystories" / "evaluation.txt"
-CALIB_TEXT = SHARED / "data" / "tinystories" / "calibration.txt"
+# the names tests import
+ROOT, STORIES, CALIB_TEXT, EVAL_TEXT = PROJECT_ROOT, STORIES260K, CALIBRATION_TEXT, EVALUATION_TEXT
 
 needs_stories = pytest.mark.skipif(not (STORIES / "config.json").is_file(), reason="../shared/models absent")
 
