@@ -15,7 +15,7 @@ import torch
 
 from kernels.errors import KilnError
 from passes.graph import Attention, Block, Linear, Mlp, ModelGraph, Source
-from runtime.artifact import sha256_file
+from runtime.artifact import read_json, sha256_file
 from runtime.spec import ModelSpec, build_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -87,10 +87,7 @@ def read_config(root: Path) -> dict:
     config_path = root / "config.json"
     if not config_path.is_file():
         raise KilnError(f"{root} has no config.json; is it a Hugging Face checkpoint directory?")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise KilnError(f"{config_path} is not valid JSON: {exc}") from None
+    config = read_json(config_path)
     if not isinstance(config, dict):
         raise KilnError(f"{config_path} must hold a JSON object")
     return config

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from kernels.errors import KilnError
 
@@ -30,6 +31,14 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file's content; a file that is not valid JSON is a one-line KilnError."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KilnError(f"{path} is not valid JSON: {exc}") from None
+
+
 def read_manifest(path: Path | str, verify: bool = True) -> dict:
     """The artifact's manifest, after checking the schema version and (by default) every file's sha256."""
     root = Path(path)
@@ -38,10 +47,7 @@ def read_manifest(path: Path | str, verify: bool = True) -> dict:
     manifest_path = root / MANIFEST
     if not manifest_path.is_file():
         raise KilnError(f"{root} is not a Kiln artifact: no {MANIFEST}")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise KilnError(f"{manifest_path} is not valid JSON: {exc}") from None
+    manifest = read_json(manifest_path)
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
         raise KilnError(f"{root}: artifact schema version {version!r}, this runtime reads version {SCHEMA_VERSION}")
