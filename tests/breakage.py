@@ -8,7 +8,16 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-KINDS = ("no_config", "truncated", "nan", "unknown_arch", "pickle_only", "missing_tensor")
+# kind -> what the one-line error must say about it
+MESSAGES = {
+    "no_config": "no config.json",
+    "truncated": "corrupt or truncated",
+    "nan": "contains NaN",
+    "unknown_arch": "unsupported architecture 'gpt2'",
+    "pickle_only": "only pickle weights",
+    "missing_tensor": "lacks 1 tensor",
+}
+KINDS = tuple(MESSAGES)
 
 
 def broken_copy(src: Path, dst: Path, kind: str) -> Path:

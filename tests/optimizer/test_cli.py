@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from optimizer.defaults import SAMPLE_TEXT
-from tests.breakage import broken_copy
+from tests.breakage import MESSAGES, broken_copy
 from tests.conftest import EVAL_TEXT, ROOT, STORIES, needs_stories
 
 
@@ -51,15 +51,7 @@ def test_two_builds_are_byte_identical(cli, generated_checkpoint, tmp_path):
         assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes(), name
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("no_config", "no config.json"),
-    ("truncated", "corrupt or truncated"),
-    ("nan", "contains NaN"),
-    ("unknown_arch", "unsupported architecture 'gpt2'"),
-    ("pickle_only", "only pickle weights"),
-    ("missing_tensor", "lacks 1 tensor"),
-    ("unknown recipe", "unknown recipe 'fp7'"),
-])
+@pytest.mark.parametrize("kind, message", [*MESSAGES.items(), ("unknown recipe", "unknown recipe 'fp7'")])
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(cli, generated_checkpoint, tmp_path, kind, message):
     unknown_recipe = kind == "unknown recipe"
     ckpt = broken_copy(generated_checkpoint, tmp_path / "ckpt", "intact" if unknown_recipe else kind)

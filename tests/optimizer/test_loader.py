@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels.errors import KilnError
 from optimizer.loader import load_checkpoint
-from tests.breakage import broken_copy
+from tests.breakage import MESSAGES, broken_copy
 from tests.conftest import STORIES, needs_stories
 
 # Expected structure of the tiny configs in tests/tiny_models.py
@@ -98,14 +98,7 @@ def test_sharded_checkpoint_loads_the_same(tiny_checkpoints, tmp_path):
         assert torch.equal(graph.tensors[k], v)
 
 
-@pytest.mark.parametrize("breakage, message", [
-    ("no_config", "no config.json"),
-    ("truncated", "corrupt or truncated"),
-    ("nan", "contains NaN"),
-    ("unknown_arch", "unsupported architecture 'gpt2'"),
-    ("pickle_only", "only pickle weights"),
-    ("missing_tensor", "lacks 1 tensor"),
-])
+@pytest.mark.parametrize("breakage, message", MESSAGES.items())
 def test_bad_checkpoints_raise_one_line_errors(tiny_checkpoints, tmp_path, breakage, message):
     ckpt = broken_copy(tiny_checkpoints["llama"], tmp_path / "ckpt", breakage)
     with pytest.raises(KilnError) as err:
