@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.fp4 import E2M1_VALUES, e2m1_decode, unpack_fp4
+from kernels.fp4 import e2m1_decode, unpack_fp4
 from kernels.mxfp4 import (
     Mxfp4Weight,
     e8m0_to_float32,
@@ -17,39 +17,24 @@ from kernels.mxfp4 import (
     mxfp4_quantize,
     padded_in_features,
 )
+from tests.kernels.fp4_cases import GRID, bits, half_step, spread_weight
 
 torch.set_num_threads(1)
 
-GRID = torch.tensor(E2M1_VALUES[:8])
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.float().contiguous().view(torch.int32)
-
-
-def _weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """Gaussian rows with a spread of magnitudes, so blocks get many different exponents."""
-    generator = torch.Generator().manual_seed(seed)
-    w = torch.randn(rows, cols, generator=generator) * 0.02
-    return w * torch.logspace(-3, 1, cols).roll(seed)[None, :]
 
 
 def _element_scales(q: Mxfp4Weight) -> torch.Tensor:
     return e8m0_to_float32(q.scale_e8m0).repeat_interleave(32, dim=1)
 
 
-def _half_step(magnitude_over_scale: torch.Tensor) -> torch.Tensor:
-    """Half the E2M1 grid spacing around |w| / scale; beyond 6 the error is the saturation overshoot."""
-    r = magnitude_over_scale
-    half = torch.where(r <= 2, 0.25, torch.where(r <= 4, 0.5, 1.0))
-    return torch.maximum(half, r - 6)
-
 
 # ---- layout and scale rule ----------------------------------------------------------------------------
 
 
 def test_layout_with_padding_k172():
-    w = _weight(8, 172)
+    w = spread_weight(8, 172)
     q = mxfp4_quantize(w)
     assert q.in_features == 172 and q.padded_in_features == 192 and q.out_features == 8
     tensors = q.tensors()
@@ -64,7 +49,7 @@ def test_layout_with_padding_k172():
 
 
 def test_tensors_round_trip_through_from_tensors():
-    q = mxfp4_quantize(_weight(4, 172))
+    q = mxfp4_quantize(spread_weight(4, 172))
     rebuilt = Mxfp4Weight.from_tensors(q.tensors(), in_features=172)
     assert torch.equal(mxfp4_dequantize(rebuilt), mxfp4_dequantize(q))
     with pytest.raises(ValueError, match="missing.*weight_scale"):
@@ -105,7 +90,7 @@ def test_floor_rule_saturates_values_between_6_and_8():
 def test_e8m0_to_float32_is_exact_for_every_code():
     codes = torch.arange(255, dtype=torch.uint8)
     expected = torch.tensor([math.ldexp(1.0, c - 127) for c in range(255)], dtype=torch.float32)
-    assert torch.equal(_bits(e8m0_to_float32(codes)), _bits(expected))
+    assert torch.equal(bits(e8m0_to_float32(codes)), bits(expected))
 
 
 # ---- properties -------------------------------------------------------------------------------------
@@ -169,7 +154,7 @@ def test_dequantized_values_lie_on_the_grid_times_the_scale(w):
     deq = mxfp4_dequantize(q)
     scale = _element_scales(q)[:, : w.shape[1]]
     codes = unpack_fp4(q.packed)[:, : w.shape[1]]
-    assert torch.equal(_bits(deq), _bits(e2m1_decode(codes) * scale))
+    assert torch.equal(bits(deq), bits(e2m1_decode(codes) * scale))
     assert ((GRID * scale[..., None]) == deq.abs()[..., None]).any(dim=-1).all()
 
 
@@ -179,17 +164,17 @@ def test_error_is_at_most_half_a_grid_step_times_the_scale(w):
     q = mxfp4_quantize(w)
     error = (w - mxfp4_dequantize(q)).abs()
     scale = _element_scales(q)[:, : w.shape[1]]
-    assert (error <= _half_step(w.abs() / scale) * scale).all()  # power-of-two scales: no rounding slack
+    assert (error <= half_step(w.abs() / scale) * scale).all()  # power-of-two scales: no rounding slack
 
 
 @settings(max_examples=40, deadline=None)
 @given(random_weight())
 def test_fake_quantize_equals_dequantize_of_quantize(w):
     expected = mxfp4_dequantize(mxfp4_quantize(w))
-    assert torch.equal(_bits(mxfp4_fake_quantize(w)), _bits(expected))
+    assert torch.equal(bits(mxfp4_fake_quantize(w)), bits(expected))
     stacked = torch.stack([w, w]).unsqueeze(1)
     assert torch.equal(
-        _bits(mxfp4_fake_quantize(stacked)), _bits(torch.stack([expected, expected]).unsqueeze(1))
+        bits(mxfp4_fake_quantize(stacked)), bits(torch.stack([expected, expected]).unsqueeze(1))
     )
 
 
@@ -254,7 +239,7 @@ def _torchao_mx(w: torch.Tensor):
     ("rows", "cols", "dtype"), [(64, 512, torch.float32), (32, 256, torch.bfloat16), (3, 32, torch.float32)]
 )
 def test_matches_torchao_mxtensor(rows, cols, dtype):
-    w = _weight(rows, cols, seed=cols)
+    w = spread_weight(rows, cols, seed=cols)
     w[0, :32] = 0  # an all-zero block: scale code 0 in both, codes 0
     w[1, :32] = 7.5  # saturates under FLOOR in both
     w = w.to(dtype)
@@ -262,7 +247,7 @@ def test_matches_torchao_mxtensor(rows, cols, dtype):
     reference = _torchao_mx(w)
     assert torch.equal(q.packed, reference.qdata.view(torch.uint8))
     assert torch.equal(q.scale_e8m0, reference.scale.view(torch.uint8))
-    assert torch.equal(_bits(mxfp4_dequantize(q)), _bits(reference.dequantize(torch.float32)))
+    assert torch.equal(bits(mxfp4_dequantize(q)), bits(reference.dequantize(torch.float32)))
 
 
 def test_scale_code_0_differs_from_torchao():

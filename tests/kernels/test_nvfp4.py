@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.fp4 import E2M1_VALUES, e2m1_decode, unpack_fp4
+from kernels.fp4 import e2m1_decode, unpack_fp4
 from kernels.nvfp4 import (
     E4M3_MIN_SUBNORMAL,
     Nvfp4Weight,
@@ -16,21 +16,12 @@ from kernels.nvfp4 import (
     nvfp4_quantize,
     padded_in_features,
 )
+from tests.kernels.fp4_cases import GRID, bits, half_step, spread_weight
 
 torch.set_num_threads(1)
 
-GRID = torch.tensor(E2M1_VALUES[:8])
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.float().contiguous().view(torch.int32)
-
-
-def _weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """Gaussian rows with a spread of magnitudes, so block scales use much of the E4M3 range."""
-    generator = torch.Generator().manual_seed(seed)
-    w = torch.randn(rows, cols, generator=generator) * 0.02
-    return w * torch.logspace(-3, 1, cols).roll(seed)[None, :]
 
 
 def _element_scales(q: Nvfp4Weight) -> torch.Tensor:
@@ -38,18 +29,12 @@ def _element_scales(q: Nvfp4Weight) -> torch.Tensor:
     return (q.block_scale.float() * q.global_scale).repeat_interleave(16, dim=1)
 
 
-def _half_step(magnitude_over_scale: torch.Tensor) -> torch.Tensor:
-    """Half the E2M1 grid spacing around |w| / scale; beyond 6 the error is the saturation overshoot."""
-    r = magnitude_over_scale
-    half = torch.where(r <= 2, 0.25, torch.where(r <= 4, 0.5, 1.0))
-    return torch.maximum(half, r - 6)
-
 
 # ---- layout -----------------------------------------------------------------------------------------
 
 
 def test_layout_with_padding_k172():
-    w = _weight(8, 172)
+    w = spread_weight(8, 172)
     q = nvfp4_quantize(w)
     assert q.in_features == 172 and q.padded_in_features == 176 and q.out_features == 8
     tensors = q.tensors()
@@ -68,7 +53,7 @@ def test_layout_with_padding_k172():
 
 
 def test_tensors_round_trip_through_from_tensors():
-    q = nvfp4_quantize(_weight(4, 172))
+    q = nvfp4_quantize(spread_weight(4, 172))
     rebuilt = Nvfp4Weight.from_tensors(q.tensors(), in_features=172)
     assert torch.equal(nvfp4_dequantize(rebuilt), nvfp4_dequantize(q))
     one_element = dict(q.tensors(), weight_scale_2=q.global_scale.reshape(1))
@@ -82,7 +67,7 @@ def test_tensors_round_trip_through_from_tensors():
 
 
 def test_global_scale_is_amax_over_6_times_448():
-    w = _weight(4, 64)
+    w = spread_weight(4, 64)
     g = nvfp4_global_scale(w)
     assert g.dtype == torch.float32 and g.shape == ()
     assert torch.equal(g, w.abs().amax() / 2688.0)
@@ -105,7 +90,7 @@ def test_block_scales_follow_modelopt():
 
 
 def test_explicit_smaller_global_scale_clips():
-    w = _weight(2, 32)
+    w = spread_weight(2, 32)
     natural = nvfp4_global_scale(w)
     q = nvfp4_quantize(w, global_scale=natural / 4)
     assert (q.block_scale.float() <= 448).all()
@@ -161,7 +146,7 @@ def test_dequantized_values_lie_on_the_grid_times_the_scale(w):
     deq = nvfp4_dequantize(q)
     scale = _element_scales(q)[:, : w.shape[1]]
     codes = unpack_fp4(q.packed)[:, : w.shape[1]]
-    assert torch.equal(_bits(deq), _bits(e2m1_decode(codes) * scale))
+    assert torch.equal(bits(deq), bits(e2m1_decode(codes) * scale))
     on_grid = ((GRID * scale[..., None]) == deq.abs()[..., None]).any(dim=-1)
     assert on_grid.all()
 
@@ -172,7 +157,7 @@ def test_error_is_at_most_half_a_grid_step_times_the_scale(w):
     q = nvfp4_quantize(w)
     error = (w - nvfp4_dequantize(q)).abs()
     scale = _element_scales(q)[:, : w.shape[1]]
-    bound = _half_step(w.abs() / scale) * scale
+    bound = half_step(w.abs() / scale) * scale
     assert (error <= bound * (1 + 1e-6)).all()
 
 
@@ -180,23 +165,23 @@ def test_error_is_at_most_half_a_grid_step_times_the_scale(w):
 @given(random_weight())
 def test_fake_quantize_equals_dequantize_of_quantize(w):
     expected = nvfp4_dequantize(nvfp4_quantize(w))
-    assert torch.equal(_bits(nvfp4_fake_quantize(w)), _bits(expected))
+    assert torch.equal(bits(nvfp4_fake_quantize(w)), bits(expected))
     # leading dimensions share the per-tensor scale
     stacked = torch.stack([w, w])
-    assert torch.equal(_bits(nvfp4_fake_quantize(stacked)), _bits(torch.stack([expected, expected])))
+    assert torch.equal(bits(nvfp4_fake_quantize(stacked)), bits(torch.stack([expected, expected])))
 
 
 def test_fake_quantize_with_a_given_global_scale_matches_quantize():
-    x = _weight(3, 40).reshape(3, 1, 40)
+    x = spread_weight(3, 40).reshape(3, 1, 40)
     g = torch.tensor(1e-4)
     expected = nvfp4_dequantize(nvfp4_quantize(x.reshape(3, 40), global_scale=g)).reshape(3, 1, 40)
-    assert torch.equal(_bits(nvfp4_fake_quantize(x, global_scale=g)), _bits(expected))
-    assert torch.equal(_bits(nvfp4_fake_quantize(x, global_scale=1e-4)), _bits(expected))
+    assert torch.equal(bits(nvfp4_fake_quantize(x, global_scale=g)), bits(expected))
+    assert torch.equal(bits(nvfp4_fake_quantize(x, global_scale=1e-4)), bits(expected))
     assert nvfp4_fake_quantize(torch.randn(7)).shape == (7,)
 
 
 def test_bfloat16_input_quantizes_like_its_float32_value():
-    w = _weight(4, 64).bfloat16()
+    w = spread_weight(4, 64).bfloat16()
     a, b = nvfp4_quantize(w), nvfp4_quantize(w.float())
     assert torch.equal(a.packed, b.packed) and torch.equal(a.global_scale, b.global_scale)
 
@@ -275,17 +260,17 @@ def _torchao_nvfp4(w: torch.Tensor, g: torch.Tensor):
 
 @pytest.mark.parametrize(("rows", "cols"), [(64, 512), (3, 16)])
 def test_matches_torchao_nvfp4tensor(rows, cols):
-    w = _weight(rows, cols, seed=cols)
+    w = spread_weight(rows, cols, seed=cols)
     q = nvfp4_quantize(w)
     reference = _torchao_nvfp4(w, q.global_scale)
     assert float(q.block_scale.float().min()) >= 2.0**-6  # inside the range where the floors agree
     assert torch.equal(q.packed, reference.qdata.view(torch.uint8))
     assert torch.equal(q.block_scale.view(torch.uint8), reference.scale.view(torch.uint8))
-    assert torch.equal(_bits(nvfp4_dequantize(q)), _bits(reference.dequantize(torch.float32)))
+    assert torch.equal(bits(nvfp4_dequantize(q)), bits(reference.dequantize(torch.float32)))
 
 
 def test_bfloat16_differs_from_torchao_only_on_exact_ties():
-    w = _weight(32, 256, seed=256).bfloat16()
+    w = spread_weight(32, 256, seed=256).bfloat16()
     q = nvfp4_quantize(w)
     reference = _torchao_nvfp4(w, q.global_scale)
     assert torch.equal(q.block_scale.view(torch.uint8), reference.scale.view(torch.uint8))
@@ -296,18 +281,18 @@ def test_bfloat16_differs_from_torchao_only_on_exact_ties():
     assert torch.isin(scaled[differs].abs(), MIDPOINTS).all()
     assert (ours[differs] % 2 == 0).all()  # Kiln's tie went to the even code
     same = ~differs
-    assert torch.equal(_bits(nvfp4_dequantize(q)[same]), _bits(reference.dequantize(torch.float32)[same]))
+    assert torch.equal(bits(nvfp4_dequantize(q)[same]), bits(reference.dequantize(torch.float32)[same]))
 
 
 def test_zero_blocks_differ_from_torchao_only_in_the_scale_byte():
-    w = _weight(4, 64)
+    w = spread_weight(4, 64)
     w[:, 16:32] = 0
     q = nvfp4_quantize(w)
     reference = _torchao_nvfp4(w, q.global_scale)
     assert (q.block_scale[:, 1].float() == 1.0).all()
     assert (reference.scale[:, 1].float() == 2.0**-6).all()
     assert torch.equal(q.packed, reference.qdata.view(torch.uint8))
-    assert torch.equal(_bits(nvfp4_dequantize(q)), _bits(reference.dequantize(torch.float32)))
+    assert torch.equal(bits(nvfp4_dequantize(q)), bits(reference.dequantize(torch.float32)))
 
 
 # ---- NVIDIA ModelOpt (optional; `pip install .[anchors]`) -------------------------------------------
@@ -316,7 +301,7 @@ def test_zero_blocks_differ_from_torchao_only_in_the_scale_byte():
 @pytest.mark.modelopt
 def test_matches_modelopt_nvfp4qtensor():
     qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
-    w = _weight(16, 172, seed=3)
+    w = spread_weight(16, 172, seed=3)
     w[:, 32:48] = 0
     quantized, block_scale, global_scale = qtensor.NVFP4QTensor.quantize(w, 16)
     q = nvfp4_quantize(w)
