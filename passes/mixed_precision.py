@@ -148,6 +148,51 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     raise KilnError(f"unknown stored format {qw.format!r}")
 
 
+def relative_error(qw: QuantizedWeight, w: torch.Tensor) -> float:
+    """||dequantize(qw) - w||^2 / ||w||^2."""
+    return float((dequantize(qw) - w).pow(2).sum() / w.pow(2).sum().clamp_min(1e-30))
+
+
+def stored_layout(qw: QuantizedWeight) -> WeightLayout:
+    """The calibration layout of a stored weight (FP8 per tensor when its scale is 0-dim)."""
+    if qw.format == "fp8_e4m3":
+        return WeightLayout("fp8", "per_tensor" if qw.tensors["weight_scale"].ndim == 0 else "per_channel")
+    return WeightLayout(qw.format)
+
+
+@dataclass
+class TunedWeights:
+    tensors: dict[str, dict[str, torch.Tensor]]  # linear -> its stored tensors after tuning (input_scale kept)
+    norms: dict[str, torch.Tensor]  # norm weight name -> tuned fp32 weight
+    note: str
+
+
+def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr: float, batch_tokens: int,
+                    log: Callable[[str], None]) -> TunedWeights:
+    """Tune the grid points (scales fixed) of the quantized linears `names`, each on its own format's grid,
+    and the norms of their blocks and the final norm, by KL to the source model on the calibration text
+    (`session.distillation`, calibration.tuning). The graph is not changed: the caller stores the result."""
+    latents: dict[str, FakeQuantWeight] = {}
+    for name in names:
+        qw = graph.linears[name].quant
+        layout = stored_layout(qw)
+        values = dequantize(qw)
+        latents[name] = FakeQuantWeight(layout, values, layout.scales_from_stored(dict(qw.tensors), values.shape[0]))
+    layers = {graph.linears[n].layer for n in names if graph.linears[n].layer is not None}
+    norm_names = [n for block in graph.blocks if block.index in layers for n in block.norms[:2]]
+    norm_names.append(graph.final_norm)
+    norms = {n: torch.nn.Parameter(graph.tensors[n].float().clone()) for n in norm_names}
+    objective = session.distillation(latents, norms, batch_tokens)
+    history = tune([fq.latent for fq in latents.values()] + list(norms.values()), objective.loss, steps, lr, log=log)
+    tensors = {}
+    for name, fq in latents.items():
+        extra = {k: v for k, v in graph.linears[name].quant.tensors.items() if k == "input_scale"}
+        tensors[name] = {**fq.layout.pack(fq.values(), fq.scales), **extra}
+    note = (f"tuned {steps} steps on {len(objective)} calibration batches: KL {history[0]:.5f} -> "
+            f"{history[-1]:.5f} (last step)")
+    return TunedWeights(tensors, {n: p.detach().clone() for n, p in norms.items()}, note)
+
+
 def activation_format(fmt: str, mode: str) -> str:
     if mode == "none":
         return "none"
@@ -455,7 +500,7 @@ class WeightQuantization(Pass):
         act = qw.activation
         result.changed[lin.name] = f"{qw.format}" + (f" + {act} activations" if act != "none" else "") + \
             (f" ({qw.method})" if qw.method != "rtn" else "")
-        result.metrics[lin.name] = float((dequantize(qw) - w).pow(2).sum() / w.pow(2).sum().clamp_min(1e-30))
+        result.metrics[lin.name] = relative_error(qw, w)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x R along the last dim (inputs, and weight rows) when the pass rotates; x otherwise."""
@@ -516,29 +561,14 @@ class WeightQuantization(Pass):
 
     def _tune(self, graph: ModelGraph, session, chosen: list[Linear], result: PassResult,
               log: Callable[[str], None]) -> None:
-        layout = WeightLayout(self.format, self.granularity)
-        latents = {}
+        tuned = tune_end_to_end(graph, session, [lin.name for lin in chosen], self.tune_steps, self.tune_lr,
+                                self.tune_batch_tokens, log)
         for lin in chosen:
-            values = dequantize(lin.quant)
-            latents[lin.name] = FakeQuantWeight(layout, values, layout.scales_from_stored(dict(lin.quant.tensors),
-                                                                                           values.shape[0]))
-        layers = {lin.layer for lin in chosen if lin.layer is not None}
-        norm_names = [n for block in graph.blocks if block.index in layers for n in block.norms[:2]]
-        norm_names.append(graph.final_norm)
-        norms = {n: torch.nn.Parameter(graph.tensors[n].float().clone()) for n in norm_names}
-        objective = session.distillation({n: fq for n, fq in latents.items()}, norms, self.tune_batch_tokens)
-        params = [fq.latent for fq in latents.values()] + list(norms.values())
-        history = tune(params, objective.loss, self.tune_steps, self.tune_lr, log=log)
-        for lin in chosen:
-            fq = latents[lin.name]
-            extra = {k: v for k, v in lin.quant.tensors.items() if k == "input_scale"}
-            tensors = {**layout.pack(fq.values(), fq.scales), **extra}
             w = self._rotate(graph.weight(lin).float())
-            self._store(lin, w, replace(lin.quant, tensors=tensors, method=self._method_label(tuned=True)), result)
-        for name, param in norms.items():
-            graph.tensors[name] = param.detach().clone()  # fp32, like the tuning
-        result.notes.append(f"tuned {self.tune_steps} steps on {len(objective)} calibration batches: "
-                            f"KL {history[0]:.5f} -> {history[-1]:.5f} (last step)")
+            qw = replace(lin.quant, tensors=tuned.tensors[lin.name], method=self._method_label(tuned=True))
+            self._store(lin, w, qw, result)
+        graph.tensors.update(tuned.norms)  # fp32, like the tuning
+        result.notes.append(tuned.note)
 
     def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
         worst = sorted(result.metrics, key=lambda name: -result.metrics[name])

@@ -56,7 +56,6 @@ from calibration.grids import WeightLayout
 from calibration.observers import InputObserver
 from calibration.scale_search import mse_scales
 from calibration.sensitivity import Choice, SensitivityTable, cheapest_bytes, solve_assignment
-from calibration.tuning import FakeQuantWeight, tune
 from kernels.errors import KilnError
 from kernels.mxfp4 import MXFP4_BLOCK_SIZE
 from kernels.nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK_SIZE, nvfp4_quantize
@@ -67,8 +66,10 @@ from passes.mixed_precision import (
     MLP_INPUT_STAGE,
     fusion_key,
     quantize_linear_weight,
+    relative_error,
     shared_global_scales,
     stage_of,
+    tune_end_to_end,
 )
 
 BF16 = "bf16"
@@ -375,7 +376,7 @@ class _PrecisionPass(Pass):
                 else:
                     w = graph.weight(lin).float()
                     result.changed[lin_name] = name
-                    result.metrics[lin_name] = _relative_error(quantized[lin_name], w)
+                    result.metrics[lin_name] = relative_error(quantized[lin_name], w)
         if teacher is not None:
             # FP4 grid points only: FP8's grid is 8x finer, and tuning it fits the calibration text instead (FP8
             # W8A8 on stories260K: 0.9951 -> 0.9907 held-out recovery with 200 steps; auto at 5.0 bits: 0.9825
@@ -569,33 +570,15 @@ class _PrecisionPass(Pass):
         return out
 
     def _tune(self, graph: ModelGraph, session, names: list[str], result: PassResult, log) -> None:
-        """End-to-end tuning of every quantized linear's grid points (scales fixed), each on its own format's grid,
-        and of the norms, against the source model's next-token distribution (calibration.tuning)."""
-        latents: dict[str, FakeQuantWeight] = {}
-        layouts: dict[str, WeightLayout] = {}
+        """End-to-end tuning of the linears `names` and the norms (mixed_precision.tune_end_to_end)."""
+        tuned = tune_end_to_end(graph, session, names, self.tune_steps, self.tune_lr, self.tune_batch_tokens, log)
         for name in names:
-            q = graph.linears[name].quant
-            layouts[name] = WeightLayout({"fp8_e4m3": "fp8"}.get(q.format, q.format))
-            values = _dequantize_weight_only(q)
-            latents[name] = FakeQuantWeight(layouts[name], values,
-                                            layouts[name].scales_from_stored(dict(q.tensors), values.shape[0]))
-        layers = {graph.linears[n].layer for n in names if graph.linears[n].layer is not None}
-        norm_names = [n for block in graph.blocks if block.index in layers for n in block.norms[:2]]
-        norm_names.append(graph.final_norm)
-        norms = {n: torch.nn.Parameter(graph.tensors[n].float().clone()) for n in norm_names}
-        objective = session.distillation(latents, norms, self.tune_batch_tokens)
-        params = [fq.latent for fq in latents.values()] + list(norms.values())
-        history = tune(params, objective.loss, self.tune_steps, self.tune_lr, log=log)
-        for name in names:
-            lin, fq = graph.linears[name], latents[name]
-            extra = {k: v for k, v in lin.quant.tensors.items() if k == "input_scale"}
-            tensors = {**layouts[name].pack(fq.values(), fq.scales), **extra}
-            lin.quant = replace(lin.quant, tensors=tensors, method=f"{lin.quant.method}+tuned")
-            result.metrics[name] = _relative_error(lin.quant, graph.weight(lin).float())
-        for name, param in norms.items():
-            graph.tensors[name] = param.detach().clone().to(graph.tensors[name].dtype)
-        result.notes.append(f"tuned {self.tune_steps} steps on {len(objective)} calibration batches: "
-                            f"KL {history[0]:.5f} -> {history[-1]:.5f} (last step)")
+            lin = graph.linears[name]
+            lin.quant = replace(lin.quant, tensors=tuned.tensors[name], method=f"{lin.quant.method}+tuned")
+            result.metrics[name] = relative_error(lin.quant, graph.weight(lin).float())
+        for name, weight in tuned.norms.items():
+            graph.tensors[name] = weight.to(graph.tensors[name].dtype)
+        result.notes.append(tuned.note)
 
     def _expert_coverage(self, graph: ModelGraph, plan: dict[str, GroupPlan], stats: Mapping[str, InputRange],
                          ctx: PassContext, result: PassResult) -> dict:
@@ -677,19 +660,6 @@ def _count(values) -> dict[str, int]:
     for v in values:
         out[v] = out.get(v, 0) + 1
     return out
-
-
-def _dequantize_weight_only(qw: QuantizedWeight) -> torch.Tensor:
-    from passes.mixed_precision import dequantize
-
-    return dequantize(replace(qw, tensors={k: v for k, v in qw.tensors.items() if k != "input_scale"}))
-
-
-def _relative_error(qw: QuantizedWeight, w: torch.Tensor) -> float:
-    from passes.mixed_precision import dequantize
-
-    weight_only = replace(qw, tensors={k: v for k, v in qw.tensors.items() if k != "input_scale"})
-    return float((dequantize(weight_only) - w).pow(2).sum() / w.pow(2).sum().clamp_min(1e-30))
 
 
 def _input_amax(graph: ModelGraph, lins: Sequence[Linear], stats: Mapping[str, InputRange]) -> dict[str, float]:
