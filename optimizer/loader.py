@@ -3,24 +3,45 @@
 Accepts a local Hugging Face directory (config.json + model.safetensors, or a sharded
 model.safetensors.index.json) or a hub id when the network allows. Safetensors only: pickle weights
 (*.bin, *.pt, *.pth) are refused, never unpickled. Tensors are read one at a time, so the model is held once.
-Every floating tensor is checked for NaN/Inf.
+
+Bad input is a one-line KilnError, found as early and as cheaply as possible: config.json's fields first
+(types, ranges, consistency), then the shard index and the safetensors headers (layer count, every tensor
+the model uses: present, shape, floating dtype), and only then the data, in one reduction per tensor
+(NaN/Inf, overflow, absurd norm gains).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 import torch
 
 from kernels.errors import KilnError
 from passes.graph import Attention, Block, Linear, Mlp, ModelGraph, Source
-from runtime.artifact import read_json, sha256_file
-from runtime.spec import ModelSpec, build_spec
+from runtime.artifact import MANIFEST, read_json, sha256_file
+from runtime.spec import ModelSpec, build_spec, check_config
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2")  # safetensors header names
+# 1-byte floats: (mask, smallest masked byte that is non-finite, what it is)
+FP8_NONFINITE = {torch.float8_e4m3fn: (0x7F, 0x7F, "NaN"), torch.float8_e5m2: (0x7F, 0x7C, "NaN/Inf")}
+FP32_MAX = torch.finfo(torch.float32).max
+NORM_LIMIT = 1e4  # real RMSNorm gains stay far below; beyond it the next matmul overflows to Inf/NaN
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers older checkpoints saved; the runtime recomputes them
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class TensorInfo(NamedTuple):
+    file: Path
+    dtype: str  # safetensors header dtype, e.g. "BF16"
+    shape: tuple[int, ...]
 
 
 def resolve_checkpoint(ref: str | Path) -> Path:
@@ -43,21 +64,30 @@ def resolve_checkpoint(ref: str | Path) -> Path:
     raise KilnError(f"checkpoint {text} not found (neither a local directory nor a hub id like org/name)")
 
 
-def _weight_files(root: Path) -> list[Path]:
+def _weight_files(root: Path) -> tuple[list[Path], dict[str, str]]:
+    """The weight files and, for a sharded checkpoint, its index's weight_map (tensor name -> shard)."""
     single = root / "model.safetensors"
     index = root / "model.safetensors.index.json"
     if single.is_file():
-        return [single]
+        return [single], {}
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise KilnError(f"{index} is not a valid safetensors index: {exc}") from None
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise KilnError(f"{index} is not a valid safetensors index: it must be a JSON object whose "
+                            "'weight_map' maps tensor names to shard files")
+        for key, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise KilnError(f"{index}: weight_map entry {key!r:.80} must name a shard file, got {shard!r:.40}")
+            # lexical check only: hub snapshots are symlinks into the cache, so resolving would always escape
+            if PurePosixPath(shard).is_absolute() or ".." in PurePosixPath(shard).parts:
+                raise KilnError(f"{index}: weight_map entry {key!r:.80} points outside the checkpoint directory "
+                                f"({shard!r:.80})")
         files = sorted({root / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise KilnError(f"{index} lists missing shard(s): {', '.join(missing)}")
-        return files
+        return files, weight_map
     pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise KilnError(f"{root} has only pickle weights ({', '.join(pickles[:3])}); Kiln never unpickles "
@@ -65,22 +95,150 @@ def _weight_files(root: Path) -> list[Path]:
     raise KilnError(f"{root} has no model.safetensors or model.safetensors.index.json")
 
 
-def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+def _corrupt(file: Path, exc: Exception) -> KilnError:
+    return KilnError(f"{file} is corrupt or truncated: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
+
+
+def _read_header(root: Path, files: list[Path], weight_map: dict[str, str]) -> dict[str, TensorInfo]:
+    """Every tensor's file, dtype and shape, from the safetensors headers alone (no tensor data is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    header: dict[str, TensorInfo] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                    if key in header:
+                        raise KilnError(f"tensor {key} is stored twice, in {header[key].file.name} and {file.name}")
+                    s = f.get_slice(key)
+                    header[key] = TensorInfo(file, s.get_dtype(), tuple(s.get_shape()))
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise _corrupt(file, exc) from None
+    for key, shard in weight_map.items():
+        if key not in header or header[key].file != root / shard:
+            raise KilnError(f"model.safetensors.index.json maps {key:.80} to {shard:.80}, which does not hold it")
+    return header
+
+
+def _check_layer_count(config: dict, header: dict[str, TensorInfo]) -> None:
+    """The config's layer count must match the layers the tensors hold: more would build a model from
+    missing weights (and a huge count would never finish), fewer would silently truncate the model."""
+    declared = config.get("num_hidden_layers")
+    if declared is None:
+        return  # transformers' default; the tensor check below names what is missing
+    held = 1 + max((int(m.group(1)) for k in header if (m := _LAYER.match(k))), default=-1)
+    if declared > held:
+        raise KilnError(f"config.json declares {declared} layers (num_hidden_layers) but the checkpoint holds "
+                        f"tensors for {held}")
+    # DeepSeek-V3 stores its multi-token-prediction layers after the decoder layers
+    mtp = (config.get("num_nextn_predict_layers") or 0) if config.get("model_type") == "deepseek_v3" else 0
+    if held > declared + mtp:
+        layers = f"layer {declared}" if held == declared + 1 else f"layers {declared}-{held - 1}"
+        raise KilnError(f"the checkpoint holds tensors for {layers}, which config.json does not declare "
+                        f"(num_hidden_layers is {declared})")
+
+
+class Expected(NamedTuple):
+    what: str  # for messages: "a linear weight", "a norm weight", ...
+    shape: tuple[int, ...]
+    required: bool = True
+
+
+NORM = "a norm weight"
+
+
+def _expected_tensors(spec: ModelSpec) -> dict[str, Expected]:
+    """Every tensor the spec uses, by name."""
+    out = {spec.embedding: Expected("the embedding", (spec.vocab_size, spec.hidden_size)),
+           spec.final_norm: Expected(NORM, (spec.hidden_size,))}
+    for ls in spec.linears():
+        tied = ls.role == "lm_head" and spec.tie_word_embeddings  # then a separate lm_head.weight is optional
+        out[f"{ls.name}.weight"] = Expected("a linear weight", (ls.out_features, ls.in_features), not tied)
+        if ls.bias:
+            out[f"{ls.name}.bias"] = Expected("a bias", (ls.out_features,))
+    for layer in spec.layers:
+        a = layer.attention
+        for name in layer.norms:
+            size = {"q_norm": a.head_dim, "k_norm": a.head_dim, "kv_a_layernorm": a.kv_lora_rank,
+                    "q_a_layernorm": a.q_lora_rank}.get(name.split(".")[-2], spec.hidden_size)
+            out[name] = Expected(NORM, (size,))
+        if layer.mlp.score_correction_bias:  # the runtime routes without it when absent
+            out[layer.mlp.score_correction_bias] = Expected("a router bias", (len(layer.mlp.experts),), False)
+    return out
+
+
+def _check_tensors(model_type: str, expected: dict[str, Expected], header: dict[str, TensorInfo]) -> list[str]:
+    """Check presence, shape and dtype of what the model uses against the header; return the unused names."""
+    missing = [name for name, e in expected.items() if e.required and name not in header]
+    if missing:
+        raise KilnError(f"checkpoint lacks {len(missing)} tensor(s) its {model_type} config needs, e.g. "
+                        f"{', '.join(missing[:3])}")
+    for name, e in expected.items():
+        info = header.get(name)
+        if info is None:
+            continue
+        if info.shape != e.shape:
+            raise KilnError(f"{name} has shape {info.shape}, config implies {e.shape}")
+        if info.dtype not in FLOAT_DTYPES:
+            raise KilnError(f"{name} has dtype {info.dtype}; {e.what} must be floating point "
+                            f"({', '.join(FLOAT_DTYPES)})")
+    return sorted(k for k in header if k not in expected and not k.endswith(IGNORED_SUFFIXES))
+
+
+def _bad_values(t: torch.Tensor) -> str | None:
+    """What is wrong with a floating tensor's values, or None. One reduction over the data (aminmax is far
+    faster than isfinite on CPU); known 1-byte floats are checked on their bit patterns, not upcast."""
+    bits = FP8_NONFINITE.get(t.dtype)
+    if bits is not None:
+        mask, lowest, what = bits
+        return f"contains {what} values" if int((t.view(torch.uint8) & mask).max()) >= lowest else None
+    lo, hi = (float(v) for v in torch.aminmax(t if t.dtype.itemsize > 1 else t.float()))  # NaN propagates
+    if math.isnan(lo) or math.isnan(hi):
+        return "contains NaN values"
+    if math.isinf(lo) or math.isinf(hi):
+        return "contains Inf values"
+    if max(-lo, hi) > FP32_MAX:
+        return "holds values beyond float32, the runtime's compute dtype"
+    return None
+
+
+def _read_tensors(files: list[Path], norms: set[str]) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
+                for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                     tensors[key] = f.get_tensor(key)
         except (SafetensorError, OSError, RuntimeError) as exc:
-            raise KilnError(f"{file} is corrupt or truncated: {str(exc).splitlines()[0]}") from None
+            raise _corrupt(file, exc) from None
     for key, t in tensors.items():
-        if t.is_floating_point() and t.dtype.itemsize > 1 and not torch.isfinite(t).all():
-            bad = "NaN" if torch.isnan(t).any() else "Inf"
-            raise KilnError(f"tensor {key} contains {bad} values; refusing to optimize a broken checkpoint")
+        problem = _bad_values(t) if t.is_floating_point() and t.numel() else None
+        if problem:
+            raise KilnError(f"tensor {key} {problem}; refusing to optimize a broken checkpoint")
+    for key in norms:
+        peak = float(tensors[key].float().abs().max())
+        if peak > NORM_LIMIT:
+            raise KilnError(f"norm weight {key} holds a value of magnitude {peak:.3g} (more than {NORM_LIMIT:g}); "
+                            "activations would overflow: refusing a broken checkpoint")
     return tensors
+
+
+def _refuse_artifact(root: Path) -> None:
+    """An engine artifact also holds config.json and model.safetensors, but its weights are packed."""
+    manifest_path = root / MANIFEST
+    if not manifest_path.is_file():
+        return
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return  # not ours
+    if isinstance(manifest, dict) and "schema_version" in manifest:
+        source = manifest.get("source")
+        checkpoint = source.get("checkpoint") if isinstance(source, dict) else None
+        raise KilnError(f"{root} is a Kiln engine artifact, not a checkpoint: give the source checkpoint it was "
+                        f"built from (manifest source: {checkpoint or 'not recorded'!s:.120})")
 
 
 def read_config(root: Path) -> dict:
@@ -90,10 +248,16 @@ def read_config(root: Path) -> dict:
     config = read_json(config_path)
     if not isinstance(config, dict):
         raise KilnError(f"{config_path} must hold a JSON object")
+    quant = config.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise KilnError(f"pre-quantized checkpoints (quantization_config quant_method {method!s:.40}) are not "
+                        "supported yet; give the unquantized checkpoint")
     return config
 
 
 def graph_from_spec(spec: ModelSpec, config: dict, source: Source, tensors: dict[str, torch.Tensor]) -> ModelGraph:
+    """The graph of a spec whose tensors `_check_tensors` has checked."""
     linears: dict[str, Linear] = {}
     for ls in spec.linears():
         tied = None
@@ -101,18 +265,6 @@ def graph_from_spec(spec: ModelSpec, config: dict, source: Source, tensors: dict
             tied = spec.embedding
         linears[ls.name] = Linear(ls.name, ls.role, ls.in_features, ls.out_features, ls.layer, ls.expert, ls.proj,
                                   ls.bias, tied_to=tied)
-    expected = [lin.weight_name for lin in linears.values()] + [spec.embedding, spec.final_norm]
-    expected += [n for layer in spec.layers for n in layer.norms]
-    expected += [f"{lin.name}.bias" for lin in linears.values() if lin.bias]
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        raise KilnError(f"checkpoint lacks {len(missing)} tensor(s) its {spec.model_type} config needs, e.g. "
-                        f"{', '.join(missing[:3])}")
-    for lin in linears.values():
-        shape = tuple(tensors[lin.weight_name].shape)
-        if shape != (lin.out_features, lin.in_features):
-            raise KilnError(f"{lin.weight_name} has shape {shape}, config implies "
-                            f"{(lin.out_features, lin.in_features)}")
     blocks = []
     for layer in spec.layers:
         a, m = layer.attention, layer.mlp
@@ -129,13 +281,27 @@ def graph_from_spec(spec: ModelSpec, config: dict, source: Source, tensors: dict
     )
 
 
-def load_checkpoint(ref: str | Path, trust_remote_code: bool = False) -> ModelGraph:
-    """Read a checkpoint into a ModelGraph, refusing anything broken with a one-line KilnError."""
+def load_checkpoint(ref: str | Path, trust_remote_code: bool = False, *,
+                    log: Callable[[str], None] = lambda message: None) -> ModelGraph:
+    """Read a checkpoint into a ModelGraph, refusing anything broken with a one-line KilnError.
+
+    Everything that can be checked from config.json and the safetensors headers is checked before any
+    tensor data is read. Tensors the model does not use are kept (and copied into the artifact) but reported
+    through `log` and listed in `graph.metadata["loader"]["unused_tensors"]`."""
     root = resolve_checkpoint(ref)
+    _refuse_artifact(root)
     config = read_config(root)
-    spec = build_spec(config, trust_remote_code)  # unsupported architectures fail here, before weights load
-    files = _weight_files(root)
-    tensors = _read_tensors(files)
+    check_config(config)  # types and ranges first: the layer count below sizes everything after it
+    files, weight_map = _weight_files(root)
+    header = _read_header(root, files, weight_map)
+    _check_layer_count(config, header)
+    spec = build_spec(config, trust_remote_code)
+    expected = _expected_tensors(spec)
+    unused = _check_tensors(spec.model_type, expected, header)
+    if unused:
+        log(f"{len(unused)} checkpoint tensor(s) are not used by the {spec.model_type} model and are copied to "
+            f"the artifact unchanged: {', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}")
+    tensors = _read_tensors(files, {name for name, e in expected.items() if e.what == NORM})
     source = Source(
         path=root.resolve(),
         name=str(ref),
@@ -143,4 +309,6 @@ def load_checkpoint(ref: str | Path, trust_remote_code: bool = False) -> ModelGr
         weight_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
         tokenizer_files=tuple(root / n for n in TOKENIZER_FILES if (root / n).is_file()),
     )
-    return graph_from_spec(spec, config, source, tensors)
+    graph = graph_from_spec(spec, config, source, tensors)
+    graph.metadata["loader"] = {"unused_tensors": unused}
+    return graph

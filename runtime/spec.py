@@ -10,6 +10,8 @@ a field out means what it means to transformers.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 
 from kernels.errors import KilnError
@@ -103,20 +105,94 @@ class ModelSpec:
         return out
 
 
-def load_hf_config(config_dict: dict, trust_remote_code: bool = False):
-    """A transformers config object for a supported model type, or a one-line KilnError."""
+# Integer config.json fields that size tensors or loops: name -> (smallest valid value, null allowed).
+# Checked before transformers sees them: its strict dataclasses raise multi-line errors, and a huge or
+# negative count would make it (or the spec) loop or allocate without end.
+INT_FIELDS = {
+    "num_hidden_layers": (1, False), "hidden_size": (1, False), "intermediate_size": (1, False),
+    "vocab_size": (1, False), "num_attention_heads": (1, False), "num_key_value_heads": (1, True),
+    "head_dim": (1, True), "max_position_embeddings": (1, False), "sliding_window": (0, True),  # 0: no window
+    "num_local_experts": (1, False), "num_experts": (0, False), "n_routed_experts": (1, True),
+    "num_experts_per_tok": (1, False), "moe_intermediate_size": (1, False),
+    "shared_expert_intermediate_size": (0, True), "n_shared_experts": (0, True), "decoder_sparse_step": (1, False),
+    "first_k_dense_replace": (0, False), "moe_layer_freq": (1, False), "n_group": (1, True),
+    "topk_group": (1, True), "q_lora_rank": (1, True), "kv_lora_rank": (1, False), "qk_rope_head_dim": (1, False),
+    "qk_nope_head_dim": (1, False), "v_head_dim": (1, False), "num_nextn_predict_layers": (0, True),
+}
+POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _show(value: object) -> str:
+    """A config value as the user wrote it, briefly: 'five', 1.5, null, true."""
+    text = json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def check_config(config_dict: dict) -> None:
+    """Refuse a config.json whose architecture is unsupported or whose fields are of the wrong type, out of
+    range or inconsistent, with a one-line KilnError; fields left out keep transformers' defaults."""
     model_type = config_dict.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise KilnError(
-            f"unsupported architecture {model_type!r}; Kiln supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {_show(model_type)}; Kiln supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    c = config_dict
+    for name, (low, nullable) in INT_FIELDS.items():
+        if name not in c or (nullable and c[name] is None):
+            continue
+        value = c[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            kind = "a positive integer" if low else "a non-negative integer"
+            raise KilnError(f"config.json: {name} must be {kind}{' or null' if nullable else ''}, got {_show(value)}")
+    for name in POSITIVE_FLOAT_FIELDS:
+        value = c.get(name, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise KilnError(f"config.json: {name} must be a positive number, got {_show(value)}")
+    heads, kv_heads, hidden = c.get("num_attention_heads"), c.get("num_key_value_heads"), c.get("hidden_size")
+    if model_type != "deepseek_v3":  # MLA sizes heads by its own qk/v dims
+        if heads and hidden and c.get("head_dim") is None and hidden % heads:
+            raise KilnError(f"config.json: hidden_size {hidden} is not divisible by num_attention_heads {heads} "
+                            "(and no head_dim is given)")
+        if heads and kv_heads and heads % kv_heads:
+            raise KilnError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                            f"{kv_heads}")
+    experts = c.get({"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}.get(model_type, "num_experts"))
+    top_k = c.get("num_experts_per_tok")
+    if experts and top_k and top_k > experts:
+        raise KilnError(f"config.json: num_experts_per_tok {top_k} exceeds the {experts} experts")
+    if model_type == "deepseek_v3" and experts and c.get("n_group"):
+        groups, topk_group = c["n_group"], c.get("topk_group") or 1
+        if experts % groups or topk_group > groups:
+            raise KilnError(f"config.json: {experts} routed experts do not split into n_group {groups} groups of "
+                            f"which topk_group {topk_group} are chosen")
+    layer_types = c.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list):
+            raise KilnError(f"config.json: layer_types must be a list, got {_show(layer_types)}")
+        unknown = [t for t in layer_types if t not in LAYER_TYPES]
+        if unknown:
+            raise KilnError(f"config.json: layer_types entry {_show(unknown[0])} is not one of "
+                            f"{', '.join(LAYER_TYPES)}")
+        layers = c.get("num_hidden_layers")
+        if layers is not None and len(layer_types) != layers:
+            raise KilnError(f"config.json: layer_types has {len(layer_types)} entries but num_hidden_layers is "
+                            f"{layers}")
+
+
+def load_hf_config(config_dict: dict, trust_remote_code: bool = False):
+    """A transformers config object for a supported model type, or a one-line KilnError."""
+    check_config(config_dict)
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
+    model_type = config_dict["model_type"]
     kwargs = {k: v for k, v in config_dict.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(model_type, **kwargs)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise KilnError(f"invalid {model_type} config.json: {exc}".splitlines()[0]) from None
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
+        # strict-dataclass messages span lines ("Validation error for field 'x':\n    TypeError: ...")
+        raise KilnError(" ".join(f"invalid {model_type} config.json: {exc}".split())) from None
 
 
 def _lin(name, role, fin, fout, layer=None, expert=None, proj=None, bias=False) -> LinearSpec:
