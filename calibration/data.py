@@ -8,6 +8,7 @@ Calibrate on calibration text only; measure on evaluation text only.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from kernels.errors import KilnError
@@ -33,16 +34,37 @@ def read_paragraphs(path: Path | str, limit: int | None = DEFAULT_PARAGRAPHS) ->
     return paragraphs[:limit] if limit is not None else paragraphs
 
 
-def tokenize_paragraphs(tokenizer, paragraphs: list[str], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    """Each paragraph tokenized on its own (with BOS), truncated to `max_tokens`; 1-token results dropped."""
-    out = []
+FEW_TOKENS = 2000
+"""Fewer scored tokens than this make a recovery figure too noisy to gate on: say so."""
+
+
+def tokenize_paragraphs(tokenizer, paragraphs: list[str], max_tokens: int = MAX_TOKENS,
+                        log: Callable[[str], None] | None = None) -> list[list[int]]:
+    """Each paragraph tokenized on its own (with BOS), truncated to `max_tokens`; 1-token results dropped.
+    `log` hears about truncated paragraphs and a token count too small to measure anything."""
+    out, truncated, dropped = [], 0, 0
     for paragraph in paragraphs:
-        ids = tokenizer(paragraph)["input_ids"][:max_tokens]
+        ids = tokenizer(paragraph)["input_ids"]
+        truncated += len(ids) > max_tokens
+        ids = ids[:max_tokens]
         if len(ids) >= 2:
             out.append(list(ids))
+        else:
+            dropped += 1
+    if log is not None:
+        if truncated:
+            log(f"warning: {truncated} of {len(paragraphs)} paragraphs are longer than {max_tokens} tokens; only "
+                f"their first {max_tokens} tokens are used (separate paragraphs with blank lines)")
+        if dropped:
+            log(f"warning: {dropped} paragraphs of under 2 tokens are skipped")
+        scored = sum(len(ids) - 1 for ids in out)
+        if scored < FEW_TOKENS:
+            log(f"warning: only {scored} tokens to score (under {FEW_TOKENS}): figures on so little text are noisy")
+    if not out:
+        raise KilnError("the text holds no paragraph of 2 or more tokens")
     return out
 
 
 def load_token_lists(tokenizer, path: Path | str, paragraphs: int | None = DEFAULT_PARAGRAPHS,
-                     max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    return tokenize_paragraphs(tokenizer, read_paragraphs(path, paragraphs), max_tokens)
+                     max_tokens: int = MAX_TOKENS, log: Callable[[str], None] | None = None) -> list[list[int]]:
+    return tokenize_paragraphs(tokenizer, read_paragraphs(path, paragraphs), max_tokens, log)

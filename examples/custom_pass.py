@@ -1,7 +1,8 @@
 """A custom pass, run from Python and from a YAML recipe.
 
     python examples/custom_pass.py
-    optimize build ../shared/models/stories260K --recipe examples/custom_recipe.yaml -o artifacts/custom
+    optimize build ../shared/models/stories260K --recipe examples/custom_recipe.yaml --allow-custom-passes \
+        -o artifacts/custom
 """
 
 from dataclasses import dataclass

@@ -1,9 +1,15 @@
-"""The one exception type for bad input anywhere in Kiln.
+"""The exceptions that carry Kiln's exit codes, on the lowest floor so every package can raise them.
 
-It lives on the lowest floor so that every package can raise it without importing upward. The CLI turns
-it into a one-line message and exit code 2; anything else escaping is a bug and keeps its traceback.
+    KilnError      bad input anywhere (checkpoint, config, recipe, artifact, impossible request): exit 2
+    BelowFloor     a gate measured the artifact below its floor (or --strict met a reverted pass): exit 1
+
+The CLI turns both into one line on stderr; anything else escaping is a bug and keeps its traceback.
 """
 
 
 class KilnError(Exception):
     """A user-facing error: bad checkpoint, bad config, impossible request. The message is one line."""
+
+
+class BelowFloor(Exception):
+    """An accuracy floor was not met. The message is one line."""

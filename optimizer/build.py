@@ -8,13 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from calibration.data import DEFAULT_PARAGRAPHS, load_token_lists
-from kernels.errors import KilnError
+from kernels.errors import BelowFloor, KilnError
 from kernels.targets import get_target
 from optimizer.calibrate import KvCapture
 from optimizer.calibrator import RuntimeCalibrator
-from optimizer.gate import AccuracyGate, engine_from_graph
+from optimizer.defaults import default_data
+from optimizer.gate import AccuracyGate, check_floor, engine_from_graph
 from optimizer.loader import load_checkpoint
 from optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, write_artifact
+from optimizer.output_dir import check_output
 from optimizer.recipes import Recipe, resolve_recipe
 from optimizer.report import render_report
 from optimizer.sensitivity import LogitKl, precision_files
@@ -25,7 +27,7 @@ from runtime.kv_budget import kv_budget
 from runtime.spec import build_spec
 
 
-class StrictRevert(Exception):
+class StrictRevert(BelowFloor):
     """--strict and a pass was reverted: exit 1, write nothing."""
 
 
@@ -42,36 +44,52 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
           eval_data: Path | None = None, calib_data: Path | None = None, paragraphs: int = DEFAULT_PARAGRAPHS,
           calib_paragraphs: int = 256, min_recovery: float | None = None, strict: bool = False,
           gate: bool = True, reproducible: bool = False, overwrite: bool = False,
-          trust_remote_code: bool = False, log: Callable[[str], None] = lambda m: None,
-          progress_factory=None, weight_bits: float | None = None, weight_bytes: int | None = None) -> BuildResult:
+          trust_remote_code: bool = False, allow_custom_passes: bool = False,
+          log: Callable[[str], None] = lambda m: None, progress_factory=None, weight_bits: float | None = None,
+          weight_bytes: int | None = None) -> BuildResult:
+    """Load CHECKPOINT, run RECIPE's gated passes for TARGET and write the artifact to OUTPUT (None: don't).
+
+    The CLI and this function share every default: without `eval_data` / `calib_data` the gate and the
+    calibration use the embedded texts (optimizer.defaults.default_data), as `optimize build` does.
+    """
     tgt = get_target(target)
     if isinstance(recipe, Recipe) and (weight_bits is not None or weight_bytes is not None):
         raise KilnError("weight_bits/weight_bytes configure the built-in 'auto' recipe; a Recipe object carries "
                         "its own passes (set the budget on its AutoPrecision pass)")
-    rec = recipe if isinstance(recipe, Recipe) else resolve_recipe(recipe, weight_bits, weight_bytes)
+    rec = recipe if isinstance(recipe, Recipe) else resolve_recipe(recipe, weight_bits, weight_bytes,
+                                                                    allow_custom_passes=allow_custom_passes)
     pipeline = Pipeline(rec.passes)  # ordering rules checked here, before anything loads
-    if min_recovery is not None and not 0 < min_recovery <= 1.5:
-        raise KilnError(f"--min-recovery must be in (0, 1.5], got {min_recovery}")
-    if output is not None and Path(output).exists() and not overwrite:
-        raise KilnError(f"output {output} already exists; pass --overwrite to replace it")
-    graph = load_checkpoint(checkpoint, trust_remote_code)
+    check_floor(min_recovery)
+    if paragraphs <= 0 or calib_paragraphs <= 0:
+        raise KilnError(f"paragraph counts must be positive, got {paragraphs} and {calib_paragraphs}")
+    if gate and eval_data is None:
+        eval_data = default_data("evaluation")
+    if calib_data is None:
+        calib_data = default_data("calibration")
+    inputs = [checkpoint, eval_data, calib_data, recipe if isinstance(recipe, str) else None]
+    if output is not None:  # refuse an output we may not write before hours of work, not after
+        check_output(output, overwrite, inputs)
+    graph = load_checkpoint(checkpoint, trust_remote_code, log=log)
+    if output is not None:
+        inputs.append(graph.source.path)  # a hub id resolves to its snapshot directory
+        check_output(output, overwrite, inputs)
     pipeline.check(graph, tgt)
     tokenizer = load_tokenizer(graph.source.path, trust_remote_code)
 
     gate_fn = None
     eval_info = None
     if gate and pipeline.passes:
-        if eval_data is None:
-            raise KilnError("the gate needs held-out text: pass --eval-data FILE (or --no-gate)")
-        tokens = load_token_lists(tokenizer, eval_data, paragraphs)
+        tokens = load_token_lists(tokenizer, eval_data, paragraphs, log=log)
         log(f"gate data: {len(tokens)} paragraphs of {eval_data}")
         progress = progress_factory(len(tokens)) if progress_factory else None
         gate_fn = AccuracyGate(engine_from_graph(graph), tokens, progress)
         eval_info = {"data": Path(eval_data).name, "paragraphs": len(tokens), "tokens": gate_fn.baseline.tokens,
                      "baseline_perplexity": round(gate_fn.baseline.perplexity, 6)}
-    calib_tokens = load_token_lists(tokenizer, calib_data, calib_paragraphs) if calib_data else []
+    calib_tokens = load_token_lists(tokenizer, calib_data, calib_paragraphs) if pipeline.passes else []
     # end-to-end tuning fits far more parameters than an observation: it gets every calibration paragraph
-    calib_all = load_token_lists(tokenizer, calib_data, None) if calib_data else []
+    calib_all = load_token_lists(tokenizer, calib_data, None) if pipeline.passes else []
+    if pipeline.passes:
+        log(f"calibration data: {len(calib_tokens)} paragraphs of {calib_data}")
     ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, calibration_tokens=calib_tokens, log=log,
                       capture_kv=KvCapture(calib_tokens) if calib_tokens else None,
                       calibrator=RuntimeCalibrator(calib_all, observe_sequences=len(calib_tokens))
@@ -109,5 +127,5 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     path = None
     if output is not None:
         path = write_artifact(graph, Path(output), manifest, render_report(manifest_preview), overwrite,
-                              extra_files=precision_files(manifest.get("precision")))
+                              extra_files=precision_files(manifest.get("precision")), inputs=inputs)
     return BuildResult(path, graph, records, manifest_preview, weight_bytes)

@@ -1,12 +1,17 @@
-"""The `optimize` command line: build, inspect, eval, generate, gate.
+"""The `optimize` command line: build, inspect, eval, generate, gate, export.
 
-User errors print one line to stderr and exit 2; a gate below its floor (or --strict with a revert) exits 1.
+Exit codes are a promise to CI: 0 pass, 1 below a floor (or --strict met a reverted pass), 2 user error
+(bad input, usage error), 130 interrupted (SIGINT), 143 terminated (SIGTERM). Every failure is one line on
+stderr. Heavy libraries (torch, transformers) are imported inside the commands that need them, so
+`--help` and `inspect` stay fast.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -15,8 +20,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from kernels.errors import KilnError
+from kernels.errors import BelowFloor, KilnError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Kiln: optimize a Hugging Face causal LM into an engine artifact for Hopper or Blackwell.")
@@ -25,8 +31,29 @@ console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 out = Console(width=None if sys.stdout.isatty() else 120)
 
 
-class GateFailed(Exception):
-    """Exit 1: recovery below the floor."""
+MAX_MESSAGE = 300
+"""Longest error line printed: a message built from hostile input must not flood a CI log."""
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM. A BaseException like KeyboardInterrupt, so it unwinds through every cleanup
+    (temporary directories are removed), but not KeyboardInterrupt itself, which typer would swallow."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    # a second Ctrl-C must not interrupt the cleanup of the first
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def _one_line(message: str) -> str:
+    line = " ".join(str(message).split())
+    return line if len(line) <= MAX_MESSAGE else line[: MAX_MESSAGE - 1] + "…"
 
 
 def _progress_factory(label: str):
@@ -49,17 +76,25 @@ def _progress_factory(label: str):
 
 
 def _gate_table(records_json: list[dict]) -> Table:
+    """One column per pass, one row per figure: stays whole in an 80-column terminal."""
     table = Table(title="accuracy gate (through the runtime)")
-    for col in ("pass", "decision", "baseline ppl", "ppl", "recovery", "pass recovery", "KL", "top-1", "floor"):
-        table.add_column(col, justify="left" if col in ("pass", "decision") else "right")
+    table.add_column("")
     for p in records_json:
-        g = p["gate"]
-        if g is None:
-            table.add_row(p["name"], p["decision"], *[""] * 7)
-        else:
-            table.add_row(p["name"], p["decision"], f"{g['baseline_perplexity']:.4f}", f"{g['perplexity']:.4f}",
-                          f"{g['recovery']:.4f}", f"{g.get('pass_recovery', g['recovery']):.4f}", f"{g['kl']:.5f}",
-                          f"{g['top1']:.4f}", f"{g['floor']}")
+        table.add_column(p["name"], justify="right", overflow="fold")
+    rows = [("decision", lambda p, g: p["decision"]),
+            ("baseline ppl", lambda p, g: f"{g['baseline_perplexity']:.4f}"),
+            ("perplexity", lambda p, g: f"{g['perplexity']:.4f}"),
+            ("recovery", lambda p, g: f"{g['recovery']:.4f}"),
+            ("pass recovery", lambda p, g: f"{g.get('pass_recovery', g['recovery']):.4f}"),
+            ("KL nats/token", lambda p, g: f"{g['kl']:.5f}"),
+            ("top-1 agreement", lambda p, g: f"{g['top1']:.4f}"),
+            ("floor", lambda p, g: f"{g['floor']}"),
+            ("suspect", lambda p, g: g.get("suspect", ""))]
+    for label, cell in rows:
+        if label == "suspect" and not any((p["gate"] or {}).get("suspect") for p in records_json):
+            continue
+        table.add_row(label, *[cell(p, p["gate"]) if p["gate"] or label == "decision" else ""
+                               for p in records_json])
     return table
 
 
@@ -78,6 +113,8 @@ def build(
     reproducible: Annotated[bool, typer.Option(help="leave timings out so rebuilds are byte-identical")] = False,
     overwrite: Annotated[bool, typer.Option(help="replace an existing output directory")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="allow a checkpoint's custom code")] = False,
+    allow_custom_passes: Annotated[bool, typer.Option(help="let a recipe file import its module:Class passes "
+                                                      "(runs that code)")] = False,
     weight_bits: Annotated[float | None, typer.Option(help="auto recipe: effective bits per weight, scales "
                                                       "included (e.g. 5.0)")] = None,
     weight_bytes: Annotated[int | None, typer.Option(help="auto recipe: bytes of the quantizable linears' "
@@ -85,19 +122,17 @@ def build(
 ) -> None:
     """Optimize CHECKPOINT with RECIPE for TARGET and write an engine artifact."""
     from optimizer.build import build as run_build
-    from optimizer.defaults import default_checkpoint, default_data
+    from optimizer.defaults import default_checkpoint
     from optimizer.report import human_bytes
 
     if checkpoint is None:
         path, message = default_checkpoint()
         console.print(f"[bold]{message}[/bold]")
         checkpoint = str(path)
-    eval_data = eval_data or default_data("evaluation")
-    calib_data = calib_data or default_data("calibration")
     result = run_build(checkpoint, target, recipe, output, eval_data=eval_data, calib_data=calib_data,
                        paragraphs=paragraphs, min_recovery=min_recovery, strict=strict, gate=gate,
                        reproducible=reproducible, overwrite=overwrite, trust_remote_code=trust_remote_code,
-                       log=lambda m: console.print(f"[dim]{m}[/dim]"),
+                       allow_custom_passes=allow_custom_passes, log=_log,
                        progress_factory=_progress_factory("scoring"), weight_bits=weight_bits,
                        weight_bytes=weight_bytes)
     manifest = result.manifest
@@ -119,6 +154,11 @@ def build(
     out.print(f"wrote {result.path}")
 
 
+def _log(message: str) -> None:
+    # Text, not markup: a path or tensor name in brackets must print as written
+    console.print(Text(message, style="yellow" if message.startswith("warning:") else "dim"))
+
+
 def _precision_table(precision: dict) -> Table:
     """One row per layer group: the format the precision pass chose, its measured KL, and why."""
     table = Table(title=f"{precision['pass']}: {precision['effective_bits']:.3f} effective bits "
@@ -130,10 +170,14 @@ def _precision_table(precision: dict) -> Table:
     return table
 
 
+DTYPE_BYTES = {"float64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int16": 2,
+               "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "bool": 1,
+               "int64": 8}
+"""Bytes per element of the dtypes an artifact stores (inspect reads sizes without importing torch)."""
+
+
 def _module_bytes(manifest: dict) -> dict[str, int]:
     """Stored bytes per linear module (weights + scales), from the manifest's per-tensor table."""
-    import torch
-
     sizes: dict[str, int] = {}
     for tensor, info in manifest.get("tensors", {}).items():
         module = tensor.rsplit(".", 1)[0]
@@ -141,7 +185,7 @@ def _module_bytes(manifest: dict) -> dict[str, int]:
             count = 1
             for dim in info["shape"]:
                 count *= dim
-            sizes[module] = sizes.get(module, 0) + count * getattr(torch, info["dtype"]).itemsize
+            sizes[module] = sizes.get(module, 0) + count * DTYPE_BYTES.get(info["dtype"], 0)
     return sizes
 
 
@@ -169,7 +213,7 @@ def inspect(
     }
     from optimizer.kv_report import artifact_kv_budget, kv_tables
 
-    kv = artifact_kv_budget(artifact, manifest)
+    kv = manifest.get("kv_budget") or artifact_kv_budget(artifact, manifest)
     summary["kv_bytes_per_token"] = kv["kv_bytes_per_token"]
     summary["source_kv_bytes_per_token"] = kv["source_kv_bytes_per_token"]
     summary["kv_cache"] = {k: v for k, v in kv.items() if not k.endswith("kv_bytes_per_token")}  # + concurrency
@@ -203,7 +247,7 @@ def _score_artifact(artifact: Path, data: Path, paragraphs: int):
     from optimizer.gate import score
 
     engine = runtime.load(artifact)
-    tokens = load_token_lists(engine._tokenizer(), data, paragraphs)
+    tokens = load_token_lists(engine._tokenizer(), data, paragraphs, log=_log)
     return engine, tokens, score(engine, tokens, _progress_factory("scoring")(len(tokens)))
 
 
@@ -237,6 +281,8 @@ def generate(
     """Generate text from an artifact with the slim runtime."""
     import runtime
 
+    if temperature < 0:
+        raise KilnError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
     engine = runtime.load(artifact)
     for p, g in zip(prompt, engine.generate(prompt, max_new_tokens, temperature, top_p, stop, seed), strict=True):
         print(p + g.text)
@@ -245,36 +291,55 @@ def generate(
 @app.command()
 def gate(
     artifact: Annotated[Path, typer.Argument(help="artifact directory")],
-    baseline: Annotated[str, typer.Option(help="the source checkpoint")],
+    baseline: Annotated[str, typer.Option(help="the checkpoint the artifact was built from")],
     data: Annotated[Path, typer.Option(help="held-out text")],
-    min_recovery: Annotated[float, typer.Option(help="floor: ppl_baseline / ppl_artifact")],
+    min_recovery: Annotated[float, typer.Option(help="floor: ppl_baseline / ppl_artifact, in (0, 1.5]")],
     paragraphs: Annotated[int, typer.Option(help="first N paragraphs")] = 600,
+    any_baseline: Annotated[bool, typer.Option(help="compare against BASELINE even when it is not the "
+                                               "artifact's recorded source")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """CI gate: exit 1 when the artifact's recovery against BASELINE falls below --min-recovery."""
+    from optimizer.gate import check_floor
+
+    check_floor(min_recovery)
     import runtime
     from calibration.data import load_token_lists
-    from optimizer.gate import AccuracyGate, engine_from_graph
+    from optimizer.gate import AccuracyGate, check_baseline, engine_from_graph
     from optimizer.loader import load_checkpoint
 
     engine = runtime.load(artifact)
-    tokens = load_token_lists(engine._tokenizer(), data, paragraphs)
+    source = load_checkpoint(baseline)
+    if not any_baseline:
+        check_baseline(engine.manifest, source)
+    tokens = load_token_lists(engine._tokenizer(), data, paragraphs, log=_log)
+    _log(f"scoring {len(tokens)} paragraphs of {data}: baseline, then artifact")
     progress = _progress_factory("scoring")
-    checker = AccuracyGate(engine_from_graph(load_checkpoint(baseline)), tokens, progress(len(tokens)))
+    checker = AccuracyGate(engine_from_graph(source), tokens, progress(len(tokens)))
     result = checker.compare(engine, min_recovery)
     fields = {"recovery": result.recovery, "perplexity": result.perplexity,
               "baseline_perplexity": result.baseline_perplexity, "kl": result.kl, "top1": result.top1,
-              "tokens": result.tokens, "min_recovery": min_recovery, "passed": result.passed}
+              "tokens": result.tokens, "min_recovery": min_recovery, "passed": result.passed,
+              "suspect": result.suspect}
     if as_json:
         print(json.dumps(fields, indent=2))
     else:
-        table = Table(title="gate")
-        for k in fields:
-            table.add_column(k, justify="right")
-        table.add_row(*[f"{v:.5f}" if isinstance(v, float) else str(v) for v in fields.values()])
+        table = Table(title=f"gate: {artifact} against {baseline}", show_header=False)
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        table.add_row("recovery (baseline ppl / artifact ppl)", f"{result.recovery:.5f}")
+        table.add_row("floor", f"{min_recovery}")
+        table.add_row("artifact perplexity", f"{result.perplexity:.5f}")
+        table.add_row("baseline perplexity", f"{result.baseline_perplexity:.5f}")
+        table.add_row("KL (nats/token)", f"{result.kl:.5f}")
+        table.add_row("top-1 agreement", f"{result.top1:.5f}")
+        table.add_row("tokens scored", str(result.tokens))
+        table.add_row("result", "passed" if result.passed else "FAILED")
         out.print(table)
+    if result.suspect:
+        raise BelowFloor(f"implausible result, not a pass: {result.suspect}")
     if not result.passed:
-        raise GateFailed(f"recovery {result.recovery:.4f} is below the floor {min_recovery}")
+        raise BelowFloor(f"recovery {result.recovery:.4f} is below the floor {min_recovery}")
 
 
 @app.command("export")
@@ -295,33 +360,52 @@ def export_(
     out.print(f"wrote {path} ({fmt}, quant_algo {algo}); dequantized export matches the artifact")
 
 
+def _click_exception_type() -> type[Exception]:
+    # typer >= 0.29 vendors click as typer._click: find its ClickException through a public name
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def _fail(code: int, message: str) -> None:
+    print(_one_line(message), file=sys.stderr)
+    sys.exit(code)
+
+
+def _quiet_libraries() -> None:
+    """Silence what is not the user's business: torchao's optional CUDA extensions failing to load on a CPU
+    machine, and torch's deprecation notes about how torchao registers its enums."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from optimizer.build import StrictRevert
-
+    _quiet_libraries()
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # --help returns 0; a KeyboardInterrupt typer saw returns 130
+    except Interrupted as exc:
+        _fail(130 if exc.signum == signal.SIGINT else 143,
+              f"{'interrupted' if exc.signum == signal.SIGINT else 'terminated'}: nothing was written")
+    except KeyboardInterrupt:
+        _fail(130, "interrupted: nothing was written")
     except KilnError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except (GateFailed, StrictRevert) as exc:
-        print(f"gate failed: {exc}", file=sys.stderr)
-        sys.exit(1)
+        _fail(2, f"error: {exc}")
+    except BelowFloor as exc:
+        _fail(1, f"gate failed: {exc}")
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:
-        print("aborted", file=sys.stderr)
-        sys.exit(130)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    except Exception as exc:  # click usage errors arrive here with standalone_mode=False
-        import click
-
-        if isinstance(exc, click.ClickException):
-            print(f"error: {exc.format_message()}", file=sys.stderr)
-            sys.exit(2)
-        raise
+        _fail(2, "error: aborted (no input)")
+    except Exception as exc:
+        if not isinstance(exc, _click_exception_type()):
+            raise  # a bug: keep its traceback
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        _fail(2, f"error: {exc.format_message() or 'no command given'}{hint}")
+    if code == 130:
+        _fail(130, "interrupted: nothing was written")
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ generated Llama checkpoint (random weights, byte-level tokenizer trained on a bu
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -44,29 +45,43 @@ def default_data(kind: str) -> Path:
 
 
 def generated_checkpoint(path: Path | None = None) -> Path:
+    """A small random Llama with a real BPE tokenizer, written once (atomically) and reused."""
     path = path or Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln")) / "generated-llama"
     if (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file():
         return path
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers.processors import TemplateProcessing
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
 
-    path.mkdir(parents=True, exist_ok=True)
+    from optimizer.output_dir import follow_umask
+
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train([str(SAMPLE_TEXT)], trainer)
-    from tokenizers.processors import TemplateProcessing
-
     tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.save_pretrained(path)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(path)
-    json.loads((path / "config.json").read_text())  # written whole
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        fast.save_pretrained(tmp)
+        hf_logging.disable_progress_bar()  # "Writing model shards" is not the user's business
+        try:
+            LlamaForCausalLM(config).save_pretrained(tmp)
+        finally:
+            hf_logging.enable_progress_bar()
+        follow_umask(tmp)
+        shutil.rmtree(path, ignore_errors=True)  # an earlier, interrupted attempt
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path

@@ -16,10 +16,33 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.errors import KilnError
 from optimizer.lower import kv_cache_table, lower_tensors, roundtrip
 from passes.base import GateResult
 from passes.graph import ModelGraph
 from runtime.engine import Engine
+
+
+MAX_FLOOR = 1.5
+
+
+def check_floor(floor: float | None, name: str = "--min-recovery") -> None:
+    """A recovery floor is a fraction of the baseline: in (0, MAX_FLOOR]. None means the pass's default."""
+    if floor is not None and not 0 < floor <= MAX_FLOOR:
+        raise KilnError(f"{name} must be in (0, {MAX_FLOOR}], got {floor}")
+
+
+def check_baseline(manifest: dict, baseline: ModelGraph) -> None:
+    """Refuse a baseline that is not the artifact's recorded source (its safetensors files' sha256)."""
+    recorded = (manifest.get("source") or {}).get("weight_files") or {}
+    given = dict(baseline.source.weight_files)
+    if not recorded:
+        raise KilnError("the artifact's manifest records no source weight hashes, so its baseline cannot be "
+                        "checked; pass --any-baseline to compare against BASELINE anyway")
+    if given != recorded:
+        raise KilnError(f"baseline {baseline.source.name} is not this artifact's source "
+                        f"{manifest['source'].get('checkpoint')!s:.80}: its weight files' sha256 differ; pass the "
+                        "checkpoint the artifact was built from, or --any-baseline to compare anyway")
 
 
 def engine_from_graph(graph: ModelGraph, tokenizer=None) -> Engine:

@@ -11,12 +11,13 @@ from pathlib import Path
 
 from rich.table import Table
 
-from runtime.kv_budget import kv_budget
-from runtime.spec import build_spec
-
 
 def artifact_kv_budget(artifact: Path, manifest: dict) -> dict:
-    """The budget of an artifact on disk (its config.json, KV table and stored weight bytes)."""
+    """The budget of an artifact on disk (its config.json, KV table and stored weight bytes). `optimize
+    inspect` reads the manifest's own "kv_budget" instead, so it never imports torch."""
+    from runtime.kv_budget import kv_budget
+    from runtime.spec import build_spec
+
     config = json.loads((Path(artifact) / "config.json").read_text())
     sizes = manifest["sizes"]
     return kv_budget(build_spec(config), manifest.get("kv_cache"), sizes["weight_bytes"], sizes["source_weight_bytes"])
@@ -65,7 +66,7 @@ def kv_tables(budget: dict) -> list[Table]:
     for layer, row in budget["layers"].items():
         layers.add_row(layer, _layer_format(row), str(row["source_bytes_per_token"]), str(row["bytes_per_token"]))
     before, after = budget["source_kv_bytes_per_token"], budget["kv_bytes_per_token"]
-    layers.add_row("total", f"{after / before:.3f}x", str(before), str(after))
+    layers.add_row("total", "", str(before), f"{after} ({after / before:.3f}x)")
     concurrency = Table(title=f"max concurrent sequences\n(reserve: {_reserve(budget)})")
     for col in ("device", "context", "before", "after"):
         concurrency.add_column(col, justify="left" if col == "device" else "right")

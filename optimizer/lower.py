@@ -2,17 +2,14 @@
 
 `lower_tensors` produces exactly the tensors and format table the artifact stores; the gate builds its
 engine from the same pair (after a safetensors round trip), so the gate measures what ships.
-`write_artifact` writes into a temporary sibling directory and renames it into place.
+`write_artifact` writes into a temporary sibling directory and renames it into place (optimizer.output_dir).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -20,8 +17,9 @@ from safetensors.torch import save, save_file
 
 from kernels.errors import KilnError
 from optimizer import __version__
+from optimizer.output_dir import atomic_directory
 from passes.graph import ModelGraph
-from runtime.artifact import MANIFEST, SCHEMA_VERSION, WEIGHTS, sha256_file
+from runtime.artifact import MANIFEST, SCHEMA_VERSION, WEIGHTS, sha256_file, validate_manifest
 
 
 def lower_tensors(graph: ModelGraph) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -95,31 +93,8 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-@contextlib.contextmanager
-def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling of `out` to fill; on success rename it into place (replacing `out` only
-    when `overwrite`), on any error remove it. So a directory is either whole or absent."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise KilnError(f"output {out} already exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, trash / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, overwrite: bool = False,
-                   extra_files: dict[str, bytes] | None = None) -> Path:
+                   extra_files: dict[str, bytes] | None = None, inputs: Iterable[Path | str | None] = ()) -> Path:
     """Write the artifact atomically: everything into `.<name>.tmp-*` beside `out`, then rename.
 
     `extra_files` (file name -> bytes, e.g. sensitivity.json and its heatmap) are written beside the weights
@@ -129,7 +104,7 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
         if Path(name).name != name or name in (WEIGHTS, MANIFEST, "config.json", "report.md"):
             raise KilnError(f"artifact extra file name {name!r} must be a plain file name not used by Kiln")
     tensors, formats = lower_tensors(graph)
-    with atomic_directory(out, overwrite) as tmp:
+    with atomic_directory(out, overwrite, inputs) as tmp:
         # one metadata key only: safetensors writes metadata in a nondeterministic order
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         shutil.copyfile(graph.source.path / "config.json", tmp / "config.json")
@@ -150,5 +125,6 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
                         for name, t in sorted(tensors.items())},
             "files": files,
         }
+        validate_manifest(manifest, out)  # never write what the runtime would refuse to read
         (tmp / MANIFEST).write_text(_json(manifest))
     return out

@@ -10,14 +10,23 @@
           - pass: examples.custom_pass:ScaleEmbedding   # ...or module:Class (resolved from the cwd too)
             factor: 1.0
 The built-in tables are plain dicts filled here, explicitly; nothing registers itself on import.
+
+Recipe files may come from hostile hands. A file has only `name` (a string) and `passes` (a list of
+mappings); it is at most MAX_RECIPE_BYTES, has no YAML aliases (nested ones are the "billion laughs") and a
+bounded number and depth of nodes. A `module:Class` pass imports and runs that module's code, so it needs
+an explicit opt-in (`allow_custom_passes`, the CLI's --allow-custom-passes); without it the recipe is
+refused before anything is imported, and sys.path is extended only for the duration of the import.
+Every refusal is a one-line KilnError of bounded length.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,71 +84,215 @@ class Recipe:
     passes: tuple[Pass, ...]
 
 
+MAX_RECIPE_BYTES = 1 << 20
+"""Largest recipe file read (a recipe is a few lines; this bounds parsing time and memory)."""
+MAX_RECIPE_NODES = 20_000
+"""Most YAML nodes (scalars, lists, mappings) a recipe file may hold."""
+MAX_RECIPE_DEPTH = 32
+"""Deepest nesting of lists and mappings in a recipe file."""
+RECIPE_KEYS = ("name", "passes")
+MAX_MESSAGE = 300
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _clip(value: object, limit: int = 80) -> str:
+    """`value` as one line of at most `limit` characters, for error messages (control characters escaped)."""
+    text = str(value)
+    if not text.isprintable():
+        text = text.encode("unicode_escape", "backslashreplace").decode("ascii")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _r(value: object, limit: int = 60) -> str:
+    """A short repr of a value from a recipe."""
+    if isinstance(value, str):
+        return _clip(repr(value[: limit + 1]), limit)
+    if isinstance(value, dict | list | tuple):
+        return f"a {type(value).__name__}"
+    return _clip(repr(value), limit)
+
+
+class _RecipeYamlError(Exception):
+    """A recipe document this loader refuses (aliases, too many nodes, too deep); the message is one line."""
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """SafeLoader without aliases (a recipe never needs them; nested ones expand exponentially: the
+    "billion laughs") and with a bound on the number of nodes and on their nesting depth."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._nodes = 0
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise _RecipeYamlError(f"YAML aliases (*name) are not allowed in recipe files (line {mark.line + 1})")
+        self._nodes += 1
+        if self._nodes > MAX_RECIPE_NODES:
+            raise _RecipeYamlError(f"more than {MAX_RECIPE_NODES} YAML nodes")
+        self._depth += 1
+        try:
+            if self._depth > MAX_RECIPE_DEPTH:
+                raise _RecipeYamlError(f"nested deeper than {MAX_RECIPE_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _parse_recipe_yaml(path: Path) -> object:
+    where = _clip(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as exc:
+        raise KilnError(f"cannot read recipe file {where}: {_clip(exc.strerror or exc, 60)}") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise KilnError(f"recipe file {where} is larger than {MAX_RECIPE_BYTES} bytes; a recipe lists a few passes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise KilnError(f"recipe file {where} is not UTF-8 text") from None
+    loader = _RecipeLoader(text)
+    try:
+        return loader.get_single_data()
+    except _RecipeYamlError as exc:
+        raise KilnError(f"recipe file {where}: {exc}") from None
+    except yaml.YAMLError as exc:
+        lines = str(exc).strip().splitlines()
+        raise KilnError(f"{where} is not valid YAML: {_clip(lines[0] if lines else 'parse error', 120)}") from None
+    except (RecursionError, ValueError, OverflowError) as exc:  # constructors of odd scalars (dates, ...)
+        raise KilnError(f"{where} is not valid YAML: {_clip(type(exc).__name__ + ': ' + str(exc), 120)}") from None
+    finally:
+        loader.dispose()
+
+
+@contextlib.contextmanager
+def _import_path(dirs: list[str]) -> Iterator[None]:
+    """`dirs` appended to sys.path for the duration of the block only (the caller's own entries win)."""
+    added = [d for d in dict.fromkeys(dirs) if d not in sys.path]
+    sys.path.extend(added)
+    try:
+        yield
+    finally:
+        for d in added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(d)
+
+
 def _import_pass(ref: str, base_dir: Path | None) -> type[Pass]:
     module_name, _, class_name = ref.partition(":")
-    if not module_name or not class_name:
-        raise KilnError(f"custom pass {ref!r} must be written module:Class")
-    for extra in (str(Path.cwd()), str(base_dir) if base_dir else None, str(base_dir.parent) if base_dir else None):
-        if extra and extra not in sys.path:
-            sys.path.append(extra)
+    if not _MODULE.fullmatch(module_name) or not _IDENTIFIER.fullmatch(class_name):
+        raise KilnError(f"custom pass {_r(ref)} must be written module:Class (a dotted module path, a class name)")
+    dirs = [str(Path.cwd())]
+    if base_dir is not None:
+        dirs += [str(base_dir), str(base_dir.parent)]
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise KilnError(f"cannot import custom pass module {module_name!r}: {exc}") from None
-    cls = getattr(module, class_name, None)
+        with _import_path(dirs):
+            module = importlib.import_module(module_name)
+            cls = getattr(module, class_name, None)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 -- the user's module: any failure is one line
+        lines = str(exc).strip().splitlines()
+        detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        raise KilnError(f"cannot import custom pass module {_r(module_name)}: {_clip(detail, 150)}") from None
     if not (isinstance(cls, type) and issubclass(cls, Pass) and dataclasses.is_dataclass(cls)):
-        raise KilnError(f"{ref} is not a Pass dataclass (subclass passes.base.Pass, decorate with @dataclass)")
+        raise KilnError(f"{_r(ref)} is not a Pass dataclass (subclass passes.base.Pass, decorate with @dataclass)")
     return cls
 
 
-def build_pass(entry: dict, base_dir: Path | None = None) -> Pass:
+def build_pass(entry: dict, base_dir: Path | None = None, allow_custom_passes: bool = False) -> Pass:
+    """One configured pass from a recipe entry `{pass: NAME, field: value, ...}`.
+
+    NAME is a built-in pass or `module:Class`; a custom pass's module is imported (running its code, from
+    the cwd, `base_dir` or its parent) only with `allow_custom_passes`, and refused before any import
+    without it."""
     if not isinstance(entry, dict) or "pass" not in entry:
-        raise KilnError(f"each recipe entry needs a 'pass' key, got {entry!r}")
+        raise KilnError(f"each recipe entry must be a mapping with a 'pass' key, got {_r(entry)}")
+    bad_keys = [k for k in entry if not isinstance(k, str)]
+    if bad_keys:
+        raise KilnError(f"recipe entry keys must be field names, got {_r(bad_keys[0])}")
+    ref = entry["pass"]
+    if not isinstance(ref, str):
+        raise KilnError(f"a recipe entry's 'pass' must be a pass name, got {_r(ref)}")
     config = {k: v for k, v in entry.items() if k != "pass"}
-    ref = str(entry["pass"])
     if ":" in ref:
+        if not allow_custom_passes:
+            raise KilnError(f"custom pass {_r(ref)} names Python code from outside Kiln; importing it needs "
+                            "--allow-custom-passes")
         cls = _import_pass(ref, base_dir)
     elif ref in BUILTIN_PASSES:
         cls = BUILTIN_PASSES[ref]
     else:
-        raise KilnError(f"unknown pass {ref!r}; built-in passes: {', '.join(sorted(BUILTIN_PASSES))} "
+        raise KilnError(f"unknown pass {_r(ref)}; built-in passes: {', '.join(sorted(BUILTIN_PASSES))} "
                         "(or module:Class for a custom pass)")
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(config) - fields)
     if unknown:
-        raise KilnError(f"pass {ref!r} has no field(s) {', '.join(unknown)}; its fields: {', '.join(sorted(fields))}")
+        shown = ", ".join(_clip(k, 40) for k in unknown[:5]) + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else "")
+        raise KilnError(f"pass {_r(ref)} has no field(s) {shown}; its fields: {', '.join(sorted(fields))}")
     config = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
     try:
         return cls(**config)
     except (TypeError, ValueError) as exc:
-        raise KilnError(f"pass {ref!r}: {exc}") from None
+        lines = str(exc).strip().splitlines()
+        raise KilnError(f"pass {_r(ref)}: {_clip(lines[0] if lines else type(exc).__name__, 160)}") from None
 
 
-def load_recipe_file(path: Path) -> Recipe:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise KilnError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("passes"), list):
-        raise KilnError(f"{path}: a recipe file needs a 'passes' list")
-    passes = tuple(build_pass(entry, path.parent.resolve()) for entry in data["passes"])
-    return Recipe(str(data.get("name", path.stem)), passes)
+def load_recipe_file(path: Path, allow_custom_passes: bool = False) -> Recipe:
+    """A recipe file: a mapping with `passes` (a list of entries, see `build_pass`) and optionally `name`.
+
+    Hostile files are refused with one line: bigger than MAX_RECIPE_BYTES, YAML aliases, too many or too
+    deeply nested nodes, keys other than name/passes, custom passes without `allow_custom_passes`."""
+    path = Path(path)
+    where = _clip(path)
+    data = _parse_recipe_yaml(path)
+    if not isinstance(data, dict):
+        raise KilnError(f"recipe file {where} must be a mapping with a 'passes' list, got {_r(data)}")
+    if "target" in data:
+        raise KilnError(f"recipe file {where} sets 'target': recipe files do not set the target; pass --target")
+    unknown = [k for k in data if k not in RECIPE_KEYS]
+    if unknown:
+        raise KilnError(f"recipe file {where} has unknown key {_r(unknown[0])}"
+                        f"{f' (+{len(unknown) - 1} more)' if len(unknown) > 1 else ''}; "
+                        f"a recipe file has only {' and '.join(RECIPE_KEYS)}")
+    if not isinstance(data.get("passes"), list):
+        raise KilnError(f"recipe file {where} needs a 'passes' list, got {_r(data.get('passes'))}")
+    name = data.get("name", path.stem)
+    if not isinstance(name, str) or not name.strip():
+        raise KilnError(f"recipe file {where}: 'name' must be a non-empty string, got {_r(name)}")
+    passes = []
+    for i, entry in enumerate(data["passes"]):
+        try:
+            passes.append(build_pass(entry, path.parent.resolve(), allow_custom_passes))
+        except KilnError as exc:
+            prefix = f"recipe file {_clip(path, 60)}, pass {i + 1}: "
+            raise KilnError(prefix + _clip(exc, MAX_MESSAGE - len(prefix))) from None
+    return Recipe(name, tuple(passes))
 
 
-def resolve_recipe(spec: str, weight_bits: float | None = None, weight_bytes: int | None = None) -> Recipe:
+def resolve_recipe(spec: str, weight_bits: float | None = None, weight_bytes: int | None = None,
+                   allow_custom_passes: bool = False) -> Recipe:
     """A built-in name, a comma-separated list of built-in names, or a YAML file.
 
     `weight_bits` / `weight_bytes` are the budget of the `auto` recipe; giving one to a recipe without a
-    budget is an error, not a silent no-op."""
+    budget is an error, not a silent no-op. `allow_custom_passes` lets a recipe file import `module:Class`
+    passes (running their code); without it such a recipe is refused before anything is imported."""
+    spec = str(spec)
     path = Path(spec)
     budget = weight_bits is not None or weight_bytes is not None
-    if path.suffix in (".yaml", ".yml") or path.is_file():
-        if not path.is_file():
-            raise KilnError(f"recipe file {spec} not found")
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a name too long to be a path, ...
+        is_file = False
+    if path.suffix in (".yaml", ".yml") or is_file:
+        if not is_file:
+            raise KilnError(f"recipe file {_clip(spec)} not found")
         if budget:
             raise KilnError("--weight-bits/--weight-bytes apply to the built-in 'auto' recipe; in a recipe file, "
                             "set weight_bits or weight_bytes on the auto-precision pass")
-        return load_recipe_file(path)
+        return load_recipe_file(path, allow_custom_passes)
     passes: list[Pass] = []
     used_budget = False
     for name in (n.strip() for n in spec.split(",")):
@@ -149,8 +302,8 @@ def resolve_recipe(spec: str, weight_bits: float | None = None, weight_bytes: in
             continue
         if name not in BUILTIN_RECIPES:
             known = sorted([*BUILTIN_RECIPES, *BUDGET_RECIPES])
-            raise KilnError(f"unknown recipe {name!r}; built-in recipes: {', '.join(known)} (or a .yaml file)")
+            raise KilnError(f"unknown recipe {_r(name)}; built-in recipes: {', '.join(known)} (or a .yaml file)")
         passes.extend(BUILTIN_RECIPES[name]())
     if budget and not used_budget:
-        raise KilnError(f"--weight-bits/--weight-bytes apply to the 'auto' recipe; recipe {spec!r} has no budget")
+        raise KilnError(f"--weight-bits/--weight-bytes apply to the 'auto' recipe; recipe {_r(spec)} has no budget")
     return Recipe(spec, tuple(passes))

@@ -44,6 +44,10 @@ class PassResult:
                 "notes": list(self.notes)}
 
 
+MAX_PLAUSIBLE_RECOVERY = 1.25
+MAX_PLAUSIBLE_KL = 2.0  # nats per token
+
+
 @dataclass(frozen=True)
 class GateResult:
     perplexity: float
@@ -68,14 +72,28 @@ class GateResult:
         return self.recovery / self.reference_recovery
 
     @property
+    def suspect(self) -> str | None:
+        """Why these figures cannot come from a faithful candidate, or None. A rewrite of the same model does
+        not beat it by a quarter, and a KL of nats per token is another model: such a result is a bug signal
+        (the wrong baseline, an artifact read without its scales), never a pass."""
+        if self.recovery > MAX_PLAUSIBLE_RECOVERY:
+            return (f"recovery {self.recovery:.4g} is far above 1: the baseline is probably not this "
+                    "candidate's source")
+        if self.kl > MAX_PLAUSIBLE_KL:
+            return f"KL {self.kl:.4g} nats/token: the candidate is not a faithful rewrite of the baseline"
+        return None
+
+    @property
     def passed(self) -> bool:
-        return self.pass_recovery >= self.floor
+        return self.pass_recovery >= self.floor and self.suspect is None
 
     def to_json(self, timings: bool = True) -> dict:
         out = {"perplexity": round(self.perplexity, 6), "baseline_perplexity": round(self.baseline_perplexity, 6),
                "recovery": round(self.recovery, 6), "pass_recovery": round(self.pass_recovery, 6),
                "kl": round(self.kl, 8), "top1": round(self.top1, 6),
                "tokens": self.tokens, "floor": self.floor, "passed": self.passed}
+        if self.suspect:
+            out["suspect"] = self.suspect
         if timings:
             out["seconds"] = None if self.seconds is None else round(self.seconds, 3)
         return out

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 
 from kernels.errors import KilnError
-from runtime.artifact import WEIGHTS, read_manifest
+from runtime.artifact import CONFIG, WEIGHTS, artifact_file, clip, has_tokenizer, read_json, read_manifest
 from runtime.kv_format import resolve_kv_streams
 from runtime.model import Transformer
 from runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, stored_bytes_per_token
@@ -243,25 +242,36 @@ class Engine:
 
 
 def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
+    """The tokenizer in directory `path` (a checkpoint or an artifact). Whatever goes wrong reading it
+    (missing, malformed or hostile files) is a one-line KilnError; its code runs only with trust_remote_code."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise KilnError(f"cannot load the tokenizer from {path}: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # noqa: BLE001 -- tokenizer files are input; any failure to parse them is theirs
+        lines = str(exc).strip().splitlines()
+        detail = clip(lines[0] if lines else type(exc).__name__, 160)
+        raise KilnError(f"cannot load the tokenizer from {clip(path)}: {detail}") from None
 
 
 def load(path: Path | str) -> Engine:
-    """Load an artifact directory: verify the schema and checksums, read the weights, build the engine."""
+    """Load an artifact directory: verify the schema, shape and checksums, read the weights, build the engine.
+
+    Reads only files the manifest's checksum table lists (`runtime.artifact.artifact_file`); the tokenizer
+    loader reads the directory, which `read_manifest` has checked holds no unlisted file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     root = Path(path)
     manifest = read_manifest(root)
+    weights = artifact_file(root, manifest, WEIGHTS)
     try:
-        tensors = load_file(str(root / WEIGHTS))
-    except (SafetensorError, OSError) as exc:
-        raise KilnError(f"{root / WEIGHTS}: cannot read weights: {exc}") from None
-    config = json.loads((root / "config.json").read_text())
-    tokenizer = load_tokenizer(root) if (root / "tokenizer_config.json").exists() or (root / "tokenizer.json").exists() else None
-    return Engine.from_tensors(config, tensors, manifest["formats"], tokenizer, manifest)
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise KilnError(f"{clip(weights)}: cannot read weights: {clip(str(exc).strip(), 120)}") from None
+    config = read_json(artifact_file(root, manifest, CONFIG))
+    if not isinstance(config, dict):
+        raise KilnError(f"{clip(root)}: {CONFIG} must hold a JSON object")
+    spec = build_spec(config)  # before the tokenizer, which reads config.json too: a bad config is named as such
+    tokenizer = load_tokenizer(root) if has_tokenizer(manifest) else None
+    return Engine(spec, tensors, manifest["formats"], tokenizer, manifest)

@@ -81,7 +81,8 @@ def test_strict_revert_exits_1_and_writes_nothing(cli, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the recipe names its custom pass as module:Class, resolved from the cwd
     recipe = tmp_path / "destructive.yaml"
     recipe.write_text("passes:\n  - pass: tests.passes.destructive:Scramble\n    noise: 3.0\n")
-    common = ("--recipe", recipe, "--eval-data", EVAL_TEXT, "--paragraphs", "60", "--min-recovery", "0.9")
+    common = ("--recipe", recipe, "--allow-custom-passes", "--eval-data", EVAL_TEXT, "--paragraphs", "60",
+              "--min-recovery", "0.9")
     code, stdout, stderr = cli("build", STORIES, "-o", tmp_path / "strict", "--strict", *common)
     assert code == 1 and "reverted" in stderr and "Traceback" not in stderr
     assert _no_leftovers(tmp_path, "strict")

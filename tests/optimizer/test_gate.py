@@ -30,7 +30,9 @@ def test_gate_scores_the_stored_artifact(stories_graph, tmp_path):
     gate = AccuracyGate(engine_from_graph(stories_graph), tokens)
     Pipeline([WeightQuantization(format="fp8")]).run(stories_graph, PassContext(get_target("hopper")))
     in_memory = gate(stories_graph, 0.9)
-    path = write_artifact(stories_graph, tmp_path / "a", {"passes": []}, "report")
+    manifest = {"passes": [], "target": "hopper", "source": {"model_type": "llama"},
+                "recipe": {"name": "fp8", "passes": []}}
+    path = write_artifact(stories_graph, tmp_path / "a", manifest, "report")
     from_disk = gate.compare(runtime.load(path), 0.9)
     assert in_memory.perplexity == from_disk.perplexity and in_memory.kl == from_disk.kl
     assert 0.98 < in_memory.recovery < 1.0 and in_memory.kl > 0

@@ -35,3 +35,20 @@ class Scramble(Pass):
     def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
         yield replace(self, noise=self.noise / 2)
         yield replace(self, noise=self.noise / 2, layers=1)
+
+
+@dataclass(frozen=True)
+class Stall(Pass):
+    """Touches a marker file, then waits: a fixed point at which a test interrupts a running build."""
+
+    marker: str = ""
+    seconds: float = 120.0
+    name: ClassVar[str] = "stall"
+
+    def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
+        import pathlib
+        import time
+
+        pathlib.Path(self.marker).touch()
+        time.sleep(self.seconds)
+        return PassResult(self.name)
