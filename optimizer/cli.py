@@ -309,13 +309,17 @@ def gate(
     from optimizer.loader import load_checkpoint
 
     engine = runtime.load(artifact)
-    source = load_checkpoint(baseline)
+    source = load_checkpoint(baseline, log=_log)
     if not any_baseline:
         check_baseline(engine.manifest, source)
     tokens = load_token_lists(engine._tokenizer(), data, paragraphs, log=_log)
+    reference = engine_from_graph(source)
+    if reference.spec.vocab_size != engine.spec.vocab_size:
+        raise KilnError(f"baseline {baseline} has a vocabulary of {reference.spec.vocab_size} tokens, the artifact "
+                        f"{engine.spec.vocab_size}: they are different models")
     _log(f"scoring {len(tokens)} paragraphs of {data}: baseline, then artifact")
     progress = _progress_factory("scoring")
-    checker = AccuracyGate(engine_from_graph(source), tokens, progress(len(tokens)))
+    checker = AccuracyGate(reference, tokens, progress(len(tokens)))
     result = checker.compare(engine, min_recovery)
     fields = {"recovery": result.recovery, "perplexity": result.perplexity,
               "baseline_perplexity": result.baseline_perplexity, "kl": result.kl, "top1": result.top1,

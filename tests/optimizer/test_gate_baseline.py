@@ -1,0 +1,79 @@
+"""`optimize gate` compares an artifact against its recorded source only, and never passes a result that
+cannot come from a faithful rewrite (recovery far above 1, KL of nats per token)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from passes.base import GateResult
+from tests.breakage import broken_copy
+from tests.conftest import EVAL_TEXT, STORIES, needs_stories
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    from optimizer.build import build
+
+    if not (STORIES / "config.json").is_file():
+        pytest.skip("../shared/models absent")
+    out = tmp_path_factory.mktemp("gate") / "art"
+    build(STORIES, "hopper", "none", out, gate=False)
+    return out
+
+
+def scrambled_copy(tmp_path):
+    """stories260K with every linear weight drowned in noise: the same shapes, another model."""
+    path = broken_copy(STORIES, tmp_path / "other", "intact")
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if name.endswith("proj.weight"):
+            tensors[name] = t + 3 * t.std() * torch.randn(t.shape, generator=gen)
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+def gate(cli, artifact, baseline, *extra):
+    return cli("gate", artifact, "--baseline", baseline, "--data", EVAL_TEXT, "--paragraphs", "30",
+               "--min-recovery", "0.9", *extra)
+
+
+@needs_stories
+def test_the_recorded_source_passes(cli, artifact):
+    code, stdout, stderr = gate(cli, artifact, STORIES, "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["recovery"] == pytest.approx(1.0)
+
+
+@needs_stories
+def test_another_model_is_refused_as_baseline(cli, artifact, tmp_path):
+    code, _, stderr = gate(cli, artifact, scrambled_copy(tmp_path))
+    assert code == 2 and "is not this artifact's source" in stderr and stderr.count("\n") == 1
+
+
+@needs_stories
+def test_the_artifact_itself_is_refused_as_baseline(cli, artifact):
+    code, _, stderr = gate(cli, artifact, artifact)
+    assert code == 2 and "is a Kiln engine artifact, not a checkpoint" in stderr and stderr.count("\n") == 1
+
+
+@needs_stories
+def test_any_baseline_compares_but_an_implausible_result_fails(cli, artifact, tmp_path):
+    code, stdout, stderr = gate(cli, artifact, scrambled_copy(tmp_path), "--any-baseline", "--json")
+    result = json.loads(stdout)
+    assert code == 1 and "implausible" in stderr
+    assert result["recovery"] > 1.25 and not result["passed"] and "far above 1" in result["suspect"]
+
+
+def test_suspect_results_never_pass():
+    fine = GateResult(perplexity=5.0, baseline_perplexity=4.9, kl=0.01, top1=0.95, tokens=1000, floor=0.9)
+    too_good = GateResult(perplexity=4.0, baseline_perplexity=4006.0, kl=15.4, top1=0.001, tokens=1000, floor=0.9)
+    other = GateResult(perplexity=5.0, baseline_perplexity=5.0, kl=3.0, top1=0.2, tokens=1000, floor=0.9)
+    assert fine.passed and fine.suspect is None
+    assert not too_good.passed and "far above 1" in too_good.suspect
+    assert not other.passed and "not a faithful rewrite" in other.suspect
+    assert too_good.to_json()["suspect"] == too_good.suspect
