@@ -349,19 +349,17 @@ def gate(
 @app.command("export")
 def export_(
     artifact: Annotated[Path, typer.Argument(help="artifact directory")],
-    fmt: Annotated[str, typer.Option("--format", help="hf-modelopt: ModelOpt's unified HF checkpoint "
-                                     "(vLLM quantization='modelopt', SGLang, TensorRT-LLM)")] = "hf-modelopt",
+    fmt: Annotated[str, typer.Option("--format", help="compressed-tensors: llm-compressor's layout (vLLM, SGLang, "
+                                     "transformers), which also takes FP8 weight-only and mixed per-layer formats; "
+                                     "hf-modelopt: ModelOpt's unified HF checkpoint (vLLM quantization='modelopt', "
+                                     "SGLang, TensorRT-LLM)")] = "compressed-tensors",
     output: Annotated[Path, typer.Option("-o", "--output", help="directory to write")] = Path("artifacts/export"),
-    overwrite: Annotated[bool, typer.Option(help="replace an existing output directory")] = False,
+    overwrite: Annotated[bool, typer.Option(help="replace an earlier Kiln export there")] = False,
 ) -> None:
     """Export an artifact as a quantized Hugging Face checkpoint for the big serving engines."""
-    from optimizer.export import HF_QUANT_CONFIG, export
+    from optimizer.export import export, export_summary
 
-    path = export(artifact, fmt, output, overwrite)
-    algo = "none"
-    if (path / HF_QUANT_CONFIG).is_file():
-        algo = json.loads((path / HF_QUANT_CONFIG).read_text())["quantization"]["quant_algo"]
-    out.print(f"wrote {path} ({fmt}, quant_algo {algo}); dequantized export matches the artifact")
+    out.print(export_summary(export(artifact, fmt, output, overwrite), fmt))
 
 
 def _click_exception_type() -> type[Exception]:

@@ -1,5 +1,12 @@
-"""Engine artifact -> a Hugging Face checkpoint in NVIDIA ModelOpt's unified layout ("hf-modelopt"), the one
-vLLM (quantization="modelopt"), SGLang and TensorRT-LLM load.
+"""Engine artifact -> a quantized Hugging Face checkpoint for the big serving engines. Two layouts:
+
+    hf-modelopt          NVIDIA ModelOpt's unified checkpoint (this module)
+    compressed-tensors   llm-compressor's layout (optimizer/export_compressed_tensors.py), which also carries
+                         what ModelOpt's cannot: FP8 weight-only, FP8 with mixed scale granularities, NVFP4 /
+                         FP8 / MXFP4 mixed per layer with weight-only layers among them
+
+The rest of this docstring is about hf-modelopt: NVIDIA ModelOpt's unified layout, the one vLLM
+(quantization="modelopt"), SGLang and TensorRT-LLM load.
 
     DIR/model.safetensors     every artifact tensor under its Hugging Face name: quantized linears as
                               <module>.weight / .weight_scale / .weight_scale_2 / .input_scale (the artifact
@@ -41,10 +48,10 @@ from safetensors.torch import load_file, save_file
 from kernels import fp8
 from kernels.errors import KilnError
 from optimizer import __version__
-from optimizer.lower import atomic_directory
+from optimizer.output_dir import atomic_directory, check_output, mark_export
 from runtime.artifact import MANIFEST, WEIGHTS, read_manifest
 
-FORMATS = ("hf-modelopt",)
+FORMATS = ("hf-modelopt", "compressed-tensors")
 HF_QUANT_CONFIG = "hf_quant_config.json"
 NVFP4_GROUP_SIZE = 16
 _COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -72,11 +79,12 @@ def modelopt_algo(module: str, entry: Mapping, tensors: Mapping[str, torch.Tenso
             return "NVFP4"
     elif fmt == "mxfp4" and act in ("none", "mxfp4"):
         return "mxfp4"
-    hint = ("; for an auto-precision build, leave 'fp8' (weight-only) out of its candidates in a recipe file"
-            if fmt == "fp8_e4m3" and act == "none" else "")
+    if fmt == "fp8_e4m3" and act == "none":
+        raise KilnError(f"{module}: FP8 weight-only (W8A16) has no ModelOpt unified-checkpoint algorithm; export it "
+                        "with --format compressed-tensors, which vLLM also loads")
     raise KilnError(f"{module}: {fmt} weights with {act} activations have no ModelOpt unified-checkpoint "
-                    "algorithm (exportable: FP8 per-tensor + static activations, FP8 per-channel + per-token, "
-                    f"NVFP4 with calibrated input scale, NVFP4 weight-only, MXFP4){hint}")
+                    "algorithm; try --format compressed-tensors (ModelOpt takes FP8 per-tensor + static, FP8 "
+                    "per-channel + per-token, NVFP4 with calibrated input scale, NVFP4 weight-only, MXFP4)")
 
 
 def _layer_config(algo: str) -> dict:
@@ -124,7 +132,6 @@ def _kv_algo(kv_cache: Mapping) -> None:
     if formats - {"bf16"}:
         raise KilnError(f"KV-cache formats {sorted(map(str, formats))} are not exported yet; export an artifact "
                         "built without a kv-cache pass (the serving engine can then apply its own FP8 KV)")
-    return None
 
 
 def hf_quant_config(manifest: Mapping, tensors: Mapping[str, torch.Tensor], embedding: str | None,
@@ -214,8 +221,7 @@ def export_hf_modelopt(artifact: Path | str, output: Path | str, overwrite: bool
     """Write `artifact` as a ModelOpt unified HF checkpoint in `output` (atomically), verify it, return it."""
     artifact, output = Path(artifact), Path(output)
     manifest = read_manifest(artifact)
-    if output.exists() and not overwrite:
-        raise KilnError(f"output {output} already exists; pass --overwrite to replace it")
+    check_output(output, overwrite, [artifact])  # before reading anything
     tensors = load_file(str(artifact / WEIGHTS))
     config = json.loads((artifact / "config.json").read_text())
     from runtime.spec import build_spec
@@ -224,7 +230,8 @@ def export_hf_modelopt(artifact: Path | str, output: Path | str, overwrite: bool
     embedding = spec.embedding.removesuffix(".weight")
     hf_quant = hf_quant_config(manifest, tensors, embedding, [lin.name for lin in spec.linears()])
     exported = export_tensors(manifest, tensors)
-    with atomic_directory(output, overwrite) as tmp:
+    with atomic_directory(output, overwrite, [artifact]) as tmp:
+        mark_export(tmp, artifact, "hf-modelopt")
         save_file(exported, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if hf_quant["quantization"]["quant_algo"] or hf_quant["quantization"]["kv_cache_quant_algo"]:
             (tmp / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
@@ -305,4 +312,24 @@ def verify_export(path: Path, artifact: Path) -> None:
 def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool = False) -> Path:
     if fmt not in FORMATS:
         raise KilnError(f"unknown export format {fmt!r}; supported: {', '.join(FORMATS)}")
+    if fmt == "compressed-tensors":
+        from optimizer.export_compressed_tensors import export_compressed_tensors
+
+        return export_compressed_tensors(artifact, output, overwrite)
     return export_hf_modelopt(artifact, output, overwrite)
+
+
+def export_summary(path: Path | str, fmt: str) -> str:
+    """One line for the CLI about a finished export at `path` in format `fmt`."""
+    path = Path(path)
+    if fmt == "compressed-tensors":
+        from optimizer.export_compressed_tensors import describe
+
+        summary = describe(path)
+        note = (" (NVFP4: its codes and block scales, global scales stored as their reciprocals)"
+                if "NVFP4" in summary else "")
+        return f"wrote {path} ({fmt}, {summary}); dequantized export matches the artifact{note}"
+    algo = "none"
+    if (path / HF_QUANT_CONFIG).is_file():
+        algo = json.loads((path / HF_QUANT_CONFIG).read_text())["quantization"]["quant_algo"]
+    return f"wrote {path} ({fmt}, quant_algo {algo}); dequantized export matches the artifact"

@@ -34,6 +34,19 @@ def is_kiln_output(path: Path) -> bool:
     return isinstance(manifest, dict) and "schema_version" in manifest and "kiln_version" in manifest
 
 
+def mark_export(directory: Path, artifact: Path | str, fmt: str) -> None:
+    """Write the export marker: provenance for the reader, ownership for a later --overwrite."""
+    from optimizer import __version__
+
+    record = {"kiln_version": __version__, "format": fmt, "artifact": str(artifact)}
+    manifest = Path(artifact) / "manifest.json"
+    if manifest.is_file():
+        import hashlib
+
+        record["artifact_manifest_sha256"] = hashlib.sha256(manifest.read_bytes()).hexdigest()
+    (directory / EXPORT_MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
 def _relation(output: Path, other: Path) -> str | None:
     if output == other:
         return "is"
