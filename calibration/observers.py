@@ -6,7 +6,11 @@
         absmax       max |x| over everything seen        0-dim   (static activation scales)
         sample       up to `max_samples` input rows      [S, K]  (searches that must see activation
                      kept at random (reservoir sampling)         quantization, which H cannot express)
-Rows that are all zero (padding) are skipped.
+Rows that are all zero (padding) are skipped. Bad input is a one-line KilnError, never a traceback:
+    - a batch holding NaN or Inf (a checkpoint whose activations overflow float32) is refused as it arrives,
+      naming the linear (`name`); the check reuses the per-row maximum the padding test computes anyway;
+    - reading a statistic of an observer that saw no token says whether no calibration row reached the
+      layer at all or every row that did was zero.
 """
 
 from __future__ import annotations
@@ -14,11 +18,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.errors import KilnError
+
 
 class InputObserver:
-    def __init__(self, in_features: int, max_samples: int = 0, seed: int = 0):
+    def __init__(self, in_features: int, max_samples: int = 0, seed: int = 0, name: str | None = None):
         self.in_features = in_features
-        self.tokens = 0
+        self.name = name  # the linear whose inputs these are, for messages
+        self.tokens = 0  # non-zero rows: the statistics' denominator
+        self.rows = 0  # every row seen, padding included
         self._h = torch.zeros(in_features, in_features, dtype=torch.float64)
         self._abs_sum = torch.zeros(in_features, dtype=torch.float64)
         self._absmax = torch.zeros((), dtype=torch.float32)
@@ -30,7 +38,12 @@ class InputObserver:
         x = x.detach().reshape(-1, x.shape[-1]).float()
         if x.shape[-1] != self.in_features:
             raise ValueError(f"observer expects {self.in_features} input features, got {x.shape[-1]}")
-        x = x[x.abs().amax(dim=1) > 0]  # padding rows
+        self.rows += x.shape[0]
+        row_max = x.abs().amax(dim=1)  # NaN for a row holding NaN, inf for one holding inf
+        if x.shape[0] and not bool(torch.isfinite(row_max).all()):
+            raise KilnError(f"calibration inputs of {self._what()} are not finite (NaN or Inf): the checkpoint's "
+                            "activations overflow float32")
+        x = x[row_max > 0]  # padding rows
         if x.shape[0] == 0:
             return
         xd = x.double()
@@ -65,9 +78,19 @@ class InputObserver:
             last[:-1] = slots[1:] != slots[:-1]
             self._sample[slots[last]] = x[rows[last]]
 
+    def _what(self) -> str:
+        return f"linear {self.name}" if self.name else "a linear"
+
+    def _no_tokens(self) -> KilnError:
+        if self.rows == 0:
+            return KilnError(f"no calibration token reached {self._what()}: the calibration text produced no "
+                             "tokens for this layer")
+        return KilnError(f"all {self.rows} calibration input rows of {self._what()} are zero, so it has no input "
+                         "statistics (the checkpoint's activations vanish or overflow before it)")
+
     def _mean(self, t: Tensor) -> Tensor:
         if self.tokens == 0:
-            raise ValueError("observer saw no calibration tokens")
+            raise self._no_tokens()
         return t / self.tokens
 
     @property
@@ -84,6 +107,8 @@ class InputObserver:
 
     @property
     def sample(self) -> Tensor:
+        if not self.max_samples:
+            raise ValueError("observer keeps no sample (max_samples=0)")
         if self._sample is None:
-            raise ValueError("observer keeps no sample (max_samples=0) or saw no tokens")
+            raise self._no_tokens()
         return self._sample

@@ -508,7 +508,7 @@ class WeightQuantization(Pass):
 
     def _observe(self, session: CalibrationSession, lins: list[Linear], max_samples: int = 0,
                  rotate: bool = True) -> dict[str, InputObserver]:
-        stats = {lin.name: InputObserver(lin.in_features, max_samples=max_samples) for lin in lins}
+        stats = {lin.name: InputObserver(lin.in_features, max_samples=max_samples, name=lin.name) for lin in lins}
         transform = self._rotate if rotate else (lambda x: x)
         session.observe([lin.name for lin in lins], lambda name, x: stats[name].update(transform(x)))
         return stats

@@ -14,7 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.spec import AttentionSpec, LinearSpec, MlpSpec, ModelSpec
-from runtime.weights import dequantize_weight, input_transform
+from runtime.weights import (
+    check_dtype,
+    check_finite,
+    check_format,
+    check_shape,
+    dequantize_weight,
+    input_transform,
+    need_tensor,
+)
 
 
 class RMSNorm(nn.Module):
@@ -42,26 +50,58 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def norm_sizes(spec: ModelSpec) -> dict[str, int]:
+    """Every RMSNorm weight the spec uses -> its length: the hidden size, the head dim for Qwen3's per-head
+    q/k norms, the latent ranks for MLA's q_a/kv_a norms."""
+    sizes = {spec.final_norm: spec.hidden_size}
+    for layer in spec.layers:
+        a = layer.attention
+        per_name = {"q_norm": a.head_dim, "k_norm": a.head_dim, "kv_a_layernorm": a.kv_lora_rank,
+                    "q_a_layernorm": a.q_lora_rank}
+        for name in layer.norms:
+            sizes[name] = per_name.get(name.split(".")[-2], spec.hidden_size)
+    return sizes
+
+
 class Weights:
-    """Resolves module names to runtime modules from the artifact's tensors and format table."""
+    """Resolves module names to runtime modules from the artifact's tensors and format table.
+
+    Every tensor is checked against the spec as it is resolved (presence, shape, dtype, finite values), so an
+    artifact whose tensors disagree with its config.json is refused at load with one line naming the tensor,
+    rather than failing inside a matmul at the first forward."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping], spec: ModelSpec):
         self.tensors = tensors
         self.formats = formats
         self.spec = spec
+        self.norm_sizes = norm_sizes(spec)
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None, what: str) -> torch.Tensor:
+        """A plain floating tensor (embedding, norm, bias, router bias) as fp32, checked: present, floating
+        point, of `shape` (None: any), finite."""
+        t = need_tensor(self.tensors, name)
+        check_dtype(name, t, what)
+        if shape is not None:
+            check_shape(name, t, shape)
+        check_finite(name, t)
+        return t.float()
 
     def linear(self, lin: LinearSpec) -> QuantLinear:
         name = lin.name
         entry = self.formats.get(name, {"format": "dense"})
+        check_format(name, entry)
+        shape = (lin.out_features, lin.in_features)
         if name == "lm_head" and f"{name}.weight" not in self.tensors and self.spec.tie_word_embeddings:
-            weight = self.tensors[self.spec.embedding].float()
+            weight = self.tensor(self.spec.embedding, shape, "the embedding")
         else:
-            weight = dequantize_weight(name, entry, self.tensors)
-        bias = self.tensors.get(f"{name}.bias") if lin.bias else None
+            weight = dequantize_weight(name, entry, self.tensors, shape)
+        bias = self.tensor(f"{name}.bias", (lin.out_features,), "a bias") if lin.bias else None
         return QuantLinear(weight, bias, input_transform(name, entry, self.tensors))
 
     def norm(self, name: str) -> RMSNorm:
-        return RMSNorm(self.tensors[name], self.spec.rms_norm_eps)
+        size = self.norm_sizes.get(name)
+        return RMSNorm(self.tensor(name, None if size is None else (size,), "a norm weight"),
+                       self.spec.rms_norm_eps)
 
 
 class Rotary:
@@ -225,7 +265,8 @@ class MoeMlp(nn.Module):
         self.shared = DenseMlp(spec.linears, weights, "shared_") if "shared_gate" in spec.linears else None
         self.shared_gate = weights.linear(spec.linears["shared_gate_router"]) if spec.shared_expert_gate else None
         bias = spec.score_correction_bias
-        self.score_bias = weights.tensors[bias].float() if bias and bias in weights.tensors else None
+        self.score_bias = (weights.tensor(bias, (len(spec.experts),), "a router bias")
+                           if bias and bias in weights.tensors else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [N, C] -> (weights [N, k], expert indices [N, k])
@@ -283,7 +324,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.spec = spec
         weights = Weights(tensors, formats, spec)
-        self.embed = nn.Parameter(tensors[spec.embedding].float(), requires_grad=False)
+        self.embed = nn.Parameter(weights.tensor(spec.embedding, (spec.vocab_size, spec.hidden_size), "the embedding"),
+                                  requires_grad=False)
         blocks = []
         first = spec.layers[0].attention
         if first.kind == "mla":

@@ -17,6 +17,7 @@ Tensors, named as in ModelOpt's unified checkpoint: `<module>.weight`, `.weight_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -24,42 +25,153 @@ import torch
 
 from kernels import fp8
 from kernels.errors import KilnError
+from runtime.artifact import clip
 
 WEIGHT_FORMATS = ("dense", "fp8_e4m3", "nvfp4", "mxfp4")
 ACTIVATION_FORMATS = ("none", "fp8_dynamic_per_token", "fp8_static_per_tensor", "nvfp4", "mxfp4")
 
 
-def _need(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+def _shape(shape) -> str:
+    return str(tuple(int(d) for d in shape))
+
+
+def need_tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
-        raise KilnError(f"artifact is missing tensor {name!r}")
+        raise KilnError(f"artifact is missing tensor {clip(name)!r}")
     return tensors[name]
 
 
-def dequantize_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The fp32 [out, in] weight of `module` as stored in format `entry["format"]`."""
-    fmt = entry.get("format")
-    w = _need(tensors, f"{module}.weight")
-    if fmt == "dense":
-        return w.float()
-    if fmt == "fp8_e4m3":
-        return fp8.fp8_dequantize(w, _need(tensors, f"{module}.weight_scale"))
-    if fmt == "nvfp4":
-        from kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
+def check_shape(name: str, tensor: torch.Tensor, *expected: tuple[int, ...]) -> None:
+    """Refuse `tensor` unless its shape is one of `expected` (one line naming the tensor and both shapes)."""
+    if tuple(tensor.shape) not in [tuple(e) for e in expected]:
+        needs = " or ".join(_shape(e) for e in expected)
+        raise KilnError(f"artifact tensor {clip(name)} has shape {_shape(tensor.shape)}, the architecture needs {needs}")
 
-        q = Nvfp4Weight.from_tensors(
-            {k: _need(tensors, f"{module}.{k}") for k in ("weight", "weight_scale", "weight_scale_2")},
-            in_features=int(entry["in_features"]),
-        )
-        return nvfp4_dequantize(q)
-    if fmt == "mxfp4":
-        from kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
 
-        q = Mxfp4Weight.from_tensors(
-            {k: _need(tensors, f"{module}.{k}") for k in ("weight", "weight_scale")},
-            in_features=int(entry["in_features"]),
-        )
-        return mxfp4_dequantize(q)
-    raise KilnError(f"{module}: unknown weight format {fmt!r}; known: {', '.join(WEIGHT_FORMATS)}")
+def check_dtype(name: str, tensor: torch.Tensor, what: str, *dtypes: torch.dtype) -> None:
+    """Refuse `tensor` unless its dtype is one of `dtypes` (none given: any floating-point dtype)."""
+    ok = tensor.dtype in dtypes if dtypes else tensor.is_floating_point()
+    if not ok:
+        needs = " or ".join(str(d).removeprefix("torch.") for d in dtypes) if dtypes else "floating point"
+        raise KilnError(f"artifact tensor {clip(name)} has dtype {str(tensor.dtype).removeprefix('torch.')}; "
+                        f"{what} must be {needs}")
+
+
+def check_finite(name: str, values: torch.Tensor) -> None:
+    """Refuse a floating tensor holding NaN or Inf. One reduction (aminmax reads the data once, and NaN
+    propagates through it); the runtime calls it on what it dequantizes at load, never per token."""
+    if values.numel() == 0:
+        return
+    low, high = torch.aminmax(values if values.dtype.itemsize > 1 else values.float())
+    if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+        raise KilnError(f"artifact tensor {clip(name)} holds non-finite values (NaN or Inf)")
+
+
+def check_format(module: str, entry: Mapping) -> str:
+    """The entry's weight format, or a one-line KilnError naming the module and the known formats."""
+    fmt = entry.get("format") if isinstance(entry, Mapping) else None
+    if fmt not in WEIGHT_FORMATS:
+        raise KilnError(f"{clip(module)}: unknown weight format {clip(repr(fmt), 40)} in the manifest's format "
+                        f"table; known: {', '.join(WEIGHT_FORMATS)}")
+    return fmt
+
+
+def _in_features(module: str, entry: Mapping, fmt: str, shape: tuple[int, int] | None) -> int:
+    """K for a block format: the architecture's when known (the entry must agree), else the entry's."""
+    stored = entry.get("in_features")
+    if shape is not None:
+        if stored is not None and stored != shape[1]:
+            raise KilnError(f"manifest formats[{clip(module)}].in_features is {clip(repr(stored), 20)}, "
+                            f"the architecture needs {shape[1]}")
+        return shape[1]
+    if isinstance(stored, bool) or not isinstance(stored, int) or stored < 1:
+        raise KilnError(f"manifest formats[{clip(module)}] ({fmt}) needs in_features, a positive integer; "
+                        f"got {clip(repr(stored), 20)}")
+    return stored
+
+
+def _check_block_layout(module: str, tensors: Mapping[str, torch.Tensor], out: int, padded: int, block: int,
+                        scale_dtype: torch.dtype) -> None:
+    """Packed E2M1 codes uint8 [out, padded / 2] and block scales [out, padded / block]."""
+    w, scale = need_tensor(tensors, f"{module}.weight"), need_tensor(tensors, f"{module}.weight_scale")
+    check_shape(f"{module}.weight", w, (out, padded // 2))
+    check_dtype(f"{module}.weight", w, "packed FP4 codes", torch.uint8)
+    check_shape(f"{module}.weight_scale", scale, (out, padded // block))
+    check_dtype(f"{module}.weight_scale", scale, "its block scales", scale_dtype)
+
+
+def dequantize_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor],
+                      shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """The fp32 [out, in] weight of `module` as stored in format `entry["format"]`.
+
+    With `shape` (out_features, in_features), every stored tensor is checked against it first (the packed
+    codes and block scales of the FP4 formats, an FP8 scale per tensor or per output channel), so a wrong
+    artifact is a one-line KilnError naming the tensor, never a shape error in the middle of a forward.
+    Whatever the shape, the dequantized weight must be finite."""
+    fmt = check_format(module, entry)
+    w = need_tensor(tensors, f"{module}.weight")
+    out = shape[0] if shape is not None else None
+    try:
+        if fmt == "dense":
+            check_dtype(f"{module}.weight", w, "a dense weight")
+            if shape is not None:
+                check_shape(f"{module}.weight", w, shape)
+            result = w.float()
+        elif fmt == "fp8_e4m3":
+            check_dtype(f"{module}.weight", w, "an fp8_e4m3 weight", fp8.FP8_DTYPE)
+            if shape is not None:
+                check_shape(f"{module}.weight", w, shape)
+            elif w.ndim != 2:
+                raise KilnError(f"artifact tensor {clip(module)}.weight has shape {_shape(w.shape)}; "
+                                "a linear weight is 2-D")
+            scale = need_tensor(tensors, f"{module}.weight_scale")
+            check_dtype(f"{module}.weight_scale", scale, "an FP8 weight scale")
+            check_shape(f"{module}.weight_scale", scale, (), (1,), (w.shape[0] if out is None else out, 1))
+            result = fp8.fp8_dequantize(w, scale)
+        elif fmt == "nvfp4":
+            from kernels.nvfp4 import NVFP4_BLOCK_SIZE, Nvfp4Weight, nvfp4_dequantize, padded_in_features
+
+            in_features = _in_features(module, entry, fmt, shape)
+            names = ("weight", "weight_scale", "weight_scale_2")
+            if shape is not None:
+                _check_block_layout(module, tensors, out, padded_in_features(in_features), NVFP4_BLOCK_SIZE,
+                                    torch.float8_e4m3fn)
+                g = need_tensor(tensors, f"{module}.weight_scale_2")
+                check_shape(f"{module}.weight_scale_2", g, (), (1,))
+                check_dtype(f"{module}.weight_scale_2", g, "its global scale", torch.float32)
+            q = Nvfp4Weight.from_tensors({k: need_tensor(tensors, f"{module}.{k}") for k in names},
+                                         in_features=in_features)
+            result = nvfp4_dequantize(q)
+        else:  # mxfp4
+            from kernels.mxfp4 import MXFP4_BLOCK_SIZE, Mxfp4Weight, mxfp4_dequantize, padded_in_features
+
+            in_features = _in_features(module, entry, fmt, shape)
+            if shape is not None:
+                _check_block_layout(module, tensors, out, padded_in_features(in_features), MXFP4_BLOCK_SIZE,
+                                    torch.uint8)
+            q = Mxfp4Weight.from_tensors({k: need_tensor(tensors, f"{module}.{k}") for k in ("weight", "weight_scale")},
+                                         in_features=in_features)
+            result = mxfp4_dequantize(q)
+    except (ValueError, TypeError) as exc:  # the kernels' own layout and value checks
+        detail = str(exc).strip().splitlines()
+        raise KilnError(f"artifact tensors of {clip(module)} ({fmt}) are malformed: "
+                        f"{clip(detail[0] if detail else type(exc).__name__, 160)}") from None
+    check_finite(f"{module}.weight" if fmt == "dense" else f"{module}.weight ({fmt}, dequantized)", result)
+    return result
+
+
+def _input_scale(module: str, tensors: Mapping[str, torch.Tensor], required: bool) -> torch.Tensor | None:
+    """A linear's per-tensor activation scale: one positive finite float."""
+    name = f"{module}.input_scale"
+    if not required and name not in tensors:
+        return None
+    scale = need_tensor(tensors, name)
+    check_dtype(name, scale, "an activation scale")
+    check_shape(name, scale, (), (1,))
+    value = float(scale)
+    if not (math.isfinite(value) and value > 0):
+        raise KilnError(f"artifact tensor {clip(name)} must be a positive finite scale, got {value:g}")
+    return scale
 
 
 def activation_quantizer(
@@ -72,18 +184,19 @@ def activation_quantizer(
     if act == "fp8_dynamic_per_token":
         return fp8.fp8_fake_quantize_per_token
     if act == "fp8_static_per_tensor":
-        scale = _need(tensors, f"{module}.input_scale").float()
+        scale = _input_scale(module, tensors, required=True).float()
         return lambda x: fp8.fp8_fake_quantize_per_tensor(x, scale)
     if act == "nvfp4":
         from kernels.nvfp4 import nvfp4_fake_quantize
 
-        global_scale = tensors.get(f"{module}.input_scale")
+        global_scale = _input_scale(module, tensors, required=False)
         return lambda x: nvfp4_fake_quantize(x, global_scale)
     if act == "mxfp4":
         from kernels.mxfp4 import mxfp4_fake_quantize
 
         return mxfp4_fake_quantize
-    raise KilnError(f"{module}: unknown activation format {act!r}; known: {', '.join(ACTIVATION_FORMATS)}")
+    raise KilnError(f"{clip(module)}: unknown activation format {clip(repr(act), 40)}; "
+                    f"known: {', '.join(ACTIVATION_FORMATS)}")
 
 
 

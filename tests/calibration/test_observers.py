@@ -1,10 +1,13 @@
-"""InputObserver: batch-wise statistics equal the ones computed on all inputs at once; padding rows are skipped."""
+"""InputObserver: batch-wise statistics equal the ones computed on all inputs at once; padding rows are skipped;
+non-finite inputs and reading an observer that saw no token are one-line KilnErrors."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from calibration.observers import InputObserver
+from kernels.errors import KilnError
 
 
 def test_statistics_match_the_whole_batch():
@@ -30,3 +33,55 @@ def test_reservoir_is_deterministic_and_spread():
         b.update(chunk)
     assert torch.equal(a.sample, b.sample)
     assert float(a.sample[:, 0].max()) > 500  # later rows get in, not only the first 100
+
+
+# --- bad input: one-line KilnErrors, never a ValueError traceback --------------------------------------------
+def _refused(call, match: str) -> str:
+    with pytest.raises(KilnError) as info:
+        call()
+    message = str(info.value)
+    assert match in message and "\n" not in message, message
+    return message
+
+
+def test_non_finite_inputs_name_the_linear():
+    name = "model.layers.0.mlp.down_proj"
+    for bad in (float("inf"), float("-inf"), float("nan")):  # a NaN row is not padding
+        obs = InputObserver(4, name=name)
+        obs.update(torch.randn(3, 4))
+        x = torch.randn(2, 5, 4)
+        x[1, 2, 3] = bad
+        _refused(lambda obs=obs, x=x: obs.update(x),
+                 f"calibration inputs of linear {name} are not finite (NaN or Inf): the checkpoint's activations "
+                 "overflow float32")
+    _refused(lambda: InputObserver(2).update(torch.tensor([[1.0, float("nan")]])),
+             "calibration inputs of a linear are not finite")
+
+
+def test_an_observer_without_tokens_says_why():
+    name = "model.layers.1.self_attn.q_proj"
+    never = InputObserver(4, max_samples=8, name=name)
+    for read in (lambda: never.hessian, lambda: never.abs_mean, lambda: never.sample):
+        _refused(read, f"no calibration token reached linear {name}: the calibration text produced no tokens for "
+                       "this layer")
+    zeros = InputObserver(4, name=name)
+    zeros.update(torch.zeros(2, 3, 4))  # rows that reach it but are all zero (e.g. a norm whose input overflowed)
+    _refused(lambda: zeros.abs_mean, f"all 6 calibration input rows of linear {name} are zero, so it has no input "
+                                     "statistics (the checkpoint's activations vanish or overflow before it)")
+
+
+def test_weight_quantization_names_the_linear_its_observers_watch():
+    # passes.mixed_precision hands each observer its linear's name (what _awq and GPTQ read statistics from)
+    from passes.graph import Linear
+    from passes.mixed_precision import WeightQuantization
+
+    lin = Linear("model.layers.0.mlp.down_proj", "down", 4, 4, layer=0)
+
+    class Session:
+        def observe(self, names, callback):
+            callback(names[0], torch.tensor([[1.0, 2.0, float("inf"), 0.5]]))
+
+    _refused(lambda: WeightQuantization()._observe(Session(), [lin], max_samples=16, rotate=False),
+             "calibration inputs of linear model.layers.0.mlp.down_proj are not finite")
+    stats = WeightQuantization()._observe(type("Quiet", (), {"observe": lambda self, names, cb: None})(), [lin])
+    _refused(lambda: stats[lin.name].abs_mean, "the calibration text produced no tokens for this layer")
