@@ -33,6 +33,7 @@ FLOAT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2")  # safetensor
 # 1-byte floats: (mask, smallest masked byte that is non-finite, what it is)
 FP8_NONFINITE = {torch.float8_e4m3fn: (0x7F, 0x7F, "NaN"), torch.float8_e5m2: (0x7F, 0x7C, "NaN/Inf")}
 FP32_MAX = torch.finfo(torch.float32).max
+VALUE_LIMIT = 1e15  # no trained weight comes near; squared errors of larger ones overflow float32
 NORM_LIMIT = 1e4  # real RMSNorm gains stay far below; beyond it the next matmul overflows to Inf/NaN
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers older checkpoints saved; the runtime recomputes them
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -185,7 +186,7 @@ def _check_tensors(model_type: str, expected: dict[str, Expected], header: dict[
     return sorted(k for k in header if k not in expected and not k.endswith(IGNORED_SUFFIXES))
 
 
-def _bad_values(t: torch.Tensor) -> str | None:
+def _bad_values(t: torch.Tensor, limit: float | None = VALUE_LIMIT) -> str | None:
     """What is wrong with a floating tensor's values, or None. One reduction over the data (aminmax is far
     faster than isfinite on CPU); known 1-byte floats are checked on their bit patterns, not upcast."""
     bits = FP8_NONFINITE.get(t.dtype)
@@ -199,6 +200,9 @@ def _bad_values(t: torch.Tensor) -> str | None:
         return "contains Inf values"
     if max(-lo, hi) > FP32_MAX:
         return "holds values beyond float32, the runtime's compute dtype"
+    if limit is not None and max(-lo, hi) > limit:
+        return (f"holds a value of magnitude {max(-lo, hi):.3g} (more than {limit:g}): calibration squares "
+                "and sums weights, which overflows float32")
     return None
 
 
@@ -214,7 +218,8 @@ def _read_tensors(files: list[Path], norms: set[str]) -> dict[str, torch.Tensor]
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise _corrupt(file, exc) from None
     for key, t in tensors.items():
-        problem = _bad_values(t) if t.is_floating_point() and t.numel() else None
+        # norms get their own, tighter bound below, with its own message
+        problem = _bad_values(t, None if key in norms else VALUE_LIMIT) if t.is_floating_point() and t.numel() else None
         if problem:
             raise KilnError(f"tensor {key} {problem}; refusing to optimize a broken checkpoint")
     for key in norms:

@@ -130,6 +130,8 @@ def test_deepseek_mtp_layers_are_allowed_but_reported(tiny_checkpoints, tmp_path
      "norm weight model.layers.1.post_attention_layernorm.weight holds a value of magnitude 2e+04"),
     ("model.layers.0.mlp.gate_proj.weight", torch.full((96, 64), 1e300, dtype=torch.float64),
      "tensor model.layers.0.mlp.gate_proj.weight holds values beyond float32"),
+    ("model.layers.0.mlp.gate_proj.weight", torch.full((96, 64), 3e36),  # finite, but its squares are not
+     "tensor model.layers.0.mlp.gate_proj.weight holds a value of magnitude 3e+36 (more than 1e+15)"),
     ("model.layers.0.mlp.gate_proj.weight", torch.full((96, 64), float("-inf"), dtype=torch.bfloat16),
      "tensor model.layers.0.mlp.gate_proj.weight contains Inf values"),
     ("model.layers.0.mlp.gate_proj.weight",
