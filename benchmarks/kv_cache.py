@@ -37,7 +37,6 @@ from passes.kv_cache import KvCacheQuantization
 from runtime.engine import decode_one_token, load_tokenizer, prefill
 from runtime.kv_cache import ContiguousKVCache
 from runtime.kv_format import kv_bytes_per_token
-from runtime.spec import build_spec
 
 CONFIGS = [  # label, pass config (None: the BF16 baseline)
     ("bf16", None),
@@ -97,7 +96,7 @@ def head_dim16_model(tokenizer, seconds: float) -> Path:
 
 def accuracy(checkpoint: Path, tokenizer, paragraphs: int, configs) -> list[dict]:
     graph = load_checkpoint(checkpoint)
-    spec = build_spec(graph.config)
+    spec = graph.spec
     gate = AccuracyGate(engine_from_graph(graph), load_token_lists(tokenizer, EVAL, paragraphs))
     ctx = PassContext(get_target("hopper"), capture_kv=KvCapture(load_token_lists(tokenizer, CALIB, 256)))
     bf16_bytes = sum(kv_bytes_per_token(spec).values())
@@ -178,7 +177,7 @@ def main() -> None:
     parser.add_argument("--train-seconds", type=float, default=90, help="training time of the head_dim-16 model")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if not (STORIES / "config.json").is_file():
+    if not (STORIES / "model.safetensors").is_file():
         sys.exit(f"{STORIES} is absent: this benchmark needs ../shared")
     tok = load_tokenizer(STORIES)
 

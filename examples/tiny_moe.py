@@ -1,11 +1,19 @@
 """Tiny random MoE checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) that `optimize build` can calibrate.
 
-    python examples/tiny_moe.py OUT_DIR            # writes OUT_DIR/<model_type>/ for each
+    python examples/tiny_moe.py OUT_DIR [--fp8-block]  # writes OUT_DIR/<model_type>/ for each
     optimize build OUT_DIR/deepseek_v3 --target blackwell --recipe production -o artifacts/tiny-dsv3
 
 The weights are random (structure only: their accuracy figures mean nothing). Each checkpoint carries the
 stories260K tokenizer when ../shared is present (else the generated default's), with the vocabulary sized to
 it, so the default calibration and evaluation text tokenize for it.
+
+--fp8-block also writes OUT_DIR/deepseek_v3_fp8/: the tiny DeepSeek-V3 laid out as DeepSeek's official FP8
+release (`write_fp8_block_deepseek`): every attention and MLP linear (dense, shared and routed experts) as
+float8_e4m3fn with a float32 `weight_scale_inv` per 16x16 block (DeepSeek uses 128x128; the tiny dims need
+smaller blocks to have several, and kv_a_proj_with_mqa's 24 rows end in a partial one), the routers, norms,
+embedding and lm_head in bfloat16, and quantization_config {"quant_method": "fp8", "fmt": "e4m3",
+"activation_scheme": "dynamic", "weight_block_size": [16, 16]}. `optimize build` reads it back as its
+dequantized weights (optimizer/prequantized.py).
 """
 
 from __future__ import annotations
@@ -18,30 +26,80 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from optimizer.defaults import generated_checkpoint, shared_dir  # noqa: E402
-from tests.tiny_models import TINY_CONFIGS, make_tiny_checkpoint  # noqa: E402
+from optimizer.defaults import generated_checkpoint, shared_dir
+from tests.tiny_models import TINY_CONFIGS, make_tiny_checkpoint
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+FP8_BLOCK = (16, 16)
 
 
-def main(out: Path) -> None:
+def is_fp8_linear(name: str) -> bool:
+    """Whether DeepSeek-V3's official FP8 checkpoint stores tensor `name` in FP8: the 2-D weights of the
+    attention projections and of the MLPs (dense, shared and routed experts), not the router (`mlp.gate`), the
+    norms, the embedding or lm_head."""
+    module = name.removesuffix(".weight")
+    return (name.endswith(".weight") and (".self_attn." in module or ".mlp." in module)
+            and not module.endswith((".mlp.gate", "layernorm")))
+
+
+def write_fp8_block_deepseek(path: Path, block_size: tuple[int, int] = FP8_BLOCK, seed: int = 0,
+                             overrides: dict | None = None) -> Path:
+    """Write the tiny DeepSeek-V3 (tests.tiny_models) to `path` as an FP8 block-scaled checkpoint (see the
+    module docstring); return `path`. block_size: [rows, columns] of each scale block."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from kernels.fp8 import fp8_quantize_blocks
+
+    make_tiny_checkpoint("deepseek_v3", path, seed, overrides)
+    tensors = load_file(str(path / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if is_fp8_linear(name) and t.ndim == 2:
+            out[name], out[name.removesuffix(".weight") + ".weight_scale_inv"] = fp8_quantize_blocks(t, block_size)
+        else:  # DeepSeek keeps its router bias in float32, the rest in bfloat16
+            out[name] = t.float() if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    for key in ("torch_dtype", "dtype"):
+        if key in config:
+            config[key] = "bfloat16"
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": list(block_size)}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def main(out: Path, fp8_block: bool = False) -> None:
     import json
 
     shared = shared_dir()
     source = shared / "models" / "stories260K" if shared else generated_checkpoint()
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    for model_type in MOE_TYPES:
-        path = out / model_type
-        make_tiny_checkpoint(model_type, path, overrides={"vocab_size": vocab})
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy(source / name, path / name)
-        print(f"{path}  ({model_type}, {TINY_CONFIGS[model_type].get('num_hidden_layers')} layers, "
+    todo = [(model_type, model_type) for model_type in MOE_TYPES]
+    if fp8_block:
+        todo.append(("deepseek_v3", "deepseek_v3_fp8"))
+    for model_type, name in todo:
+        path = out / name
+        if name == "deepseek_v3_fp8":
+            write_fp8_block_deepseek(path, overrides={"vocab_size": vocab})
+        else:
+            make_tiny_checkpoint(model_type, path, overrides={"vocab_size": vocab})
+        for file in TOKENIZER_FILES:
+            if (source / file).is_file():
+                shutil.copy(source / file, path / file)
+        fp8_note = f", FP8 {FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks" if name == "deepseek_v3_fp8" else ""
+        print(f"{path}  ({model_type}, {TINY_CONFIGS[model_type].get('num_hidden_layers')} layers{fp8_note}, "
               f"tokenizer of {source.name})")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    args = sys.argv[1:]
+    flags = [a for a in args if a.startswith("-")]
+    paths = [a for a in args if not a.startswith("-")]
+    if len(paths) != 1 or set(flags) - {"--fp8-block"}:
         sys.exit(__doc__.splitlines()[2].strip())
-    main(Path(sys.argv[1]))
+    main(Path(paths[0]), fp8_block="--fp8-block" in flags)

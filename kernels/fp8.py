@@ -62,3 +62,64 @@ def fp8_fake_quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.
     """Static activation quantization with a calibrated per-tensor scale, then back to fp32."""
     q, scale = fp8_quantize_per_tensor(x, scale)
     return q.float() * scale
+
+
+# --- block-scaled FP8 weights (DeepSeek-V3, Qwen3-FP8, transformers' "fp8" quant_method) -------------------------
+#
+# One scale per [bm, bn] block of an [N, K] weight; edge blocks are partial when bm or bn does not divide N or K
+# (the scale grid is [ceil(N / bm), ceil(K / bn)]). The checkpoint stores the scale as `weight_scale_inv`, the
+# factor that *multiplies* the FP8 value (DeepSeek-V3's inference/kernel.py weight_dequant and transformers'
+# Fp8Dequantize both compute q * s):
+#     s[i, j]  = max(|w[block i, j]|) / 448     (1.0 where the block is all zero)
+#     q        = cast_e4m3(w / s[block])
+#     w'[n, k] = float(q[n, k]) * s[n // bm, k // bn]
+
+
+def _block_args(shape: tuple[int, ...], block_size) -> tuple[int, int]:
+    if len(shape) != 2:
+        raise ValueError(f"block-scaled fp8 needs a 2-D weight, got shape {tuple(shape)}")
+    if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block_size)):
+        raise ValueError(f"block_size must be two positive integers, got {block_size!r}")
+    return int(block_size[0]), int(block_size[1])
+
+
+def fp8_block_scale_shape(shape: tuple[int, ...], block_size) -> tuple[int, int]:
+    """The scale grid of an [N, K] weight in [bm, bn] blocks: (ceil(N / bm), ceil(K / bn))."""
+    bm, bn = _block_args(tuple(shape), block_size)
+    return -(-int(shape[0]) // bm), -(-int(shape[1]) // bn)
+
+
+def fp8_quantize_blocks(w: torch.Tensor, block_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] weight -> (float8_e4m3fn [N, K], fp32 scale [ceil(N / bm), ceil(K / bn)]) as DeepSeek-V3 stores it."""
+    bm, bn = _block_args(tuple(w.shape), block_size)
+    rows, cols = fp8_block_scale_shape(tuple(w.shape), (bm, bn))
+    w = w.float()
+    padded = torch.zeros(rows * bm, cols * bn)  # zero padding leaves a partial block's max unchanged
+    padded[: w.shape[0], : w.shape[1]] = w
+    blocks = padded.reshape(rows, bm, cols, bn)
+    scale = _safe_scale(blocks.abs().amax(dim=(1, 3)))
+    q = _cast_e4m3(blocks / scale[:, None, :, None]).reshape(rows * bm, cols * bn)
+    return q[: w.shape[0], : w.shape[1]].contiguous(), scale
+
+
+def fp8_block_dequantize(q: torch.Tensor, scale: torch.Tensor, block_size) -> torch.Tensor:
+    """float8_e4m3fn [N, K] times its per-block scale (any float dtype, e.g. fp32 or UE8M0) -> fp32 [N, K].
+
+    Works one block row at a time, so the only temporary beside the result is one [bm, K] slice."""
+    if q.dtype != FP8_DTYPE:
+        raise TypeError(f"expected {FP8_DTYPE}, got {q.dtype}")
+    bm, bn = _block_args(tuple(q.shape), block_size)
+    grid = fp8_block_scale_shape(tuple(q.shape), (bm, bn))
+    if not scale.is_floating_point():
+        raise TypeError(f"block scales must be floating point, got {scale.dtype}")
+    if tuple(scale.shape) != grid:
+        raise ValueError(f"block scales of a {tuple(q.shape)} weight in {bm}x{bn} blocks must have shape {grid}, "
+                         f"got {tuple(scale.shape)}")
+    n, k = q.shape
+    per_column = scale.float().repeat_interleave(bn, dim=1)[:, :k]  # [rows, K]: each block row's scale per column
+    out = torch.empty(n, k, dtype=torch.float32, device=q.device)
+    for i in range(grid[0]):
+        rows = slice(i * bm, min((i + 1) * bm, n))
+        torch.mul(q[rows].float(), per_column[i], out=out[rows])
+    return out

@@ -24,7 +24,6 @@ from passes.base import PassContext, PassRecord, Pipeline
 from passes.graph import ModelGraph
 from runtime.engine import load_tokenizer
 from runtime.kv_budget import kv_budget
-from runtime.spec import build_spec
 
 
 class StrictRevert(BelowFloor):
@@ -115,12 +114,14 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         "build_seconds": round(build_seconds, 3) if timings else None,
         "reproducible": reproducible,
     }
+    # every pass's record (what it leaves in graph.metadata), not only the precision pass's
+    manifest["records"] = {key: value for key, value in sorted(graph.metadata.items()) if key != "precision"}
     if graph.metadata.get("precision"):
         manifest["precision"] = graph.metadata["precision"]
     tensors, formats = lower_tensors(graph)
     weight_bytes = tensor_bytes(tensors)
     kv_table = kv_cache_table(graph)
-    manifest["kv_budget"] = kv_budget(build_spec(graph.config, trust_remote_code), kv_table, weight_bytes,
+    manifest["kv_budget"] = kv_budget(graph.spec, kv_table, weight_bytes,
                                       graph.source.weight_bytes)
     manifest_preview = {**manifest, "formats": formats, "kv_cache": kv_table,
                         "sizes": {"weight_bytes": weight_bytes, "source_weight_bytes": graph.source.weight_bytes}}

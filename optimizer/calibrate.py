@@ -14,7 +14,6 @@ from kernels.errors import KilnError
 from optimizer.calibrator import RuntimeCalibrationSession
 from optimizer.lower import lower_tensors
 from passes.graph import ModelGraph
-from runtime.spec import build_spec
 
 
 class _RecordingCache:
@@ -46,7 +45,7 @@ class KvCapture:
         from runtime.model import Transformer
 
         tensors, formats = lower_tensors(graph)
-        model = Transformer(build_spec(graph.config), tensors, formats).eval()
+        model = Transformer(graph.spec, tensors, formats).eval()
         session = RuntimeCalibrationSession(graph, self.token_lists, self.max_batch_tokens)
         collected: dict[int, list[list[torch.Tensor]]] = {}
         for b in session.batches:

@@ -38,14 +38,12 @@ from runtime.model import (
     Block,
     DenseMlp,
     GqaAttention,
+    LayerRotaries,
     MlaAttention,
     MoeMlp,
     QuantLinear,
-    Rotary,
     Weights,
-    _mla_softmax_scale,
 )
-from runtime.spec import build_spec
 
 Callback = Callable[[str, torch.Tensor], None]
 
@@ -120,7 +118,7 @@ class RuntimeCalibrationSession:
     def __init__(self, graph: ModelGraph, token_lists: list[list[int]], max_batch_tokens: int,
                  observe_sequences: int | None = None):
         self.graph = graph
-        self.spec = build_spec(graph.config)
+        self.spec = graph.spec  # the structure when the session starts (the distillation teacher's too)
         self.all_token_lists = token_lists  # distillation
         token_lists = token_lists[:observe_sequences] if observe_sequences else token_lists
         order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
@@ -133,13 +131,7 @@ class RuntimeCalibrationSession:
             current.append(i)
         if current:
             self.batches.append(_Batch([token_lists[j] for j in current]))
-        first = self.spec.layers[0].attention
-        if first.kind == "mla":
-            self.rotary = Rotary(self.spec, first.qk_rope_head_dim)
-            self.mla_scale = _mla_softmax_scale(self.spec, first.head_dim)
-        else:
-            self.rotary = Rotary(self.spec, first.head_dim)
-            self.mla_scale = None
+        self.rotary = LayerRotaries(self.spec.layers)
         self.position: int | None = None  # hidden states are at the input of this block
         self._ran: dict[int, tuple[_Same, ...]] = {}  # what each block held when the hidden states went through
         self.source = lower_tensors(graph)  # (tensors, formats) before the pass: the distillation teacher
@@ -210,7 +202,7 @@ class RuntimeCalibrationSession:
     def _block(self, index: int, weights: _RecordingWeights) -> Block:
         layer = self.spec.layers[index]
         a = layer.attention
-        attention = (MlaAttention(a, weights, layer.prefix, self.mla_scale) if a.kind == "mla"
+        attention = (MlaAttention(a, weights, layer.prefix) if a.kind == "mla"
                      else GqaAttention(a, weights, layer.prefix))
         mlp = DenseMlp(layer.mlp.linears, weights) if layer.mlp.kind == "dense" else MoeMlp(layer.mlp, weights)
         return Block(attention, mlp, weights.norm(layer.norms[0]), weights.norm(layer.norms[1])).eval()
@@ -226,7 +218,7 @@ class RuntimeCalibrationSession:
             for b in self.batches:
                 current["mask"] = b.mask.unsqueeze(-1).to(b.hidden.dtype)
                 current["bool_mask"] = b.mask
-                out = block(b.hidden, self.rotary(b.positions), b.positions, None, index)
+                out = block(b.hidden, self.rotary(b.positions)[index], b.positions, None, index)
                 if keep_output:
                     b.hidden = out * current["mask"]
         finally:
@@ -349,9 +341,9 @@ class _Model(torch.nn.Module):
     def hidden(self, b: _Batch) -> torch.Tensor:
         """The final norm's output [B, T, C]."""
         x = F.embedding(b.tokens, self.embed)
-        rope = self.session.rotary(b.positions)
+        ropes = self.session.rotary(b.positions)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, b.positions, None, i)
+            x = block(x, ropes[i], b.positions, None, i)
         return self.norm(x)
 
     def forward(self, b: _Batch) -> torch.Tensor:

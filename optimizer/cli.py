@@ -90,6 +90,10 @@ def _gate_table(records_json: list[dict]) -> Table:
             ("top-1 agreement", lambda p, g: f"{g['top1']:.4f}"),
             ("floor", lambda p, g: f"{g['floor']}"),
             ("suspect", lambda p, g: g.get("suspect", ""))]
+    names = sorted({m["name"] for p in records_json if p["gate"] for m in p["gate"].get("metrics", ())})
+    rows += [(name, lambda p, g, name=name: next((f"{m['value']:.4g} ({'pass' if m['passed'] else 'FAIL'})"
+                                                  for m in g.get("metrics", ()) if m["name"] == name), ""))
+             for name in names]
     for label, cell in rows:
         if label == "suspect" and not any((p["gate"] or {}).get("suspect") for p in records_json):
             continue
@@ -156,7 +160,8 @@ def build(
 
 def _log(message: str) -> None:
     # Text, not markup: a path or tensor name in brackets must print as written
-    console.print(Text(message, style="yellow" if message.startswith("warning:") else "dim"))
+    # soft_wrap: one message stays one line in a CI log, whatever the width, so `grep warning:` finds it whole
+    console.print(Text(message, style="yellow" if message.startswith("warning:") else "dim"), soft_wrap=True)
 
 
 def _precision_table(precision: dict) -> Table:
@@ -174,6 +179,26 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16":
                "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "bool": 1,
                "int64": 8}
 """Bytes per element of the dtypes an artifact stores (inspect reads sizes without importing torch)."""
+
+
+def _architecture_summary(arch: dict) -> dict:
+    """The manifest's architecture (the spec the runtime executes), one entry per layer, without the rotary
+    frequency tables."""
+    def layer(entry: dict) -> dict:
+        a, m = entry["attention"], entry["mlp"]
+        out = {"index": entry["index"], "attention": a["kind"], "heads": a["num_heads"], "kv_heads": a["num_kv_heads"],
+               "head_dim": a["head_dim"], "v_head_dim": a["v_head_dim"], "rotary_dim": a["rotary"]["dim"],
+               "softmax_scale": a["softmax_scale"], "linears": sorted(a["linears"]), "mlp": m["kind"],
+               "intermediate_size": m["intermediate_size"]}
+        if a["kind"] == "mla":
+            out.update(kv_lora_rank=a["kv_lora_rank"], q_lora_rank=a["q_lora_rank"])
+        if m["kind"] == "moe":
+            out.update(experts=len(m["experts"]), top_k=m["top_k"], shared_experts=m["num_shared_experts"])
+        return out
+
+    return {"model_type": arch["model_type"], "hidden_size": arch["hidden_size"], "vocab_size": arch["vocab_size"],
+            "tie_word_embeddings": arch["tie_word_embeddings"], "layers": [layer(e) for e in arch["layers"]],
+            "extra_modules": [{"kind": e["kind"], "name": e["name"]} for e in arch["extra_modules"]]}
 
 
 def _module_bytes(manifest: dict) -> dict[str, int]:
@@ -210,6 +235,7 @@ def inspect(
         "precision": (manifest.get("precision") or {}).get("linears", {}),  # linear -> group, option, why
         "layer_bytes": layer_bytes,
         "passes": [{"name": p["name"], "decision": p["decision"], "gate": p["gate"]} for p in manifest["passes"]],
+        "architecture": _architecture_summary(manifest["architecture"]),
     }
     from optimizer.kv_report import artifact_kv_budget, kv_tables
 

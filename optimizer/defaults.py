@@ -21,7 +21,7 @@ EVALUATION_TEXT = SHARED_BESIDE / "data" / "tinystories" / "evaluation.txt"
 
 def shared_dir() -> Path | None:
     for candidate in (Path.cwd() / ".." / "shared", SHARED_BESIDE, Path.cwd() / "shared"):
-        if (candidate / "models" / "stories260K" / "config.json").is_file():
+        if (candidate / "models" / "stories260K" / "model.safetensors").is_file():
             return candidate.resolve()
     return None
 

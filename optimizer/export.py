@@ -50,6 +50,7 @@ from kernels.errors import KilnError
 from optimizer import __version__
 from optimizer.output_dir import atomic_directory, check_output, mark_export
 from runtime.artifact import MANIFEST, WEIGHTS, read_manifest
+from runtime.spec import spec_from_json
 
 FORMATS = ("hf-modelopt", "compressed-tensors")
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -223,10 +224,8 @@ def export_hf_modelopt(artifact: Path | str, output: Path | str, overwrite: bool
     manifest = read_manifest(artifact)
     check_output(output, overwrite, [artifact])  # before reading anything
     tensors = load_file(str(artifact / WEIGHTS))
-    config = json.loads((artifact / "config.json").read_text())
-    from runtime.spec import build_spec
-
-    spec = build_spec(dict(config))
+    config = json.loads((artifact / "config.json").read_text())  # the export's config.json starts from it
+    spec = spec_from_json(manifest["architecture"])
     embedding = spec.embedding.removesuffix(".weight")
     hf_quant = hf_quant_config(manifest, tensors, embedding, [lin.name for lin in spec.linears()])
     exported = export_tensors(manifest, tensors)
@@ -244,12 +243,46 @@ def export_hf_modelopt(artifact: Path | str, output: Path | str, overwrite: bool
     return output
 
 
+MODELOPT_TENSORS = {"FP8": ("weight", "weight_scale"), "FP8_PER_CHANNEL_PER_TOKEN": ("weight", "weight_scale"),
+                    "NVFP4": ("weight", "weight_scale", "weight_scale_2"),
+                    "W4A16_NVFP4": ("weight", "weight_scale", "weight_scale_2"), "mxfp4": ("weight", "weight_scale")}
+"""The weight tensors (`<module>.<name>`) each quant_algo this reader decodes stores per linear."""
+
+
+def modelopt_linear_algo(name: str, quantization: Mapping, tensors: Mapping) -> str | None:
+    """The quant_algo of linear `name` under hf_quant_config.json's "quantization" (None: unquantized); `tensors`
+    only needs `in` (a safetensors header does)."""
+    algo = quantization.get("quant_algo")
+    if algo == "MIXED_PRECISION":
+        return (quantization.get("quantized_layers") or {}).get(name, {}).get("quant_algo")
+    if algo and f"{name}.weight_scale" in tensors:
+        return algo
+    return None
+
+
+def dequantize_modelopt_linear(name: str, algo: str, tensors: Mapping[str, torch.Tensor],
+                               in_features: int) -> torch.Tensor:
+    """fp32 weight of one linear stored with ModelOpt quant_algo `algo` (in_features: the true K; block formats
+    pad it)."""
+    from kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
+    from kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
+
+    if algo in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):
+        scale = tensors[f"{name}.weight_scale"].float()
+        return fp8.fp8_dequantize(tensors[f"{name}.weight"], scale.reshape(-1, 1) if scale.numel() > 1 else scale)
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        return nvfp4_dequantize(Nvfp4Weight.from_tensors({k: tensors[f"{name}.{k}"] for k in MODELOPT_TENSORS[algo]},
+                                                         in_features=in_features))
+    if algo == "mxfp4":
+        return mxfp4_dequantize(Mxfp4Weight.from_tensors({k: tensors[f"{name}.{k}"] for k in MODELOPT_TENSORS[algo]},
+                                                         in_features=in_features))
+    raise KilnError(f"{name} has quant_algo {algo!r}, which this reader does not know")
+
+
 def dequantize_hf_modelopt(path: Path | str) -> dict[str, torch.Tensor]:
     """fp32 weight of every linear of an hf-modelopt checkpoint, read the way a serving engine reads it:
     the algorithm from hf_quant_config.json, the true in_features from config.json (block formats pad K)."""
-    from kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
-    from kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
-    from runtime.spec import build_spec
+    from optimizer.loader_config import build_spec
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
@@ -257,46 +290,29 @@ def dequantize_hf_modelopt(path: Path | str) -> dict[str, torch.Tensor]:
     tensors = load_file(str(path / "model.safetensors"))
     q = json.loads((path / HF_QUANT_CONFIG).read_text())["quantization"] if (path / HF_QUANT_CONFIG).is_file() \
         else {"quant_algo": None}
-    layers = q.get("quantized_layers") or {}
     out: dict[str, torch.Tensor] = {}
     for lin in spec.linears():
         name = lin.name
-        if q["quant_algo"] == "MIXED_PRECISION":
-            algo = layers.get(name, {}).get("quant_algo")
-        elif q["quant_algo"] and f"{name}.weight_scale" in tensors:
-            algo = q["quant_algo"]
-        else:
-            algo = None
+        algo = modelopt_linear_algo(name, q, tensors)
         if algo is None:
             weight = tensors.get(f"{name}.weight")
             if weight is None and name == "lm_head" and spec.tie_word_embeddings:
                 weight = tensors[spec.embedding]
             out[name] = weight.float()
-        elif algo in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):
-            scale = tensors[f"{name}.weight_scale"].float()
-            out[name] = fp8.fp8_dequantize(tensors[f"{name}.weight"], scale.reshape(-1, 1) if scale.numel() > 1
-                                           else scale)
-        elif algo in ("NVFP4", "W4A16_NVFP4"):
-            keys = ("weight", "weight_scale", "weight_scale_2")
-            out[name] = nvfp4_dequantize(Nvfp4Weight.from_tensors({k: tensors[f"{name}.{k}"] for k in keys},
-                                                                  in_features=lin.in_features))
-        elif algo == "mxfp4":
-            keys = ("weight", "weight_scale")
-            out[name] = mxfp4_dequantize(Mxfp4Weight.from_tensors({k: tensors[f"{name}.{k}"] for k in keys},
-                                                                  in_features=lin.in_features))
         else:
-            raise KilnError(f"{path}: {name} has quant_algo {algo!r}, which this reader does not know")
+            try:
+                out[name] = dequantize_modelopt_linear(name, algo, tensors, lin.in_features)
+            except KilnError as exc:
+                raise KilnError(f"{path}: {exc}") from None
     return out
 
 
 def verify_export(path: Path, artifact: Path) -> None:
     """The export, dequantized as a serving engine would, must equal the artifact's weights bit for bit."""
-    from runtime.spec import build_spec
     from runtime.weights import dequantize_weight
 
     manifest = json.loads((artifact / MANIFEST).read_text())
-    config = json.loads((artifact / "config.json").read_text())
-    spec = build_spec(config)
+    spec = spec_from_json(manifest["architecture"])
     tensors = load_file(str(artifact / WEIGHTS))
     exported = dequantize_hf_modelopt(path)
     for lin in spec.linears():

@@ -72,6 +72,7 @@ from optimizer import __version__
 from optimizer.export import _COPIED, NVFP4_GROUP_SIZE, _kv_algo
 from optimizer.output_dir import atomic_directory, check_output, mark_export
 from runtime.artifact import MANIFEST, WEIGHTS, read_manifest
+from runtime.spec import spec_from_json
 
 QUANT_METHOD = "compressed-tensors"
 MXFP4_GROUP_SIZE = 32
@@ -287,10 +288,8 @@ def export_compressed_tensors(artifact: Path | str, output: Path | str, overwrit
     manifest = read_manifest(artifact)
     check_output(output, overwrite, [artifact])  # before reading anything
     tensors = load_file(str(artifact / WEIGHTS))
-    config = json.loads((artifact / "config.json").read_text())
-    from runtime.spec import build_spec
-
-    spec = build_spec(dict(config))
+    config = json.loads((artifact / "config.json").read_text())  # the export's config.json starts from it
+    spec = spec_from_json(manifest["architecture"])
     embedding = spec.embedding.removesuffix(".weight")
     schemes, unquantized = ct_schemes(manifest, tensors, [lin.name for lin in spec.linears()])
     quant = quantization_config(schemes, _ignored(unquantized, schemes, tensors, embedding))
@@ -374,7 +373,7 @@ def dequantize_compressed_tensors(path: Path | str) -> dict[str, torch.Tensor]:
     """fp32 weight of every linear of a compressed-tensors checkpoint, decoded with compressed-tensors'
     arithmetic: the scheme from config.json's quantization_config (ignore, then targets), FP8 as q * scale,
     NVFP4 as e2m1 * (weight_scale / weight_global_scale), MXFP4 as e2m1 * 2^(e - 127)."""
-    from runtime.spec import build_spec
+    from optimizer.loader_config import build_spec
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
@@ -396,12 +395,10 @@ def dequantize_compressed_tensors(path: Path | str) -> dict[str, torch.Tensor]:
 
 def verify_compressed_tensors(path: Path, artifact: Path) -> None:
     """The export must decode to the artifact's weights (see the module docstring for NVFP4's global scale)."""
-    from runtime.spec import build_spec
     from runtime.weights import dequantize_weight
 
     manifest = json.loads((artifact / MANIFEST).read_text())
-    config = json.loads((artifact / "config.json").read_text())
-    spec = build_spec(config)
+    spec = spec_from_json(manifest["architecture"])
     tensors = load_file(str(artifact / WEIGHTS))
     written = load_file(str(path / "model.safetensors"))
     exported = dequantize_compressed_tensors(path)

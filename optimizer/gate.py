@@ -18,10 +18,9 @@ import torch
 
 from kernels.errors import KilnError
 from optimizer.lower import kv_cache_table, lower_tensors, roundtrip
-from passes.base import GateResult
+from passes.base import GateResult, MetricResult, PassMetric
 from passes.graph import ModelGraph
 from runtime.engine import Engine
-
 
 MAX_FLOOR = 1.5
 
@@ -47,7 +46,7 @@ def check_baseline(manifest: dict, baseline: ModelGraph) -> None:
 
 def engine_from_graph(graph: ModelGraph, tokenizer=None) -> Engine:
     tensors, formats = lower_tensors(graph)
-    return Engine.from_tensors(graph.config, roundtrip(tensors), formats, tokenizer,
+    return Engine(graph.spec, roundtrip(tensors), formats, tokenizer,
                                kv_cache=kv_cache_table(graph))
 
 
@@ -122,7 +121,16 @@ class AccuracyGate:
             seconds=time.perf_counter() - start,
         )
 
-    def __call__(self, graph: ModelGraph, floor: float) -> GateResult:
+    def __call__(self, graph: ModelGraph, floor: float, metrics: Sequence[PassMetric] = (),
+                 before: ModelGraph | None = None) -> GateResult:
         start = time.perf_counter()
-        result = self.compare(engine_from_graph(graph), floor)
-        return dataclasses.replace(result, seconds=time.perf_counter() - start)
+        candidate = engine_from_graph(graph)
+        result = self.compare(candidate, floor)
+        measured = ()
+        if metrics:
+            if before is None:
+                raise ValueError("pass metrics are measured against the graph before the pass: pass `before`")
+            reference = engine_from_graph(before)
+            measured = tuple(MetricResult(m.name, float(m.measure(candidate, reference, self.token_lists)), m.floor,
+                                          m.higher_is_better) for m in metrics)
+        return dataclasses.replace(result, metrics=measured, seconds=time.perf_counter() - start)

@@ -1,26 +1,25 @@
 """The KV-cache part of report.md, `optimize build` and `optimize inspect`: bytes per token and concurrency.
 
-The figures come from `runtime.kv_budget.kv_budget` (config + the manifest's "kv_cache" table + weight
-bytes), so an artifact written before KV formats existed reads as BF16 throughout.
+The figures come from `runtime.kv_budget.kv_budget` (the architecture + the manifest's "kv_cache"
+table + weight bytes), so an artifact written before KV formats existed reads as BF16 throughout.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rich.table import Table
 
 
 def artifact_kv_budget(artifact: Path, manifest: dict) -> dict:
-    """The budget of an artifact on disk (its config.json, KV table and stored weight bytes). `optimize
-    inspect` reads the manifest's own "kv_budget" instead, so it never imports torch."""
+    """The budget of an artifact from its manifest (architecture, KV table and stored weight bytes).
+    `optimize inspect` reads the manifest's own "kv_budget" when present, so it never imports torch."""
     from runtime.kv_budget import kv_budget
-    from runtime.spec import build_spec
+    from runtime.spec import spec_from_json
 
-    config = json.loads((Path(artifact) / "config.json").read_text())
     sizes = manifest["sizes"]
-    return kv_budget(build_spec(config), manifest.get("kv_cache"), sizes["weight_bytes"], sizes["source_weight_bytes"])
+    return kv_budget(spec_from_json(manifest["architecture"]), manifest.get("kv_cache"), sizes["weight_bytes"],
+                     sizes["source_weight_bytes"])
 
 
 def _reserve(budget: dict) -> str:

@@ -22,9 +22,11 @@ from typing import NamedTuple
 import torch
 
 from kernels.errors import KilnError
-from passes.graph import Attention, Block, Linear, Mlp, ModelGraph, Source
+from optimizer import prequantized
+from optimizer.loader_config import build_spec, check_config
+from passes.graph import ModelGraph, Source
 from runtime.artifact import MANIFEST, read_json, sha256_file
-from runtime.spec import ModelSpec, build_spec, check_config
+from runtime.spec import ModelSpec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -149,22 +151,24 @@ NORM = "a norm weight"
 
 
 def _expected_tensors(spec: ModelSpec) -> dict[str, Expected]:
-    """Every tensor the spec uses, by name."""
-    out = {spec.embedding: Expected("the embedding", (spec.vocab_size, spec.hidden_size)),
-           spec.final_norm: Expected(NORM, (spec.hidden_size,))}
-    for ls in spec.linears():
+    """Every tensor the spec uses (extra modules included), by name."""
+    out = {spec.embedding: Expected("the embedding", (spec.vocab_size, spec.hidden_size))}
+    for ls in (*spec.linears(), *spec.extra_linears()):
         tied = ls.role == "lm_head" and spec.tie_word_embeddings  # then a separate lm_head.weight is optional
         out[f"{ls.name}.weight"] = Expected("a linear weight", (ls.out_features, ls.in_features), not tied)
         if ls.bias:
             out[f"{ls.name}.bias"] = Expected("a bias", (ls.out_features,))
-    for layer in spec.layers:
-        a = layer.attention
-        for name in layer.norms:
-            size = {"q_norm": a.head_dim, "k_norm": a.head_dim, "kv_a_layernorm": a.kv_lora_rank,
-                    "q_a_layernorm": a.q_lora_rank}.get(name.split(".")[-2], spec.hidden_size)
-            out[name] = Expected(NORM, (size,))
+    out.update({name: Expected(NORM, (size,)) for name, size in spec.norms().items()})
+    for layer in (*spec.layers, *(m.layer for m in spec.extra_modules if m.layer is not None)):
         if layer.mlp.score_correction_bias:  # the runtime routes without it when absent
             out[layer.mlp.score_correction_bias] = Expected("a router bias", (len(layer.mlp.experts),), False)
+    for module in spec.extra_modules:
+        a = module.layer.attention if module.layer is not None else None
+        for name in (*module.norms, *(module.layer.norms if module.layer is not None else ())):
+            size = {"q_norm": a.head_dim, "k_norm": a.head_dim, "kv_a_layernorm": a.kv_lora_rank,
+                    "q_a_layernorm": a.q_lora_rank}.get(name.split(".")[-2], spec.hidden_size) if a else spec.hidden_size
+            out[name] = Expected(NORM, (size,))
+        out.update({name: Expected("the embedding", (spec.vocab_size, spec.hidden_size)) for name in module.tensors})
     return out
 
 
@@ -253,37 +257,16 @@ def read_config(root: Path) -> dict:
     config = read_json(config_path)
     if not isinstance(config, dict):
         raise KilnError(f"{config_path} must hold a JSON object")
-    quant = config.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise KilnError(f"pre-quantized checkpoints (quantization_config quant_method {method!s:.40}) are not "
-                        "supported yet; give the unquantized checkpoint")
+    prequantized.check_quantization_config(root, config)  # one line for a quantization Kiln cannot read
     return config
 
 
 def graph_from_spec(spec: ModelSpec, config: dict, source: Source, tensors: dict[str, torch.Tensor]) -> ModelGraph:
     """The graph of a spec whose tensors `_check_tensors` has checked."""
-    linears: dict[str, Linear] = {}
-    for ls in spec.linears():
-        tied = None
-        if ls.role == "lm_head" and "lm_head.weight" not in tensors and spec.tie_word_embeddings:
-            tied = spec.embedding
-        linears[ls.name] = Linear(ls.name, ls.role, ls.in_features, ls.out_features, ls.layer, ls.expert, ls.proj,
-                                  ls.bias, tied_to=tied)
-    blocks = []
-    for layer in spec.layers:
-        a, m = layer.attention, layer.mlp
-        attention = Attention(a.kind, a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim,
-                              {role: ls.name for role, ls in a.linears.items()}, a.kv_lora_rank, a.qk_rope_head_dim)
-        shared = sum(1 for k in m.linears if k == "shared_gate")
-        mlp = Mlp(m.kind, m.intermediate_size, {role: ls.name for role, ls in m.linears.items()},
-                  tuple({p: ls.name for p, ls in e.items()} for e in m.experts), m.top_k,
-                  int(getattr(spec.hf_config, "n_shared_experts", 0) or shared))
-        blocks.append(Block(layer.index, attention, mlp, layer.norms))
-    return ModelGraph(
-        model_type=spec.model_type, config=config, source=source, tensors=tensors, embedding=spec.embedding,
-        final_norm=spec.final_norm, blocks=blocks, linears=linears, tied_embeddings=spec.tie_word_embeddings,
-    )
+    graph = ModelGraph(spec=spec, hf_config=config, source=source, tensors=tensors)
+    if "lm_head.weight" not in tensors and spec.tie_word_embeddings:
+        graph.linears["lm_head"].tied_to = spec.embedding
+    return graph
 
 
 def load_checkpoint(ref: str | Path, trust_remote_code: bool = False, *,
@@ -300,8 +283,9 @@ def load_checkpoint(ref: str | Path, trust_remote_code: bool = False, *,
     files, weight_map = _weight_files(root)
     header = _read_header(root, files, weight_map)
     _check_layer_count(config, header)
-    spec = build_spec(config, trust_remote_code)
+    spec = build_spec(config, trust_remote_code, tensor_names=header)
     expected = _expected_tensors(spec)
+    config, header, quantized = prequantized.plan(root, config, header, expected, log)  # dequantized view
     unused = _check_tensors(spec.model_type, expected, header)
     if unused:
         log(f"{len(unused)} checkpoint tensor(s) are not used by the {spec.model_type} model and are copied to "
@@ -314,6 +298,9 @@ def load_checkpoint(ref: str | Path, trust_remote_code: bool = False, *,
         weight_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
         tokenizer_files=tuple(root / n for n in TOKENIZER_FILES if (root / n).is_file()),
     )
+    tensors = prequantized.dequantize(quantized, tensors)  # float32 weights; source keeps the stored bytes
     graph = graph_from_spec(spec, config, source, tensors)
     graph.metadata["loader"] = {"unused_tensors": unused}
+    if quantized:
+        graph.metadata["loader"]["prequantized"] = quantized.provenance
     return graph

@@ -107,7 +107,8 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
     with atomic_directory(out, overwrite, inputs) as tmp:
         # one metadata key only: safetensors writes metadata in a nondeterministic order
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        shutil.copyfile(graph.source.path / "config.json", tmp / "config.json")
+        # the source's config, for provenance and export; the runtime builds from "architecture" instead
+        (tmp / "config.json").write_text(_json(graph.hf_config))
         for f in graph.source.tokenizer_files:
             shutil.copyfile(f, tmp / f.name)
         (tmp / "report.md").write_text(report)
@@ -118,6 +119,7 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
             **manifest,
             "schema_version": SCHEMA_VERSION,
             "kiln_version": __version__,
+            "architecture": graph.spec.to_json(),
             "formats": formats,
             "kv_cache": kv_cache_table(graph),
             "sizes": {"weight_bytes": tensor_bytes(tensors), "source_weight_bytes": graph.source.weight_bytes},

@@ -49,7 +49,7 @@ BEST_TUNE_STEPS = 200  # end-to-end tuning steps of the FP4 recipes (weight-quan
 AUTO_TUNE_STEPS = 400  # auto: its mixed assignment measured 0.982-0.983 after 200 steps, 0.986 after 400 (5.0 bits)
 
 BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
-    "none": lambda: [],
+    "none": list,
     # Uniform formats, calibrated on the calibration text (without it: data-free MSE scales and a warning; a
     # recipe file with `method: rtn` rounds to nearest): AWQ scales folded into norms / linears and GPTQ values
     # (FP8 W8A8: MSE scales, which measured better there), block by block; FP4 then tunes its grid points end

@@ -57,6 +57,12 @@ def render_report(manifest: dict) -> str:
                          f"{g['top1']:.4f} | {g['floor']} |")
     if not manifest["passes"]:
         lines.append("| (no passes) | | | | | | | | |")
+    checks = [(p["name"], m) for p in manifest["passes"] if p["gate"] for m in p["gate"].get("metrics", ())]
+    if checks:
+        lines += ["", "Each pass's own gate metrics (measured through the runtime against the graph before it):", "",
+                  "| pass | metric | value | floor | passed |", "|---|---|---:|---:|---|"]
+        lines += [f"| {name} | {m['name']} | {m['value']:.6g} | {'≥' if m['higher_is_better'] else '≤'} "
+                  f"{m['floor']:g} | {m['passed']} |" for name, m in checks]
     if manifest.get("kv_budget"):
         from optimizer.kv_report import kv_markdown
 

@@ -32,14 +32,14 @@ class LogitKl:
         # The source as it is now, by reference (passes replace tensors, never mutate them): the engine is
         # built on first use, so a build whose passes never ask pays nothing.
         tensors, formats = lower_tensors(source)
-        self._source_state = (source.config, tensors, formats, kv_cache_table(source))
+        self._source_state = (source.spec, tensors, formats, kv_cache_table(source))
         self._source: Engine | None = None
         self._baseline: list[torch.Tensor] = []
 
     def _source_engine(self) -> Engine:
         if self._source is None:
-            config, tensors, formats, kv_cache = self._source_state
-            self._source = Engine.from_tensors(config, roundtrip(tensors), formats, kv_cache=kv_cache)
+            spec, tensors, formats, kv_cache = self._source_state
+            self._source = Engine(spec, roundtrip(tensors), formats, kv_cache=kv_cache)
             self._source_state = None
         return self._source
 

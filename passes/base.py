@@ -44,6 +44,42 @@ class PassResult:
                 "notes": list(self.notes)}
 
 
+class Runner(Protocol):
+    """A graph as the runtime executes it (the gate hands a pass metric two of these)."""
+
+    def logits(self, token_lists: Sequence[Sequence[int]]) -> list[Any]:
+        """Full-sequence logits [len, vocab] per token list."""
+
+
+@dataclass(frozen=True)
+class PassMetric:
+    """A figure a pass declares for its own gate, next to recovery: e.g. "logits identical to the graph
+    before me" for a fusion, acceptance length for a draft head. The gate measures it through the runtime on
+    its held-out text, `measure(candidate, before, token_lists)`, where `before` runs the graph as the pass
+    found it, and the pass is kept only when the value clears `floor`."""
+
+    name: str
+    floor: float
+    measure: Callable[[Runner, Runner, Sequence[Sequence[int]]], float]
+    higher_is_better: bool = True
+
+
+@dataclass(frozen=True)
+class MetricResult:
+    name: str
+    value: float
+    floor: float
+    higher_is_better: bool = True
+
+    @property
+    def passed(self) -> bool:
+        return self.value >= self.floor if self.higher_is_better else self.value <= self.floor
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "value": round(float(self.value), 8), "floor": self.floor,
+                "higher_is_better": self.higher_is_better, "passed": self.passed}
+
+
 MAX_PLAUSIBLE_RECOVERY = 1.25
 MAX_PLAUSIBLE_KL = 2.0  # nats per token
 
@@ -60,6 +96,7 @@ class GateResult:
     # recovery of the graph this pass started from (1.0 for the first pass): in a pipeline each pass is
     # judged on what it costs itself, so a KV pass after a weight pass is not charged for the weights
     reference_recovery: float = 1.0
+    metrics: tuple[MetricResult, ...] = ()  # the pass's own declared figures (Pass.metrics)
 
     @property
     def recovery(self) -> float:
@@ -85,7 +122,7 @@ class GateResult:
 
     @property
     def passed(self) -> bool:
-        return self.pass_recovery >= self.floor and self.suspect is None
+        return self.pass_recovery >= self.floor and self.suspect is None and all(m.passed for m in self.metrics)
 
     def to_json(self, timings: bool = True) -> dict:
         out = {"perplexity": round(self.perplexity, 6), "baseline_perplexity": round(self.baseline_perplexity, 6),
@@ -94,12 +131,16 @@ class GateResult:
                "tokens": self.tokens, "floor": self.floor, "passed": self.passed}
         if self.suspect:
             out["suspect"] = self.suspect
+        if self.metrics:
+            out["metrics"] = [m.to_json() for m in self.metrics]
         if timings:
             out["seconds"] = None if self.seconds is None else round(self.seconds, 3)
         return out
 
 
-Gate = Callable[[ModelGraph, float], GateResult]
+Gate = Callable[..., GateResult]
+"""gate(graph, floor, metrics=(), before=None): recovery against the source, plus each PassMetric measured
+against `before` (the graph as the pass found it)."""
 
 
 class CalibrationSession(Protocol):
@@ -193,6 +234,10 @@ class Pass(abc.ABC):
     def floor(self, ctx: PassContext) -> float:
         return ctx.floor if ctx.floor is not None else self.default_floor
 
+    def metrics(self) -> tuple[PassMetric, ...]:
+        """Figures this pass's gate checks beside recovery. The default: none."""
+        return ()
+
 
 @dataclass(frozen=True)
 class Pipeline(Pass):
@@ -251,6 +296,7 @@ def run_gated(p: Pass, graph: ModelGraph, ctx: PassContext, reference_recovery: 
     """Apply `p`, gate it, back off or revert. The floor applies to the recovery relative to
     `reference_recovery`, the source-relative recovery of the graph as the pass found it."""
     state = graph.snapshot()
+    before = graph.copy_of(state) if p.metrics() else None
     floor = p.floor(ctx)
     attempts: list[dict] = []
 
@@ -260,7 +306,10 @@ def run_gated(p: Pass, graph: ModelGraph, ctx: PassContext, reference_recovery: 
         if not result.changed:
             raise KilnError(f"pass {candidate.name!r} matched no layers: "
                             + ("; ".join(f"{k}: {v}" for k, v in list(result.skipped.items())[:3]) or "nothing to do"))
-        gate = ctx.gate(graph, floor) if ctx.gate is not None else None
+        gate = None
+        if ctx.gate is not None:
+            metrics = candidate.metrics()
+            gate = ctx.gate(graph, floor, metrics, before) if metrics else ctx.gate(graph, floor)
         if gate is not None:
             gate = dataclasses.replace(gate, reference_recovery=reference_recovery)
         attempts.append({"config": config_dict(candidate), "changed": len(result.changed),

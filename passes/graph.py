@@ -1,25 +1,32 @@
 """ModelGraph: the typed IR that passes read and rewrite.
 
-It is a view over the checkpoint's tensors (Hugging Face names, source dtype) plus annotations:
-    blocks      attention kind (MHA/GQA/MLA) and head shapes; MLP kind (dense/MoE) with experts, top-k,
-                shared experts and router; norms
-    linears     every linear by module name, with its role (q, k, v, o, q_a, q_b, kv_a, kv_b, gate, up, down,
-                expert, router, lm_head) and its precision: `quant` is None while it stays in source precision
-                and a `QuantizedWeight` (packed tensors + format) once a pass quantized it
-Passes never mutate a tensor in place; they replace entries, so `snapshot()`/`restore()` are shallow copies
-and reverting a pass costs nothing.
+    spec        the runtime's `ModelSpec`: the model's structure, per layer (attention MHA/GQA/MLA with its
+                rotary and softmax scale, dense or MoE MLP, norms) plus extra modules. A structural pass
+                (MLA conversion, draft heads, fusion) rewrites it with `set_spec`; the artifact's manifest
+                carries it and the runtime executes it
+    tensors     the checkpoint's tensors (Hugging Face names, source dtype), as the passes left them
+    linears     every linear of the spec by module name, with its role and its precision annotation: `quant`
+                is None while it stays in source precision and a `QuantizedWeight` (packed tensors + format)
+                once a pass quantized it
+    kv_cache    per-layer KV-cache format annotations;  metadata: what passes record for the artifact
+Passes never mutate a tensor or a spec in place; they replace entries, so `snapshot()`/`restore()` are
+shallow copies that cover everything a pass may change, and reverting a pass costs nothing.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "gate", "up", "down", "expert", "router", "lm_head")
+from runtime.spec import LayerSpec, ModelSpec
+
+ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "k_down", "k_up", "v_down", "v_up", "gate", "up", "down",
+         "expert", "router", "lm_head")
 
 
 @dataclass(frozen=True)
@@ -65,45 +72,11 @@ class Linear:
             return "lm_head"
         if self.role == "expert":
             return f"layers.{self.layer}.experts"
-        if self.role in ("q", "k", "v", "q_a", "q_b", "kv_a", "kv_b"):
+        if self.role in ("q", "k", "v", "q_a", "q_b", "kv_a", "kv_b", "k_down", "k_up", "v_down", "v_up"):
             return f"layers.{self.layer}.qkv"
         if self.role in ("gate", "up"):
             return f"layers.{self.layer}.{'shared_' if 'shared' in self.name else ''}gate_up"
         return f"layers.{self.layer}.{'shared_' if 'shared' in self.name else ''}{self.role}"
-
-
-@dataclass(frozen=True)
-class Attention:
-    kind: str  # "mha", "gqa", "mla"
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    linears: Mapping[str, str]  # role -> linear name
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-
-
-@dataclass(frozen=True)
-class Mlp:
-    kind: str  # "dense", "moe"
-    intermediate_size: int
-    linears: Mapping[str, str]  # dense: gate/up/down; moe: router and shared_* -> linear name
-    experts: tuple[Mapping[str, str], ...] = ()
-    top_k: int = 0
-    num_shared_experts: int = 0
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.experts)
-
-
-@dataclass(frozen=True)
-class Block:
-    index: int
-    attention: Attention
-    mlp: Mlp
-    norms: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -119,19 +92,39 @@ class Source:
 
 @dataclass
 class ModelGraph:
-    model_type: str
-    config: dict  # the checkpoint's config.json, unchanged
+    spec: ModelSpec
+    hf_config: dict  # the source checkpoint's HF config: provenance and export only, never read for structure
     source: Source
     tensors: dict[str, torch.Tensor]
-    embedding: str
-    final_norm: str
-    blocks: list[Block]
-    linears: dict[str, Linear]
-    tied_embeddings: bool
+    linears: dict[str, Linear] = field(default_factory=dict)
     kv_cache: dict[int, dict] = field(default_factory=dict)  # layer -> KV format annotation
     metadata: dict = field(default_factory=dict)  # what passes record for the artifact (e.g. sensitivity)
 
+    def __post_init__(self):
+        if not self.linears:
+            self.linears = {ls.name: _linear(ls) for ls in self.spec.linears()}
+
     # --- views ----------------------------------------------------------------------------------------------
+    @property
+    def model_type(self) -> str:
+        return self.spec.model_type
+
+    @property
+    def blocks(self) -> tuple[LayerSpec, ...]:
+        return self.spec.layers
+
+    @property
+    def embedding(self) -> str:
+        return self.spec.embedding
+
+    @property
+    def final_norm(self) -> str:
+        return self.spec.final_norm
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.spec.tie_word_embeddings
+
     def weight(self, linear: Linear | str) -> torch.Tensor:
         lin = self.linears[linear] if isinstance(linear, str) else linear
         return self.tensors[lin.weight_name]
@@ -151,17 +144,54 @@ class ModelGraph:
         return self.source.weight_bytes
 
     # --- rewriting --------------------------------------------------------------------------------------------
+    def set_spec(self, spec: ModelSpec) -> None:
+        """Adopt a rewritten structure. Linears the new spec keeps (same name and shape) keep their
+        annotations; new ones start in source precision; removed ones go. The caller has put the new
+        linears' tensors in `tensors` (and may drop the removed ones'): every tensor the spec names must be
+        there, or this raises ValueError naming the first missing one."""
+        linears = {}
+        for ls in spec.linears():
+            old = self.linears.get(ls.name)
+            same = old is not None and (old.role, old.in_features, old.out_features) == (ls.role, ls.in_features,
+                                                                                           ls.out_features)
+            linears[ls.name] = old if same else _linear(ls)
+        missing = sorted(n for n in spec.tensor_names() if n not in self.tensors and not (
+            n == "lm_head.weight" and linears["lm_head"].tied_to))
+        if missing:
+            raise ValueError(f"the rewritten spec names tensor {missing[0]} ({len(missing)} missing), which the "
+                             "graph does not hold")
+        self.spec = spec
+        self.linears = linears
+
+    def replace_layer(self, layer: LayerSpec) -> None:
+        """`set_spec` with one layer replaced (by its index)."""
+        layers = list(self.spec.layers)
+        layers[layer.index] = layer
+        self.set_spec(dataclasses.replace(self.spec, layers=tuple(layers)))
+
     def snapshot(self) -> dict:
+        """Everything a pass may change, by reference (specs and tensors are never mutated in place)."""
         return {
+            "spec": self.spec,
+            "linears": {name: copy.copy(lin) for name, lin in self.linears.items()},
             "tensors": dict(self.tensors),
-            "quant": {name: lin.quant for name, lin in self.linears.items()},
             "kv_cache": copy.deepcopy(self.kv_cache),
             "metadata": copy.copy(self.metadata),
         }
 
+    def copy_of(self, state: dict) -> ModelGraph:
+        """A separate graph holding `state` (a snapshot): e.g. the graph as a pass found it, to compare with."""
+        other = copy.copy(self)
+        other.restore(state)
+        return other
+
     def restore(self, state: dict) -> None:
+        self.spec = state["spec"]
+        self.linears = {name: copy.copy(lin) for name, lin in state["linears"].items()}
         self.tensors = dict(state["tensors"])
-        for name, quant in state["quant"].items():
-            self.linears[name].quant = quant
         self.kv_cache = copy.deepcopy(state["kv_cache"])
         self.metadata = copy.copy(state["metadata"])
+
+
+def _linear(ls) -> Linear:
+    return Linear(ls.name, ls.role, ls.in_features, ls.out_features, ls.layer, ls.expert, ls.proj, ls.bias)

@@ -36,7 +36,8 @@ from kernels.kv_quant import KV_FP8_SCALINGS, kv_fake_quantize, nvfp4_kv_global_
 from kernels.nvfp4 import NVFP4_BLOCK_SIZE
 from kernels.targets import Target
 from passes.base import Pass, PassContext, PassResult
-from passes.graph import Attention, ModelGraph
+from passes.graph import ModelGraph
+from runtime.spec import AttentionSpec
 
 KV_FORMATS = ("fp8", "nvfp4")
 
@@ -46,7 +47,7 @@ def _choice(field_name: str, value, allowed) -> None:
         raise KilnError(f"{field_name}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}")
 
 
-def kv_streams(attention: Attention) -> tuple[tuple[str, int, int], ...]:
+def kv_streams(attention: AttentionSpec) -> tuple[tuple[str, int, int], ...]:
     """(name, heads, dim) of each stream a layer caches; the same order as runtime.kv_format.kv_streams."""
     if attention.kind == "mla":
         return (("latent", 1, attention.kv_lora_rank), ("k_rope", 1, attention.qk_rope_head_dim))
@@ -117,7 +118,7 @@ class KvCacheQuantization(Pass):
             raise KilnError(f"keep names layers this model does not have: {unknown[:5]} "
                             f"(it has layers 0..{len(layers) - 1})")
 
-    def _layer_format(self, attention: Attention) -> tuple[str, str, str | None]:
+    def _layer_format(self, attention: AttentionSpec) -> tuple[str, str, str | None]:
         """(stored format, scaling, why it differs from the requested format or None)."""
         if self.format == "nvfp4":
             bad = [f"{name} dim {dim}" for name, _, dim in kv_streams(attention) if dim % NVFP4_BLOCK_SIZE]

@@ -285,14 +285,15 @@ def _awq_groups(graph: ModelGraph, layer: int) -> tuple[list[_AwqGroup], str | N
     a, m = block.attention, block.mlp
     if a.kind not in ("mha", "gqa") or m.kind != "dense":
         return [], f"AWQ folding supports GQA/MHA attention with a dense MLP, not {a.kind}/{m.kind}"
-    q, k, v, o = (a.linears[r] for r in ("q", "k", "v", "o"))
-    groups = [_AwqGroup((q, k, v), block.norms[0], True), _AwqGroup((m.linears["gate"], m.linears["up"]), block.norms[1], True)]
+    q, k, v, o = (a.linears[r].name for r in ("q", "k", "v", "o"))
+    gate, up, down = (m.linears[r].name for r in ("gate", "up", "down"))
+    groups = [_AwqGroup((q, k, v), block.norms[0], True), _AwqGroup((gate, up), block.norms[1], True)]
     if a.v_head_dim == a.head_dim:
         per_kv = a.num_heads // a.num_kv_heads  # query head h reads kv head h // per_kv
         head = torch.arange(a.num_heads).repeat_interleave(a.v_head_dim)
         dim = torch.arange(a.v_head_dim).repeat(a.num_heads)
         groups.append(_AwqGroup((o,), v, False, tie=(head // per_kv) * a.v_head_dim + dim))
-    groups.append(_AwqGroup((m.linears["down"],), m.linears["up"], False))
+    groups.append(_AwqGroup((down,), up, False))
     return groups, None
 
 

@@ -1,10 +1,13 @@
 """The engine artifact contract: what `optimizer.lower` writes and the runtime reads.
 
 An artifact is a directory:
-    manifest.json       schema version, Kiln version, source + its weight hashes, target, recipe, every pass's
-                        config/result/gate, the per-module format table, sizes, sha256 of every other file
+    manifest.json       schema version, Kiln version, the architecture (runtime.spec.ModelSpec as JSON: what
+                        the runtime builds, as the passes left it), source + its weight hashes, target,
+                        recipe, every pass's config/result/gate/record, the per-module format table, sizes,
+                        sha256 of every other file
     model.safetensors   packed weights and scales (ModelOpt unified tensor names)
-    config.json, tokenizer files, report.md
+    the source's Hugging Face config (provenance and export only: the runtime never reads it), tokenizer
+    files, report.md
 It is written into a temporary sibling directory and renamed into place, so it either exists whole or not
 at all. Reading checks the schema version, the manifest's shape and every checksum before anything is used.
 
@@ -12,7 +15,7 @@ Artifacts may come from hostile hands, so reading is strict (every failure is a 
 bounded length):
   - the manifest must have the shape `validate_manifest` checks (a bool is not an integer here);
   - its "files" table (name -> sha256) names plain files inside the artifact: no '/', '\\', '..', NUL;
-  - model.safetensors and config.json must be in that table, and every other entry of the directory too:
+  - model.safetensors must be in that table, and every other entry of the directory too:
     the runtime reads only checksummed files (the tokenizer loader picks up whatever tokenizer files lie
     in the directory, so an unlisted file is refused rather than ignored);
   - no file inside the artifact may be a symlink (the artifact directory itself may be one).
@@ -29,11 +32,10 @@ from typing import Any
 
 from kernels.errors import KilnError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the manifest carries the architecture; 1 (before it) is refused with "rebuild"
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-REQUIRED_FILES = (WEIGHTS, CONFIG)
+REQUIRED_FILES = (WEIGHTS,)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
 """Tokenizer files Kiln copies into an artifact (`optimizer.loader.TOKENIZER_FILES`)."""
@@ -165,7 +167,8 @@ def check_file_name(name: object, where: str = "") -> str:
 def validate_manifest(manifest: Any, where: Path | str | None = None) -> dict:
     """Refuse a manifest whose shape the runtime and `optimize inspect` cannot read (one line naming the key).
 
-    Required: schema_version (an integer, not a bool, equal to SCHEMA_VERSION), files {name: sha256},
+    Required: schema_version (an integer, not a bool, equal to SCHEMA_VERSION), architecture (a ModelSpec),
+    files {name: sha256},
     formats {module: {format, ...}}, target, source {model_type, ...}, recipe {name, passes}, passes [{name,
     decision, gate}], sizes {weight_bytes, source_weight_bytes}, tensors {name: {dtype, shape}}.
     Optional: kv_cache {layer: {format, ...}}, precision {pass, effective_bits, groups, ...}, kv_budget
@@ -175,8 +178,14 @@ def validate_manifest(manifest: Any, where: Path | str | None = None) -> dict:
     if not isinstance(manifest, dict):
         raise KilnError(f"{s.where}malformed manifest: it must be a JSON object, got {_describe(manifest)}")
     version = s.field(manifest, "", "schema_version", "integer")
+    if version == 1:
+        raise KilnError(f"{s.where}artifact schema version 1 (written before the manifest carried the "
+                        "architecture); rebuild it from its checkpoint with this Kiln's `optimize build`")
     if version != SCHEMA_VERSION:
         raise KilnError(f"{s.where}artifact schema version {version}, this runtime reads version {SCHEMA_VERSION}")
+    from runtime.spec import spec_from_json
+
+    spec_from_json(s.field(manifest, "", "architecture", "object"))
     files = s.field(manifest, "", "files", "object")
     for name, digest in files.items():
         check_file_name(name, s.where)
@@ -207,6 +216,12 @@ def validate_manifest(manifest: Any, where: Path | str | None = None) -> dict:
             for name in ("perplexity", "baseline_perplexity", "recovery", "kl", "top1", "floor"):
                 s.field(gate, f"{key}.gate", name, "number")
             s.field(gate, f"{key}.gate", "pass_recovery", "number", required=False)
+            for j, metric in enumerate(s.field(gate, f"{key}.gate", "metrics", "array", required=False) or []):
+                where = f"{key}.gate.metrics[{j}]"
+                s.check(metric, where, "object")
+                s.field(metric, where, "name", "string")
+                for name in ("value", "floor"):
+                    s.field(metric, where, name, "number")
     sizes = s.field(manifest, "", "sizes", "object")
     s.field(sizes, "sizes", "weight_bytes", "count")
     s.field(sizes, "sizes", "source_weight_bytes", "positive")
@@ -236,7 +251,7 @@ def validate_manifest(manifest: Any, where: Path | str | None = None) -> dict:
             s.field(entry, key, "reason", "string")
         list(s.table(precision, "precision", "linears", required=False))
     budget = manifest.get("kv_budget")
-    if budget:  # `optimize inspect` prints it when present (and computes it from config.json when not)
+    if budget:  # `optimize inspect` prints it when present (and computes it from the architecture when not)
         s.check(budget, "kv_budget", "object")
         s.field(budget, "kv_budget", "kv_bytes_per_token", "count")
         s.field(budget, "kv_budget", "source_kv_bytes_per_token", "positive")
@@ -265,8 +280,8 @@ def validate_manifest(manifest: Any, where: Path | str | None = None) -> dict:
 
 # --- files ------------------------------------------------------------------------------------------------
 def verify_checksums(root: Path, manifest: dict) -> None:
-    """Every listed file is a regular file (not a symlink) whose sha256 matches; model.safetensors and
-    config.json are listed; nothing in the directory besides manifest.json is unlisted."""
+    """Every listed file is a regular file (not a symlink) whose sha256 matches; model.safetensors is listed;
+    nothing in the directory besides manifest.json is unlisted."""
     root = Path(root)
     where = clip(root)
     files = manifest.get("files")

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from kernels.errors import KilnError
-from runtime.artifact import CONFIG, WEIGHTS, artifact_file, clip, has_tokenizer, read_json, read_manifest
+from runtime.artifact import WEIGHTS, artifact_file, clip, has_tokenizer, read_manifest
 from runtime.kv_format import resolve_kv_streams
 from runtime.model import Transformer
 from runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, stored_bytes_per_token
-from runtime.spec import ModelSpec, build_spec
+from runtime.spec import ModelSpec, spec_from_json
 
 
 def prefill(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
@@ -78,13 +78,6 @@ class Engine:
             kv_cache_blocks = max(1, DEFAULT_KV_CACHE_BYTES // block_bytes)
         self.kv_cache_blocks = kv_cache_blocks
         self._kv_pool: PagedKVCache | None = None
-
-    @classmethod
-    def from_tensors(cls, config: dict, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping],
-                     tokenizer=None, manifest: dict | None = None, kv_cache: Mapping | None = None,
-                     **kv_options) -> Engine:
-        """Build from in-memory tensors exactly as they would be read from the artifact's files."""
-        return cls(build_spec(config), tensors, formats, tokenizer, manifest, kv_cache, **kv_options)
 
     def new_kv_cache(self, num_blocks: int, block_size: int | None = None) -> PagedKVCache:
         """An empty paged cache in this engine's KV formats."""
@@ -269,9 +262,6 @@ def load(path: Path | str) -> Engine:
         tensors = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as exc:
         raise KilnError(f"{clip(weights)}: cannot read weights: {clip(str(exc).strip(), 120)}") from None
-    config = read_json(artifact_file(root, manifest, CONFIG))
-    if not isinstance(config, dict):
-        raise KilnError(f"{clip(root)}: {CONFIG} must hold a JSON object")
-    spec = build_spec(config)  # before the tokenizer, which reads config.json too: a bad config is named as such
+    spec = spec_from_json(manifest["architecture"])  # the structure the passes left, not the source's config
     tokenizer = load_tokenizer(root) if has_tokenizer(manifest) else None
     return Engine(spec, tensors, manifest["formats"], tokenizer, manifest)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.spec import AttentionSpec, LinearSpec, MlpSpec, ModelSpec
+from runtime.spec import AttentionSpec, LinearSpec, MlpSpec, ModelSpec, RotarySpec
 from runtime.weights import (
     check_dtype,
     check_finite,
@@ -50,31 +50,18 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def norm_sizes(spec: ModelSpec) -> dict[str, int]:
-    """Every RMSNorm weight the spec uses -> its length: the hidden size, the head dim for Qwen3's per-head
-    q/k norms, the latent ranks for MLA's q_a/kv_a norms."""
-    sizes = {spec.final_norm: spec.hidden_size}
-    for layer in spec.layers:
-        a = layer.attention
-        per_name = {"q_norm": a.head_dim, "k_norm": a.head_dim, "kv_a_layernorm": a.kv_lora_rank,
-                    "q_a_layernorm": a.q_lora_rank}
-        for name in layer.norms:
-            sizes[name] = per_name.get(name.split(".")[-2], spec.hidden_size)
-    return sizes
-
-
 class Weights:
     """Resolves module names to runtime modules from the artifact's tensors and format table.
 
     Every tensor is checked against the spec as it is resolved (presence, shape, dtype, finite values), so an
-    artifact whose tensors disagree with its config.json is refused at load with one line naming the tensor,
+    artifact whose tensors disagree with its architecture is refused at load with one line naming the tensor,
     rather than failing inside a matmul at the first forward."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping], spec: ModelSpec):
         self.tensors = tensors
         self.formats = formats
         self.spec = spec
-        self.norm_sizes = norm_sizes(spec)
+        self.norm_sizes = spec.norms()
 
     def tensor(self, name: str, shape: tuple[int, ...] | None, what: str) -> torch.Tensor:
         """A plain floating tensor (embedding, norm, bias, router bias) as fp32, checked: present, floating
@@ -105,25 +92,28 @@ class Weights:
 
 
 class Rotary:
-    """cos/sin tables for given positions. Non-default RoPE types use transformers' init functions."""
+    """cos/sin tables of one RotarySpec for given positions."""
 
-    def __init__(self, spec: ModelSpec, dim: int):
-        cfg = spec.hf_config
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
-            base = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-            self.inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-            self.attention_scaling = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            self.inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None)
+    def __init__(self, spec: RotarySpec):
+        self.inv_freq = torch.tensor(spec.inv_freq, dtype=torch.float32)
+        self.attention_scaling = spec.attention_scaling
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+class LayerRotaries:
+    """Each layer's rotary tables for one forward: layers with the same RotarySpec share one computation."""
+
+    def __init__(self, layers):
+        self.specs = [layer.attention.rotary for layer in layers]
+        self.rotaries = {spec: Rotary(spec) for spec in self.specs}
+
+    def __call__(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        tables = {spec: rotary(positions) for spec, rotary in self.rotaries.items()}
+        return [tables[spec] for spec in self.specs]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -157,9 +147,8 @@ class GqaAttention(nn.Module):
     def __init__(self, spec: AttentionSpec, weights: Weights, layer_prefix: str):
         super().__init__()
         self.spec = spec
-        lin = spec.linears
-        self.q_proj, self.k_proj = weights.linear(lin["q"]), weights.linear(lin["k"])
-        self.v_proj, self.o_proj = weights.linear(lin["v"]), weights.linear(lin["o"])
+        self.q_proj, self.o_proj = weights.linear(spec.linears["q"]), weights.linear(spec.linears["o"])
+        self.k_proj, self.v_proj = _projection(spec, weights, "k"), _projection(spec, weights, "v")
         self.q_norm = weights.norm(f"{layer_prefix}.self_attn.q_norm.weight") if spec.qk_norm else None
         self.k_norm = weights.norm(f"{layer_prefix}.self_attn.k_norm.weight") if spec.qk_norm else None
 
@@ -180,14 +169,22 @@ class GqaAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, (k, v), positions)
             key_positions = torch.arange(k.shape[1]).expand(B, -1)
-        out = _attend(q, k, v, attention_mask(positions, key_positions, s.sliding_window), s.head_dim**-0.5)
+        out = _attend(q, k, v, attention_mask(positions, key_positions, s.sliding_window), s.softmax_scale)
         return self.o_proj(out.reshape(B, T, s.num_heads * s.v_head_dim))
+
+
+def _projection(spec: AttentionSpec, weights: Weights, role: str) -> nn.Module:
+    """K or V: one linear, or a low-rank pair `{role}_down` [r, hidden] then `{role}_up` [kv dim, r] that a
+    structural pass put in its place (the cache still holds the full K/V)."""
+    if role in spec.linears:
+        return weights.linear(spec.linears[role])
+    return nn.Sequential(weights.linear(spec.linears[f"{role}_down"]), weights.linear(spec.linears[f"{role}_up"]))
 
 
 class MlaAttention(nn.Module):
     """DeepSeek-V3 multi-head latent attention; the cache holds the latent and the roped key part."""
 
-    def __init__(self, spec: AttentionSpec, weights: Weights, layer_prefix: str, softmax_scale: float):
+    def __init__(self, spec: AttentionSpec, weights: Weights, layer_prefix: str):
         super().__init__()
         self.spec = spec
         lin = spec.linears
@@ -202,7 +199,6 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = weights.norm(f"{p}.kv_a_layernorm.weight")
         self.kv_b_proj = weights.linear(lin["kv_b"])
         self.o_proj = weights.linear(lin["o"])
-        self.softmax_scale = softmax_scale
 
     def stream_shapes(self) -> tuple[tuple[int, int], ...]:
         return ((1, self.spec.kv_lora_rank), (1, self.spec.qk_rope_head_dim))
@@ -220,8 +216,8 @@ class MlaAttention(nn.Module):
         latent, k_rot = self.kv_a_proj(x).split([s.kv_lora_rank, rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent).view(B, T, 1, s.kv_lora_rank)
         cos, sin = rope
-        q_rot = apply_rope(q_rot, cos, sin, s.rope_interleave)
-        k_rot = apply_rope(k_rot.view(B, T, 1, rope_dim), cos, sin, s.rope_interleave)
+        q_rot = apply_rope(q_rot, cos, sin, s.rotary.interleaved)
+        k_rot = apply_rope(k_rot.view(B, T, 1, rope_dim), cos, sin, s.rotary.interleaved)
         key_positions = positions
         if cache is not None:
             latent, k_rot = cache.update(layer, (latent, k_rot), positions)
@@ -231,7 +227,7 @@ class MlaAttention(nn.Module):
         k_pass, v = kv.split([nope, s.v_head_dim], dim=-1)
         k = torch.cat([k_pass, k_rot.expand(B, S, H, rope_dim)], dim=-1)
         q = torch.cat([q_pass, q_rot], dim=-1)
-        out = _attend(q, k, v, attention_mask(positions, key_positions, None), self.softmax_scale)
+        out = _attend(q, k, v, attention_mask(positions, key_positions, None), s.softmax_scale)
         return self.o_proj(out.reshape(B, T, H * s.v_head_dim))
 
 
@@ -326,17 +322,11 @@ class Transformer(nn.Module):
         weights = Weights(tensors, formats, spec)
         self.embed = nn.Parameter(weights.tensor(spec.embedding, (spec.vocab_size, spec.hidden_size), "the embedding"),
                                   requires_grad=False)
+        self.rotary = LayerRotaries(spec.layers)
         blocks = []
-        first = spec.layers[0].attention
-        if first.kind == "mla":
-            self.rotary = Rotary(spec, first.qk_rope_head_dim)
-            scale = _mla_softmax_scale(spec, first.head_dim)
-        else:
-            self.rotary = Rotary(spec, first.head_dim)
-        for layer in spec.layers:
+        for layer in spec.layers:  # each layer as its spec says: a model may mix GQA and MLA layers
             a = layer.attention
-            attention = (MlaAttention(a, weights, layer.prefix, scale) if a.kind == "mla"
-                         else GqaAttention(a, weights, layer.prefix))
+            attention = MlaAttention(a, weights, layer.prefix) if a.kind == "mla" else GqaAttention(a, weights, layer.prefix)
             mlp = DenseMlp(layer.mlp.linears, weights) if layer.mlp.kind == "dense" else MoeMlp(layer.mlp, weights)
             blocks.append(Block(attention, mlp, weights.norm(layer.norms[0]), weights.norm(layer.norms[1])))
         self.blocks = nn.ModuleList(blocks)
@@ -349,19 +339,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
         # tokens, positions: [B, T] -> logits [B, T, V]
         x = F.embedding(tokens, self.embed)
-        rope = self.rotary(positions)
+        ropes = self.rotary(positions)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, positions, cache, i)
+            x = block(x, ropes[i], positions, cache, i)
         return self.lm_head(self.norm(x))
-
-
-def _mla_softmax_scale(spec: ModelSpec, qk_head_dim: int) -> float:
-    import math
-
-    scale = qk_head_dim**-0.5
-    rope = dict(getattr(spec.hf_config, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
-        factor = float(rope["factor"])
-        mscale = 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
-        scale *= mscale * mscale
-    return scale

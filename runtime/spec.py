@@ -1,24 +1,17 @@
-"""Architecture specs: how a Hugging Face config and its tensor names map onto the blocks Kiln runs.
+"""ModelSpec: the one structural description of a model, which passes rewrite and the runtime executes.
 
-This is the single place that knows each supported architecture's layout. The runtime builds its modules
-from a `ModelSpec`; the optimizer's loader builds the IR (`passes.graph.ModelGraph`) from the same spec,
-so the two can never disagree about which tensor is which.
-
-Defaults come from transformers' own config classes (`AutoConfig.for_model`), so a config.json that leaves
-a field out means what it means to transformers.
+Per layer: attention (MHA/GQA/MLA, with its own rotary embedding and softmax scale), MLP (dense or MoE),
+norms; plus extra modules (DeepSeek MTP layers, draft heads). A model whose layers mix GQA and MLA is a
+legal spec. The artifact's manifest carries it as JSON (`ModelSpec.to_json`, `spec_from_json`), so what
+the runtime builds is what the passes left, not what the source checkpoint's config said.
+`optimizer.loader_config` builds the spec of a Hugging Face checkpoint, once, when it is loaded.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 
 from kernels.errors import KilnError
-
-SUPPORTED_ARCHITECTURES = (
-    "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
-)
 
 
 @dataclass(frozen=True)
@@ -36,6 +29,17 @@ class LinearSpec:
 
 
 @dataclass(frozen=True)
+class RotarySpec:
+    """A layer's rotary embedding, resolved: the inverse frequencies of its `dim` rotated dimensions (float32
+    values, whatever RoPE scaling the checkpoint asked for) and the scale transformers applies to cos/sin."""
+
+    dim: int
+    inv_freq: tuple[float, ...]
+    attention_scaling: float = 1.0
+    interleaved: bool = False  # DeepSeek: rotate pairs (x0, x1), (x2, x3), ...
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     kind: str  # "mha", "gqa" or "mla"
     num_heads: int
@@ -43,6 +47,8 @@ class AttentionSpec:
     head_dim: int  # q/k head dim (for MLA: nope + rope)
     v_head_dim: int
     linears: dict[str, LinearSpec]  # keyed by role
+    rotary: RotarySpec
+    softmax_scale: float
     qk_norm: bool = False  # Qwen3: RMSNorm on each q/k head
     sliding_window: int | None = None
     # MLA only
@@ -50,7 +56,6 @@ class AttentionSpec:
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
-    rope_interleave: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,11 @@ class MlpSpec:
     n_group: int = 1
     topk_group: int = 1
     score_correction_bias: str | None = None  # DeepSeek-V3 e_score_correction_bias tensor
+    num_shared_experts: int = 0
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts)
 
 
 @dataclass(frozen=True)
@@ -75,11 +85,34 @@ class LayerSpec:
     prefix: str
     attention: AttentionSpec
     mlp: MlpSpec
-    norms: tuple[str, ...]  # tensor names of the layer's norm weights
+    norms: tuple[str, ...]  # tensor names of the layer's norm weights: input, post-attention, then q/k/latent
+
+    def linears(self) -> list[LinearSpec]:
+        out = [*self.attention.linears.values(), *self.mlp.linears.values()]
+        for expert in self.mlp.experts:
+            out.extend(expert.values())
+        return out
+
+
+@dataclass(frozen=True)
+class ExtraModuleSpec:
+    """A module the spec carries beside the decoder stack, which plain next-token decoding does not run: a
+    DeepSeek multi-token-prediction layer (`num_nextn_predict_layers`) or a draft head a pass attaches.
+    Speculative decoding (not yet in the runtime) runs them; the artifact stores their tensors."""
+
+    kind: str  # "mtp" or "draft_head"
+    name: str  # module prefix, e.g. "model.layers.61"
+    layer: LayerSpec | None  # the decoder layer it holds
+    linears: dict[str, LinearSpec]  # its own linears beyond the layer's (e.g. eh_proj, head)
+    norms: tuple[str, ...]  # e.g. enorm, hnorm, the head's norm
+    tensors: tuple[str, ...] = ()  # any other tensor it holds (DeepSeek MTP: its copy of the embedding)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """The one structural description of a model: the loader builds it from the HF config once, passes rewrite
+    it, the artifact's manifest carries it ("architecture"), and the runtime executes what it says."""
+
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -92,287 +125,78 @@ class ModelSpec:
     max_position_embeddings: int
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    hf_config: object = field(default=None, repr=False, compare=False)
+    extra_modules: tuple[ExtraModuleSpec, ...] = ()
 
     def linears(self) -> list[LinearSpec]:
+        """The linears decoding runs, in model order: each layer's, then lm_head."""
+        return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
+
+    def extra_linears(self) -> list[LinearSpec]:
+        """The extra modules' linears (MTP layers, draft heads)."""
         out: list[LinearSpec] = []
-        for layer in self.layers:
-            out.extend(layer.attention.linears.values())
-            out.extend(layer.mlp.linears.values())
-            for expert in layer.mlp.experts:
-                out.extend(expert.values())
-        out.append(self.lm_head)
+        for module in self.extra_modules:
+            out.extend(module.layer.linears() if module.layer is not None else ())
+            out.extend(module.linears.values())
         return out
 
+    def norms(self) -> dict[str, int]:
+        """Every RMSNorm weight the decoder stack uses -> its length: the hidden size; the head dim for Qwen3's
+        per-head q/k norms; the latent ranks for MLA's q_a/kv_a norms."""
+        sizes = {self.final_norm: self.hidden_size}
+        for layer in self.layers:
+            a = layer.attention
+            per_name = {"q_norm": a.head_dim, "k_norm": a.head_dim, "kv_a_layernorm": a.kv_lora_rank,
+                        "q_a_layernorm": a.q_lora_rank}
+            for name in layer.norms:
+                sizes[name] = per_name.get(name.split(".")[-2], self.hidden_size)
+        return sizes
 
-# Integer config.json fields that size tensors or loops: name -> (smallest valid value, null allowed).
-# Checked before transformers sees them: its strict dataclasses raise multi-line errors, and a huge or
-# negative count would make it (or the spec) loop or allocate without end.
-INT_FIELDS = {
-    "num_hidden_layers": (1, False), "hidden_size": (1, False), "intermediate_size": (1, False),
-    "vocab_size": (1, False), "num_attention_heads": (1, False), "num_key_value_heads": (1, True),
-    "head_dim": (1, True), "max_position_embeddings": (1, False), "sliding_window": (0, True),  # 0: no window
-    "num_local_experts": (1, False), "num_experts": (0, False), "n_routed_experts": (1, True),
-    "num_experts_per_tok": (1, False), "moe_intermediate_size": (1, False),
-    "shared_expert_intermediate_size": (0, True), "n_shared_experts": (0, True), "decoder_sparse_step": (1, False),
-    "first_k_dense_replace": (0, False), "moe_layer_freq": (1, False), "n_group": (1, True),
-    "topk_group": (1, True), "q_lora_rank": (1, True), "kv_lora_rank": (1, False), "qk_rope_head_dim": (1, False),
-    "qk_nope_head_dim": (1, False), "v_head_dim": (1, False), "num_nextn_predict_layers": (0, True),
-}
-POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+    def tensor_names(self) -> set[str]:
+        """Every tensor name the spec refers to, extra modules included."""
+        names = {self.embedding, *self.norms()}
+        for lin in (*self.linears(), *self.extra_linears()):
+            names.add(f"{lin.name}.weight")
+            if lin.bias:
+                names.add(f"{lin.name}.bias")
+        for layer in (*self.layers, *(m.layer for m in self.extra_modules if m.layer is not None)):
+            names.update(layer.norms)
+            if layer.mlp.score_correction_bias:
+                names.add(layer.mlp.score_correction_bias)
+        for module in self.extra_modules:
+            names.update((*module.norms, *module.tensors))
+        return names
 
-
-def _show(value: object) -> str:
-    """A config value as the user wrote it, briefly: 'five', 1.5, null, true."""
-    text = json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
-    return text if len(text) <= 40 else text[:39] + "…"
-
-
-def check_config(config_dict: dict) -> None:
-    """Refuse a config.json whose architecture is unsupported or whose fields are of the wrong type, out of
-    range or inconsistent, with a one-line KilnError; fields left out keep transformers' defaults."""
-    model_type = config_dict.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise KilnError(
-            f"unsupported architecture {_show(model_type)}; Kiln supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    c = config_dict
-    for name, (low, nullable) in INT_FIELDS.items():
-        if name not in c or (nullable and c[name] is None):
-            continue
-        value = c[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            kind = "a positive integer" if low else "a non-negative integer"
-            raise KilnError(f"config.json: {name} must be {kind}{' or null' if nullable else ''}, got {_show(value)}")
-    for name in POSITIVE_FLOAT_FIELDS:
-        value = c.get(name, 1.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-            raise KilnError(f"config.json: {name} must be a positive number, got {_show(value)}")
-    heads, kv_heads, hidden = c.get("num_attention_heads"), c.get("num_key_value_heads"), c.get("hidden_size")
-    if model_type != "deepseek_v3":  # MLA sizes heads by its own qk/v dims
-        if heads and hidden and c.get("head_dim") is None and hidden % heads:
-            raise KilnError(f"config.json: hidden_size {hidden} is not divisible by num_attention_heads {heads} "
-                            "(and no head_dim is given)")
-        if heads and kv_heads and heads % kv_heads:
-            raise KilnError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                            f"{kv_heads}")
-    experts = c.get({"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}.get(model_type, "num_experts"))
-    top_k = c.get("num_experts_per_tok")
-    if experts and top_k and top_k > experts:
-        raise KilnError(f"config.json: num_experts_per_tok {top_k} exceeds the {experts} experts")
-    if model_type == "deepseek_v3" and experts and c.get("n_group"):
-        groups, topk_group = c["n_group"], c.get("topk_group") or 1
-        if experts % groups or topk_group > groups:
-            raise KilnError(f"config.json: {experts} routed experts do not split into n_group {groups} groups of "
-                            f"which topk_group {topk_group} are chosen")
-    layer_types = c.get("layer_types")
-    if layer_types is not None:
-        if not isinstance(layer_types, list):
-            raise KilnError(f"config.json: layer_types must be a list, got {_show(layer_types)}")
-        unknown = [t for t in layer_types if t not in LAYER_TYPES]
-        if unknown:
-            raise KilnError(f"config.json: layer_types entry {_show(unknown[0])} is not one of "
-                            f"{', '.join(LAYER_TYPES)}")
-        layers = c.get("num_hidden_layers")
-        if layers is not None and len(layer_types) != layers:
-            raise KilnError(f"config.json: layer_types has {len(layer_types)} entries but num_hidden_layers is "
-                            f"{layers}")
+    def to_json(self) -> dict:
+        """The spec as JSON data (the manifest's "architecture"); `spec_from_json` reads it back equal."""
+        return asdict(self)
 
 
-def load_hf_config(config_dict: dict, trust_remote_code: bool = False):
-    """A transformers config object for a supported model type, or a one-line KilnError."""
-    check_config(config_dict)
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
+def _linear_from_json(d: dict) -> LinearSpec:
+    return LinearSpec(**d)
 
-    model_type = config_dict["model_type"]
-    kwargs = {k: v for k, v in config_dict.items() if k != "model_type"}
+
+def _linears_from_json(d: dict) -> dict[str, LinearSpec]:
+    return {role: _linear_from_json(lin) for role, lin in d.items()}
+
+
+def _layer_from_json(d: dict) -> LayerSpec:
+    a, m = d["attention"], d["mlp"]
+    rotary = RotarySpec(**{**a["rotary"], "inv_freq": tuple(a["rotary"]["inv_freq"])})
+    attention = AttentionSpec(**{**a, "linears": _linears_from_json(a["linears"]), "rotary": rotary})
+    mlp = MlpSpec(**{**m, "linears": _linears_from_json(m["linears"]),
+                     "experts": tuple(_linears_from_json(e) for e in m["experts"])})
+    return LayerSpec(d["index"], d["prefix"], attention, mlp, tuple(d["norms"]))
+
+
+def spec_from_json(data: dict) -> ModelSpec:
+    """A ModelSpec from `ModelSpec.to_json()` output; malformed data is a one-line KilnError."""
     try:
-        return AutoConfig.for_model(model_type, **kwargs)
-    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
-        # strict-dataclass messages span lines ("Validation error for field 'x':\n    TypeError: ...")
-        raise KilnError(" ".join(f"invalid {model_type} config.json: {exc}".split())) from None
-
-
-def _lin(name, role, fin, fout, layer=None, expert=None, proj=None, bias=False) -> LinearSpec:
-    return LinearSpec(name, role, int(fin), int(fout), layer, expert, proj, bias)
-
-
-def _dense_mlp(prefix: str, i: int, hidden: int, inter: int, names=("gate_proj", "up_proj", "down_proj"),
-               bias: bool = False) -> dict[str, LinearSpec]:
-    g, u, d = names
-    return {
-        "gate": _lin(f"{prefix}.{g}", "gate", hidden, inter, i, proj="gate", bias=bias),
-        "up": _lin(f"{prefix}.{u}", "up", hidden, inter, i, proj="up", bias=bias),
-        "down": _lin(f"{prefix}.{d}", "down", inter, hidden, i, proj="down", bias=bias),
-    }
-
-
-def _experts(prefix: str, i: int, n: int, hidden: int, inter: int, names) -> tuple[dict[str, LinearSpec], ...]:
-    g, u, d = names
-    return tuple(
-        {
-            "gate": _lin(f"{prefix}.{e}.{g}", "expert", hidden, inter, i, e, "gate"),
-            "up": _lin(f"{prefix}.{e}.{u}", "expert", hidden, inter, i, e, "up"),
-            "down": _lin(f"{prefix}.{e}.{d}", "expert", inter, hidden, i, e, "down"),
-        }
-        for e in range(n)
-    )
-
-
-def _gqa_attention(cfg, prefix: str, i: int, qk_norm: bool) -> AttentionSpec:
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type in ("qwen2", "qwen2_moe")
-    hidden = cfg.hidden_size
-    window = None
-    layer_types = getattr(cfg, "layer_types", None)
-    if getattr(cfg, "sliding_window", None) and (layer_types is None or layer_types[i] == "sliding_attention"):
-        window = int(cfg.sliding_window)
-    return AttentionSpec(
-        kind="mha" if kv_heads == heads else "gqa",
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        v_head_dim=head_dim,
-        linears={
-            "q": _lin(f"{prefix}.q_proj", "q", hidden, heads * head_dim, i, bias=bias),
-            "k": _lin(f"{prefix}.k_proj", "k", hidden, kv_heads * head_dim, i, bias=bias),
-            "v": _lin(f"{prefix}.v_proj", "v", hidden, kv_heads * head_dim, i, bias=bias),
-            "o": _lin(f"{prefix}.o_proj", "o", heads * head_dim, hidden, i,
-                      bias=bool(getattr(cfg, "attention_bias", False)) and cfg.model_type not in ("qwen2", "qwen2_moe")),
-        },
-        qk_norm=qk_norm,
-        sliding_window=window,
-    )
-
-
-def _mla_attention(cfg, prefix: str, i: int) -> AttentionSpec:
-    heads = cfg.num_attention_heads
-    hidden = cfg.hidden_size
-    nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    qk_dim = nope + rope
-    linears = {}
-    if cfg.q_lora_rank is None:
-        linears["q"] = _lin(f"{prefix}.q_proj", "q", hidden, heads * qk_dim, i)
-    else:
-        linears["q_a"] = _lin(f"{prefix}.q_a_proj", "q_a", hidden, cfg.q_lora_rank, i, bias=cfg.attention_bias)
-        linears["q_b"] = _lin(f"{prefix}.q_b_proj", "q_b", cfg.q_lora_rank, heads * qk_dim, i)
-    linears["kv_a"] = _lin(f"{prefix}.kv_a_proj_with_mqa", "kv_a", hidden, cfg.kv_lora_rank + rope, i,
-                           bias=cfg.attention_bias)
-    linears["kv_b"] = _lin(f"{prefix}.kv_b_proj", "kv_b", cfg.kv_lora_rank, heads * (nope + v_dim), i)
-    linears["o"] = _lin(f"{prefix}.o_proj", "o", heads * v_dim, hidden, i, bias=cfg.attention_bias)
-    return AttentionSpec(
-        kind="mla",
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=qk_dim,
-        v_head_dim=v_dim,
-        linears=linears,
-        q_lora_rank=cfg.q_lora_rank,
-        kv_lora_rank=cfg.kv_lora_rank,
-        qk_rope_head_dim=rope,
-        qk_nope_head_dim=nope,
-        rope_interleave=bool(getattr(cfg, "rope_interleave", True)),
-    )
-
-
-def _mlp(cfg, prefix: str, i: int) -> MlpSpec:
-    mt = cfg.model_type
-    hidden = cfg.hidden_size
-    if mt in ("llama", "mistral", "qwen2", "qwen3"):
-        bias = bool(getattr(cfg, "mlp_bias", False))
-        return MlpSpec("dense", cfg.intermediate_size, _dense_mlp(f"{prefix}.mlp", i, hidden, cfg.intermediate_size,
-                                                                  bias=bias))
-    if mt == "mixtral":
-        p = f"{prefix}.block_sparse_moe"
-        n = cfg.num_local_experts
-        return MlpSpec(
-            "moe", cfg.intermediate_size,
-            {"router": _lin(f"{p}.gate", "router", hidden, n, i)},
-            _experts(f"{p}.experts", i, n, hidden, cfg.intermediate_size, ("w1", "w3", "w2")),
-            top_k=cfg.num_experts_per_tok, routing="softmax_topk", norm_topk_prob=True,
-        )
-    if mt in ("qwen2_moe", "qwen3_moe"):
-        sparse = (
-            i not in (getattr(cfg, "mlp_only_layers", None) or [])
-            and cfg.num_experts > 0
-            and (i + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
-        )
-        if not sparse:
-            return MlpSpec("dense", cfg.intermediate_size,
-                           _dense_mlp(f"{prefix}.mlp", i, hidden, cfg.intermediate_size))
-        p = f"{prefix}.mlp"
-        linears = {"router": _lin(f"{p}.gate", "router", hidden, cfg.num_experts, i)}
-        shared_gate = None
-        if mt == "qwen2_moe" and cfg.shared_expert_intermediate_size:
-            linears.update({f"shared_{k}": v for k, v in _dense_mlp(
-                f"{p}.shared_expert", i, hidden, cfg.shared_expert_intermediate_size).items()})
-            shared_gate = f"{p}.shared_expert_gate"
-            linears["shared_gate_router"] = _lin(shared_gate, "router", hidden, 1, i)
-        return MlpSpec(
-            "moe", cfg.moe_intermediate_size, linears,
-            _experts(f"{p}.experts", i, cfg.num_experts, hidden, cfg.moe_intermediate_size,
-                     ("gate_proj", "up_proj", "down_proj")),
-            top_k=cfg.num_experts_per_tok, routing="softmax_topk", norm_topk_prob=bool(cfg.norm_topk_prob),
-            shared_expert_gate=shared_gate,
-        )
-    if mt == "deepseek_v3":
-        moe = (cfg.n_routed_experts is not None and i >= cfg.first_k_dense_replace
-               and i % getattr(cfg, "moe_layer_freq", 1) == 0)
-        if not moe:
-            return MlpSpec("dense", cfg.intermediate_size,
-                           _dense_mlp(f"{prefix}.mlp", i, hidden, cfg.intermediate_size))
-        p = f"{prefix}.mlp"
-        linears = {"router": _lin(f"{p}.gate", "router", hidden, cfg.n_routed_experts, i)}
-        if cfg.n_shared_experts:
-            linears.update({f"shared_{k}": v for k, v in _dense_mlp(
-                f"{p}.shared_experts", i, hidden, cfg.moe_intermediate_size * cfg.n_shared_experts).items()})
-        return MlpSpec(
-            "moe", cfg.moe_intermediate_size, linears,
-            _experts(f"{p}.experts", i, cfg.n_routed_experts, hidden, cfg.moe_intermediate_size,
-                     ("gate_proj", "up_proj", "down_proj")),
-            top_k=cfg.num_experts_per_tok, routing="sigmoid_group_topk", norm_topk_prob=bool(cfg.norm_topk_prob),
-            routed_scaling_factor=float(cfg.routed_scaling_factor), n_group=cfg.n_group or 1,
-            topk_group=cfg.topk_group or 1, score_correction_bias=f"{p}.gate.e_score_correction_bias",
-        )
-    raise KilnError(f"unsupported architecture {mt!r}")  # unreachable: load_hf_config checked
-
-
-def build_spec(config_dict: dict, trust_remote_code: bool = False) -> ModelSpec:
-    cfg = load_hf_config(config_dict, trust_remote_code)
-    mt = cfg.model_type
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        prefix = f"model.layers.{i}"
-        attn_prefix = f"{prefix}.self_attn"
-        if mt == "deepseek_v3":
-            attention = _mla_attention(cfg, attn_prefix, i)
-            norms = [f"{attn_prefix}.kv_a_layernorm.weight"]
-            if cfg.q_lora_rank is not None:
-                norms.append(f"{attn_prefix}.q_a_layernorm.weight")
-        else:
-            qk_norm = mt in ("qwen3", "qwen3_moe")
-            attention = _gqa_attention(cfg, attn_prefix, i, qk_norm)
-            norms = [f"{attn_prefix}.q_norm.weight", f"{attn_prefix}.k_norm.weight"] if qk_norm else []
-        norms = [f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight", *norms]
-        layers.append(LayerSpec(i, prefix, attention, _mlp(cfg, prefix, i), tuple(norms)))
-    eos = cfg.eos_token_id if hasattr(cfg, "eos_token_id") else None
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    return ModelSpec(
-        model_type=mt,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        rms_norm_eps=float(cfg.rms_norm_eps),
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        embedding="model.embed_tokens.weight",
-        final_norm="model.norm.weight",
-        lm_head=_lin("lm_head", "lm_head", cfg.hidden_size, cfg.vocab_size),
-        layers=tuple(layers),
-        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048)),
-        bos_token_id=getattr(cfg, "bos_token_id", None),
-        eos_token_ids=eos_ids,
-        hf_config=cfg,
-    )
+        extras = tuple(ExtraModuleSpec(e["kind"], e["name"],
+                                       _layer_from_json(e["layer"]) if e["layer"] is not None else None,
+                                       _linears_from_json(e["linears"]), tuple(e["norms"]), tuple(e["tensors"]))
+                       for e in data["extra_modules"])
+        return ModelSpec(**{**data, "lm_head": _linear_from_json(data["lm_head"]),
+                            "layers": tuple(_layer_from_json(layer) for layer in data["layers"]),
+                            "eos_token_ids": tuple(data["eos_token_ids"]), "extra_modules": extras})
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise KilnError(f"malformed architecture in the manifest: {type(exc).__name__}: {exc}"[:300]) from None

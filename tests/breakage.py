@@ -32,7 +32,8 @@ MESSAGES = {
     "index_not_object": "is not a valid safetensors index",
     "index_escapes": "points outside the checkpoint directory",
     "index_wrong_shard": "which does not hold it",
-    "prequantized": "pre-quantized checkpoints (quantization_config quant_method fp8) are not supported yet",
+    "prequantized": "pre-quantized checkpoint (fp8): quantization_config says quant_method fp8 but no tensor has a "
+                    "weight_scale_inv",
     "artifact": "is a Kiln engine artifact, not a checkpoint: give the source checkpoint it was built from "
                 "(manifest source: org/source-model)",
 }

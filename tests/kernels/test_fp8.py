@@ -59,3 +59,51 @@ def test_wrong_inputs_raise():
         fp8.fp8_quantize_per_channel(torch.zeros(3))
     with pytest.raises(TypeError):
         fp8.fp8_dequantize(torch.zeros(2), torch.tensor(1.0))
+
+
+def _block_reference(q: torch.Tensor, scale: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
+    """Element by block: w[n, k] = float(q[n, k]) * scale[n // bm, k // bn] (plain loops over the blocks)."""
+    out = torch.empty(q.shape)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].float()
+                                                             * scale[i, j].float())
+    return out
+
+
+@pytest.mark.parametrize("shape, block", [((64, 96), (16, 32)), ((40, 72), (16, 32)), ((24, 64), (128, 128)),
+                                          ((1, 1), (128, 128)), ((130, 7), (128, 3))])
+def test_block_quantize_and_dequantize_match_a_block_loop(shape, block):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(*shape, generator=g) * torch.logspace(-2, 1, shape[0])[:, None]
+    q, scale = fp8.fp8_quantize_blocks(w, block)
+    rows, cols = -(-shape[0] // block[0]), -(-shape[1] // block[1])
+    assert q.dtype == torch.float8_e4m3fn and q.shape == shape and scale.shape == (rows, cols)
+    for i in range(rows):  # a partial edge block's scale is its own max / 448, padding aside
+        for j in range(cols):
+            part = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            assert float(scale[i, j]) == float(part.abs().max().float() / 448.0)
+    got = fp8.fp8_block_dequantize(q, scale, block)
+    assert got.dtype == torch.float32 and torch.equal(got, _block_reference(q, scale, *block))
+    # within half an e4m3 step: 2^-4 relative, or half the smallest subnormal (2^-10) times the block's scale
+    s = scale.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
+    assert bool(((got - w).abs() <= torch.maximum(w.abs() * 2**-4, s * 2**-10)).all())
+
+
+def test_block_dequantize_takes_ue8m0_scales_and_all_zero_blocks():
+    q = torch.ones(4, 4).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[0.25, 4.0], [2.0**-20, 1.0]]).to(torch.float8_e8m0fnu)
+    got = fp8.fp8_block_dequantize(q, scale, (2, 2))
+    assert got.tolist() == [[0.25] * 2 + [4.0] * 2] * 2 + [[2.0**-20] * 2 + [1.0] * 2] * 2
+    zq, zs = fp8.fp8_quantize_blocks(torch.zeros(3, 5), (2, 2))
+    assert torch.equal(zs, torch.ones(2, 3)) and not fp8.fp8_block_dequantize(zq, zs, (2, 2)).any()
+
+
+def test_block_dequantize_refuses_a_wrong_grid_or_dtype():
+    q = torch.zeros(40, 72).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"must have shape \(3, 3\), got \(2, 3\)"):
+        fp8.fp8_block_dequantize(q, torch.ones(2, 3), (16, 32))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        fp8.fp8_block_dequantize(q.float(), torch.ones(3, 3), (16, 32))
+    with pytest.raises(ValueError, match="two positive integers"):
+        fp8.fp8_block_dequantize(q, torch.ones(3, 3), (16, 0))

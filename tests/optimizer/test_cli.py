@@ -29,6 +29,8 @@ def test_build_inspect_eval_generate(cli, generated_checkpoint, tmp_path):
     code, stdout, _ = cli("inspect", out, "--json")
     info = json.loads(stdout)
     assert info["weight_bytes"] < info["source_weight_bytes"]
+    layers = info["architecture"]["layers"]  # one entry per layer of the spec the runtime executes
+    assert [(e["index"], e["attention"], e["mlp"]) for e in layers] == [(0, "gqa", "dense"), (1, "gqa", "dense")]
     quantizable = [n for n in info["layers"] if n != "lm_head"]
     assert quantizable and all(info["layers"][n] == "fp8_e4m3" for n in quantizable)
     code, stdout, _ = cli("eval", out, "--data", SAMPLE_TEXT, "--json")

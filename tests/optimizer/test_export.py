@@ -21,7 +21,7 @@ from optimizer.export import HF_QUANT_CONFIG, dequantize_hf_modelopt, export, su
 from optimizer.recipes import Recipe
 from passes.mixed_precision import WeightQuantization
 from passes.mixed_precision_auto import AutoPrecision, ProductionPrecision
-from runtime.spec import build_spec
+from runtime.spec import spec_from_json
 from runtime.weights import dequantize_weight
 from tests.precision_helpers import SAMPLE_TEXT, tiny_with_tokenizer
 
@@ -57,7 +57,7 @@ def kiln_artifact(checkpoint, name: str, out):
 def artifact_weights(artifact) -> dict[str, torch.Tensor]:
     manifest = json.loads((artifact / "manifest.json").read_text())
     tensors = load_file(str(artifact / "model.safetensors"))
-    spec = build_spec(json.loads((artifact / "config.json").read_text()))
+    spec = spec_from_json(manifest["architecture"])
     out = {}
     for lin in spec.linears():
         if lin.name == "lm_head" and "lm_head.weight" not in tensors:

@@ -41,10 +41,10 @@ def test_structure_of_every_architecture(tiny_checkpoints, model_type):
     for block in graph.blocks:
         if block.mlp.kind == "moe":
             assert block.mlp.num_experts == experts and block.mlp.top_k == top_k
-            assert graph.linears[block.mlp.linears["router"]].role == "router"
+            assert graph.linears[block.mlp.linears["router"].name].role == "router"
             for expert in block.mlp.experts:
-                assert {graph.linears[n].role for n in expert.values()} == {"expert"}
-                assert {graph.linears[n].proj for n in expert.values()} == {"gate", "up", "down"}
+                assert {graph.linears[ls.name].role for ls in expert.values()} == {"expert"}
+                assert {graph.linears[ls.name].proj for ls in expert.values()} == {"gate", "up", "down"}
     # every linear weight exists with the shape its spec says, and roles are the known set
     for lin in graph.linears.values():
         assert tuple(graph.weight(lin).shape) == (lin.out_features, lin.in_features)
@@ -65,7 +65,7 @@ def test_qwen2_moe_has_shared_expert_and_gate(tiny_checkpoints):
     graph = load_checkpoint(tiny_checkpoints["qwen2_moe"])
     mlp = graph.blocks[0].mlp
     assert {"router", "shared_gate", "shared_up", "shared_down", "shared_gate_router"} == set(mlp.linears)
-    assert graph.linears[mlp.linears["shared_gate_router"]].out_features == 1
+    assert graph.linears[mlp.linears["shared_gate_router"].name].out_features == 1
 
 
 @needs_stories

@@ -104,17 +104,36 @@ def test_a_config_declaring_fewer_layers_than_the_weights_hold(tmp_path):
                     "(num_hidden_layers is 3)")
 
 
-def test_deepseek_mtp_layers_are_allowed_but_reported(tiny_checkpoints, tmp_path):
-    mtp = "model.layers.3.eh_proj.weight"  # DeepSeek-V3 keeps its MTP layer after the decoder layers
-    ckpt = _with_tensors(tiny_checkpoints["deepseek_v3"], tmp_path / "ckpt", lambda t: t.update({mtp: torch.ones(2)}))
-    config = json.loads((ckpt / "config.json").read_text())
+def test_deepseek_mtp_layers_are_extra_modules_of_the_spec(tiny_checkpoints, tmp_path):
+    from optimizer.loader import _expected_tensors
+    from optimizer.loader_config import build_spec
+
+    src = tiny_checkpoints["deepseek_v3"]
+    config = json.loads((src / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1
-    (ckpt / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
-    assert "holds tensors for layer 3, which config.json does not declare" in _refused(ckpt)
-    (ckpt / "config.json").write_text(json.dumps(config))
+    # DeepSeek-V3 keeps its MTP layer after the decoder layers: a decoder layer plus enorm/hnorm, eh_proj and
+    # a shared head, all under model.layers.3 here
+    spec = build_spec(config, tensor_names={"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight"})
+    names = spec.tensor_names() - build_spec(config).tensor_names()
+    expected = _expected_tensors(spec)
+    gen = torch.Generator().manual_seed(0)
+    extra = {n: torch.randn(expected[n].shape, generator=gen) * 0.02 + (1 if n.endswith("norm.weight") else 0)
+             for n in names}
+    ckpt = _with_tensors(src, tmp_path / "ckpt", lambda t: t.update(extra))
     messages = []
     graph = load_checkpoint(ckpt, log=messages.append)
-    assert graph.metadata["loader"]["unused_tensors"] == [mtp] and mtp in messages[0]
+    (mtp,) = graph.spec.extra_modules
+    assert mtp.kind == "mtp" and mtp.name == "model.layers.3" and mtp.layer.attention.kind == "mla"
+    assert set(mtp.linears) == {"eh_proj", "head"} and mtp.linears["eh_proj"].in_features == 2 * spec.hidden_size
+    assert graph.metadata["loader"]["unused_tensors"] == [] and messages == []
+    assert not any(name.startswith("model.layers.3.") for name in graph.linears)  # not quantized as decoder layers
+    # a config that does not declare the MTP layer cannot hold its tensors
+    (ckpt / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    assert "holds tensors for layer 3, which config.json does not declare" in _refused(ckpt)
+    # an MTP layer with only some of its tensors is refused, naming what is missing
+    partial = _with_tensors(src, tmp_path / "partial", lambda t: t.update(
+        {"model.layers.3.eh_proj.weight": extra["model.layers.3.eh_proj.weight"]}))
+    assert "lacks" in _refused(partial) and "model.layers.3." in _refused(partial)
 
 
 @pytest.mark.parametrize("name, value, message", [

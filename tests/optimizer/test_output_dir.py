@@ -31,9 +31,8 @@ def test_refuses_to_replace_what_kiln_did_not_write(tmp_path, make, overwrite, m
     out = tmp_path / "out"
     make(out)
     before = sorted(p.name for p in out.iterdir()) if out.is_dir() else out.read_text()
-    with pytest.raises(KilnError, match=message):
-        with atomic_directory(out, overwrite) as tmp:
-            (tmp / "x").write_text("new")
+    with pytest.raises(KilnError, match=message), atomic_directory(out, overwrite) as tmp:
+        (tmp / "x").write_text("new")
     assert (sorted(p.name for p in out.iterdir()) if out.is_dir() else out.read_text()) == before
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary directory left
 
@@ -59,10 +58,9 @@ def test_an_empty_directory_is_used_without_overwrite(tmp_path):
 
 def test_an_interrupted_write_leaves_the_old_output_and_no_temporary(tmp_path):
     out = kiln_artifact(tmp_path / "out")
-    with pytest.raises(KeyboardInterrupt):
-        with atomic_directory(out, overwrite=True) as tmp:
-            (tmp / "half").write_text("half")
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), atomic_directory(out, overwrite=True) as tmp:
+        (tmp / "half").write_text("half")
+        raise KeyboardInterrupt
     assert (out / "model.safetensors").read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 

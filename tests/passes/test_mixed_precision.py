@@ -37,7 +37,7 @@ def logits(graph, tokens):
 
 def test_awq_folding_keeps_the_fp32_function(generated_checkpoint):
     graph = load_checkpoint(generated_checkpoint)  # GQA, tied embeddings
-    tokens = token_lists(graph.config["vocab_size"])
+    tokens = token_lists(graph.spec.vocab_size)
     before = logits(graph, tokens)
     embedding = graph.tensors[graph.embedding]
     source = dict(graph.tensors)
@@ -61,13 +61,13 @@ def test_rotation_folding_is_exact_in_fp32(tiny_checkpoints):
     from optimizer.lower import lower_tensors
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
-    tokens = token_lists(graph.config["vocab_size"])
+    tokens = token_lists(graph.spec.vocab_size)
     tensors, formats = lower_tensors(graph)
-    before = torch.cat(Engine.from_tensors(graph.config, tensors, formats).logits(tokens))
+    before = torch.cat(Engine(graph.spec, tensors, formats).logits(tokens))
     for lin in graph.iter_linears(("q", "k", "v", "o", "gate", "up", "down")):
         tensors[lin.weight_name] = block_hadamard(tensors[lin.weight_name], 32)  # W R
         formats[lin.name] = {**formats[lin.name], "input_rotation": {"kind": "block_hadamard", "block_size": 32}}
-    after = torch.cat(Engine.from_tensors(graph.config, tensors, formats).logits(tokens))
+    after = torch.cat(Engine(graph.spec, tensors, formats).logits(tokens))
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
@@ -110,7 +110,7 @@ def test_config_validation(config, message):
 
 def test_calibration_is_sequential_through_the_runtime(tiny_checkpoints):
     graph = load_checkpoint(tiny_checkpoints["llama"])
-    tokens = token_lists(graph.config["vocab_size"])
+    tokens = token_lists(graph.spec.vocab_size)
     session = RuntimeCalibrator(tokens, max_batch_tokens=128).session(graph)
     seen: dict[str, list[torch.Tensor]] = {}
 
@@ -139,7 +139,7 @@ def test_calibration_is_sequential_through_the_runtime(tiny_checkpoints):
 
 def test_static_fp8_scales_are_the_calibrated_input_maxima(tiny_checkpoints):
     graph = load_checkpoint(tiny_checkpoints["llama"])
-    tokens = token_lists(graph.config["vocab_size"])
+    tokens = token_lists(graph.spec.vocab_size)
     ctx = PassContext(get_target("hopper"), calibrator=RuntimeCalibrator(tokens))
     maxima: dict[str, float] = {}
     reference = RuntimeCalibrator(tokens).session(load_checkpoint(tiny_checkpoints["llama"]))
@@ -155,7 +155,7 @@ def test_static_fp8_scales_are_the_calibrated_input_maxima(tiny_checkpoints):
 
 def test_gptq_awq_and_tuning_store_grid_values_and_lower_the_kl(generated_checkpoint):
     graph = load_checkpoint(generated_checkpoint)
-    tokens = token_lists(graph.config["vocab_size"], count=24)
+    tokens = token_lists(graph.spec.vocab_size, count=24)
     source = engine_from_graph(graph)
 
     def kl(g):
@@ -215,7 +215,7 @@ def test_distillation_objective_is_the_runtimes_kl(tiny_checkpoints):
     from calibration.tuning import FakeQuantWeight
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
-    tokens = token_lists(graph.config["vocab_size"], count=6)
+    tokens = token_lists(graph.spec.vocab_size, count=6)
     session = RuntimeCalibrator(tokens, max_batch_tokens=10_000).session(graph)
     assert float(session.distillation({}, {}, max_batch_tokens=10_000).loss(0)) < 1e-6  # nothing changed
     source = engine_from_graph(graph)
@@ -240,7 +240,7 @@ def test_calibrated_pass_runs_on_every_architecture(tiny_checkpoints, model_type
     """MoE experts the router never picks get data-free scales (and their stage's input range when static);
     AWQ skips what it cannot fold (MoE, MLA) and says so; the runtime runs the result."""
     graph = load_checkpoint(tiny_checkpoints[model_type])
-    tokens = token_lists(graph.config["vocab_size"], count=2)
+    tokens = token_lists(graph.spec.vocab_size, count=2)
     ctx = PassContext(get_target("blackwell"), calibrator=RuntimeCalibrator(tokens))
     (record,) = Pipeline([WeightQuantization(method="gptq", awq=True, activations="static")]).run(graph, ctx)
     quantized = [lin for lin in graph.linears.values() if lin.quant is not None]
@@ -259,7 +259,7 @@ def test_nvfp4_fused_siblings_share_one_global_scale(tiny_checkpoints, method):
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     source = {n: graph.weight(lin).float().clone() for n, lin in graph.linears.items()}
-    tokens = token_lists(graph.config["vocab_size"])
+    tokens = token_lists(graph.spec.vocab_size)
     ctx = PassContext(get_target("hopper"), calibration_tokens=tokens,
                       calibrator=RuntimeCalibrator(tokens) if method != "rtn" else None)
     Pipeline([WeightQuantization(format="nvfp4", method=method, act_order=False)]).run(graph, ctx)

@@ -9,6 +9,8 @@ import pytest
 import runtime
 from kernels.errors import KilnError
 from optimizer.build import build
+from optimizer.loader import load_checkpoint
+from runtime.spec import spec_from_json
 from optimizer.defaults import SAMPLE_TEXT
 
 
@@ -20,7 +22,8 @@ def artifact(generated_checkpoint, tmp_path):
 
 def test_manifest_contents(artifact):
     manifest = json.loads((artifact / "manifest.json").read_text())
-    assert manifest["schema_version"] == 1 and manifest["kiln_version"]
+    assert manifest["schema_version"] == 2 and manifest["kiln_version"]
+    assert spec_from_json(manifest["architecture"]) == load_checkpoint(manifest["source"]["checkpoint"]).spec
     assert manifest["target"] == "hopper" and manifest["recipe"]["name"] == "fp8-weights"
     assert set(manifest["files"]) == {p.name for p in artifact.iterdir()} - {"manifest.json"}
     assert manifest["source"]["weight_files"]["model.safetensors"]
@@ -38,6 +41,9 @@ def test_load_refuses_other_schema_versions_and_missing_files(artifact):
     manifest = json.loads((artifact / "manifest.json").read_text())
     (artifact / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 99}))
     with pytest.raises(KilnError, match="schema version 99"):
+        runtime.load(artifact)
+    (artifact / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 1}))
+    with pytest.raises(KilnError, match="schema version 1 .* rebuild it"):
         runtime.load(artifact)
     (artifact / "manifest.json").write_text(json.dumps(manifest))
     (artifact / "report.md").unlink()

@@ -68,7 +68,7 @@ def test_config_dropped_from_the_table_and_edited_is_refused(art):
     config = json.loads((art / "config.json").read_text())
     (art / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
     for call in (runtime.load, read_manifest):
-        _refused(call, art, match="manifest has no checksum for config.json")
+        _refused(call, art, match="'config.json' is in the artifact but not in its manifest's checksum table")
 
 
 def test_weights_dropped_from_the_table_are_refused(art):
@@ -110,13 +110,25 @@ def test_artifact_file_refuses_names_outside_the_table(art):
         _refused(artifact_file, art, manifest, name, match="not in the manifest's checksum table")
 
 
-def test_a_config_that_is_not_an_object_is_refused(art):
-    data = b"[1, 2]"
+@pytest.mark.parametrize("architecture, match", [
+    ([1, 2], "architecture must be an object"),
+    ({"model_type": "llama"}, "malformed architecture in the manifest"),
+])
+def test_a_malformed_architecture_is_refused(art, architecture, match):
+    manifest = _manifest(art)
+    manifest["architecture"] = architecture
+    _write_manifest(art, manifest)
+    _refused(runtime.load, art, match=match)
+
+
+def test_the_runtime_builds_from_the_manifest_not_from_config_json(art):
+    data = (art / "config.json").read_bytes().replace(b'"num_hidden_layers": 2', b'"num_hidden_layers": 1')
+    assert data != (art / "config.json").read_bytes()
     (art / "config.json").write_bytes(data)
     manifest = _manifest(art)
     manifest["files"]["config.json"] = _sha(data)
     _write_manifest(art, manifest)
-    _refused(runtime.load, art, match="config.json must hold a JSON object")
+    assert len(runtime.load(art).model.blocks) == 2
 
 
 def test_a_garbage_tokenizer_is_one_line(art):
@@ -201,8 +213,8 @@ MALFORMED = {
     "array": (lambda m: [1, 2], "it must be a JSON object, got an array"),
     "string": (lambda m: "manifest", "it must be a JSON object, got \"manifest\""),
     "version true": (_set("schema_version", True), "schema_version must be an integer, got true"),
-    "version string": (_set("schema_version", "1"), "schema_version must be an integer, got \"1\""),
-    "version float": (_set("schema_version", 1.0), "schema_version must be an integer, got 1.0"),
+    "version string": (_set("schema_version", "2"), "schema_version must be an integer, got \"2\""),
+    "version float": (_set("schema_version", 2.0), "schema_version must be an integer, got 2.0"),
     "version missing": (_set("schema_version", DELETE), "schema_version is missing"),
     "no formats": (_set("formats", DELETE), "formats is missing"),
     "formats list": (_set("formats", [1]), "formats must be an object, got an array"),
@@ -262,8 +274,8 @@ def test_inspect_and_generate_refuse_a_malformed_manifest_without_a_traceback(cl
 
 
 def test_an_other_schema_version_is_named(art):
-    _write_manifest(art, {**_manifest(art), "schema_version": 2})
-    _refused(read_manifest, art, match="artifact schema version 2, this runtime reads version 1")
+    _write_manifest(art, {**_manifest(art), "schema_version": 3})
+    _refused(read_manifest, art, match="artifact schema version 3, this runtime reads version 2")
 
 
 @pytest.mark.parametrize("data, expected", [

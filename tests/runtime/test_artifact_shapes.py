@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 import runtime
 from kernels import fp8
 from kernels.errors import KilnError
-from runtime.artifact import CONFIG, MANIFEST, WEIGHTS, sha256_file
+from runtime.artifact import MANIFEST, WEIGHTS, sha256_file
 from runtime.weights import dequantize_weight
 
 MAX_MESSAGE = 300
@@ -62,11 +62,9 @@ def _rewrite_weights(art: Path, edit, formats: dict | None = None) -> None:
     (art / MANIFEST).write_text(json.dumps(manifest))
 
 
-def _rewrite_config(art: Path, **changes) -> None:
-    config = json.loads((art / CONFIG).read_text())
-    (art / CONFIG).write_text(json.dumps({**config, **changes}))
+def _rewrite_architecture(art: Path, **changes) -> None:
     manifest = _manifest(art)
-    manifest["files"][CONFIG] = sha256_file(art / CONFIG)
+    manifest["architecture"].update(changes)
     (art / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -108,8 +106,8 @@ def test_a_reshaped_weight_of_the_same_size_is_refused(art):
                                       "(64, 172)")
 
 
-def test_config_vocab_size_disagreeing_with_the_embedding_is_refused(art, cli):
-    _rewrite_config(art, vocab_size=500)
+def test_an_architecture_vocab_size_disagreeing_with_the_embedding_is_refused(art, cli):
+    _rewrite_architecture(art, vocab_size=500)
     message = f"artifact tensor {EMBED} has shape (384, 64), the architecture needs (500, 64)"
     _refused(runtime.load, art, match=message)
     code, _, err = cli("generate", art, "hi")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from optimizer.loader import load_checkpoint
 from runtime.engine import Engine, load_tokenizer
 from runtime.kv_cache import ContiguousKVCache
 from tests.conftest import STORIES, needs_stories
@@ -15,8 +14,7 @@ from tests.tiny_models import TINY_CONFIGS
 
 
 def _engine(ckpt) -> Engine:
-    return Engine.from_tensors(json.loads((ckpt / "config.json").read_text()),
-                               load_file(ckpt / "model.safetensors"), {})
+    return Engine(load_checkpoint(ckpt).spec, load_file(ckpt / "model.safetensors"), {})
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
@@ -73,8 +71,7 @@ def test_lily_story_matches_transformers_greedy_token_for_token():
     prompt = tok("Once upon a time")["input_ids"]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=100, do_sample=False)[0, len(prompt):].tolist()
-    engine = Engine.from_tensors(json.loads((STORIES / "config.json").read_text()),
-                                 load_file(STORIES / "model.safetensors"), {}, tok)
+    engine = Engine(load_checkpoint(STORIES).spec, load_file(STORIES / "model.safetensors"), {}, tok)
     ours = engine.generate("Once upon a time", max_new_tokens=100)[0]
     assert ours.token_ids == ref[: len(ours.token_ids)]
     assert len(ours.token_ids) == len(ref) or ours.finish_reason == "eos"

@@ -3,7 +3,6 @@ no leaks, clean refusal when blocks run out, and FP8 vs BF16 greedy agreement on
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from kernels.errors import KilnError
+from optimizer.loader import load_checkpoint
 from runtime.engine import Engine
 from runtime.kv_cache import ContiguousKVCache
 from runtime.kv_format import KvStream
@@ -21,8 +21,7 @@ torch.set_num_threads(1)
 
 
 def _engine(ckpt, **kv) -> Engine:
-    return Engine.from_tensors(json.loads((ckpt / "config.json").read_text()),
-                               load_file(ckpt / "model.safetensors"), {}, **kv)
+    return Engine(load_checkpoint(ckpt).spec, load_file(ckpt / "model.safetensors"), {}, **kv)
 
 
 def _streams(fmt="bf16", scaling="none", heads=2, dim=16, scale=None, offset=None, layers=1):
