@@ -1,0 +1,555 @@
+"""Bad and hostile inputs through the installed `optimize` console script, as a user (or an attacker) gives them.
+
+    python benchmarks/bad_inputs.py [--out FILE.md] [--only SUBSTRING]
+
+Each case runs `optimize ...` in a subprocess (OMP_NUM_THREADS=1, cwd a temporary directory) and declares the
+exit code it expects: 0 pass, 1 below a floor, 2 bad input or usage, 130 SIGINT, 143 SIGTERM. A case behaves
+when its exit code is the expected one, stderr holds no traceback and (for a non-zero exit) exactly one error
+line, the last one, and its own check (a user's file survived, nothing was left behind, ...) holds. The script
+prints a Markdown table and a summary line, and exits 1 if any case misbehaves.
+
+The model is the real stories260K (../shared/models) with its evaluation text when present, else the small
+generated checkpoint with the bundled sample text. Broken checkpoints come from tests/breakage.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from optimizer.defaults import EVALUATION_TEXT, SAMPLE_TEXT, STORIES260K, generated_checkpoint
+from tests.breakage import KINDS, broken_copy
+
+OPTIMIZE = shutil.which("optimize") or str(Path(sys.executable).parent / "optimize")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+ERROR_PREFIXES = ("error:", "gate failed:", "interrupted", "terminated")
+MAX_LINE = 300  # the CLI's promise (optimizer.cli.MAX_MESSAGE)
+SHOWN = 220  # longest stderr line printed in the table
+TIMEOUT = 300  # seconds per case
+
+
+# --- what a case is ---------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    code: int | None  # None: timed out
+    stderr: str
+    seconds: float
+    note: str = ""  # from the runner (e.g. the interruption point was never reached)
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for line in self.stderr.strip().splitlines() if line.strip()]
+
+
+Check = Callable[[Result], tuple[bool, str]]
+"""A case's own check: (holds, a note shown next to the case name)."""
+
+
+@dataclass
+class Interrupt:
+    signum: int
+    ready: Callable[[list[str]], bool]  # given the stderr lines so far: time to send the signal?
+
+
+@dataclass
+class Case:
+    name: str
+    args: list[str]
+    expect: int
+    setup: Callable[[], None] | None = None
+    check: Check | None = None
+    show: str | None = None  # show the first stderr line containing this (a warning) instead of the last line
+    cwd: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    interrupt: Interrupt | None = None
+
+
+# --- the workspace: a checkpoint, eval text, two artifacts, and the places cases write ----------------------
+class Workspace:
+    def __init__(self, tmp: Path, generated: bool = False):
+        self.tmp = tmp
+        self.work = tmp / "work"  # the default cwd
+        self.work.mkdir()
+        if not generated and (STORIES260K / "config.json").is_file() and EVALUATION_TEXT.is_file():
+            self.ckpt, self.text, self.model = STORIES260K, EVALUATION_TEXT, "stories260K"
+        else:
+            self.ckpt, self.text = generated_checkpoint(tmp / "gen"), SAMPLE_TEXT
+            self.model = "generated checkpoint" + (" (--generated)" if generated else " (../shared absent)")
+        self.ckpt_copy = tmp / "ckpt-copy"  # the cases that aim the output at the input get a copy, never ../shared
+        self.a = tmp / "art-none"
+        self.f = tmp / "art-fp8"
+        self.other = tmp / "other-model"
+        self.outs = tmp / "outs"  # build outputs that must not appear
+        self.outs.mkdir()
+        self.broken = tmp / "broken"
+        self.hostile = tmp / "hostile"
+        self.recipes = tmp / "recipes"
+        for d in (self.broken, self.hostile, self.recipes):
+            d.mkdir()
+
+    def prepare(self) -> None:
+        shutil.copytree(self.ckpt, self.ckpt_copy)
+        for path, recipe in ((self.a, "none"), (self.f, "fp8-weights")):
+            proc = subprocess.run([OPTIMIZE, "build", str(self.ckpt), "--recipe", recipe, "-o", str(path), "--no-gate"],
+                                  capture_output=True, text=True, env=ENV, cwd=self.work, timeout=TIMEOUT,
+                                  check=False)
+            if proc.returncode != 0:
+                sys.exit(f"could not build the {recipe} artifact the cases need:\n{proc.stderr}")
+        scrambled_copy(self.ckpt, self.other)
+
+    def shorten(self, text: str) -> str:
+        """Long paths as $NAMES, longest first, so a command or message fits a table cell."""
+        names = [(self.a, "$A"), (self.f, "$F"), (self.ckpt_copy, "$CKPT_COPY"), (self.other, "$OTHER"),
+                 (self.ckpt, "$CKPT"), (self.text, "$TEXT"), (self.tmp, "$TMP"), (ROOT, "$REPO")]
+        for path, name in sorted(names, key=lambda pair: -len(str(pair[0]))):
+            text = text.replace(str(path), name)
+        return text
+
+
+def scrambled_copy(src: Path, dst: Path) -> None:
+    """`src` with every matrix replaced by seeded noise ten times its scale: another model that shares the
+    tokenizer, config and shapes (so it passes every check but the source hash) and predicts confidently
+    wrong tokens, so that it is far from the source even when the source is the random generated model."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    gen = torch.Generator().manual_seed(0)
+    tensors = load_file(dst / "model.safetensors")
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.dim() >= 2:
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+            tensors[name] = (noise * 10 * t.float().std()).to(t.dtype)
+    save_file(tensors, dst / "model.safetensors")
+
+
+def digest_tree(root: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        h.update(str(path.relative_to(root)).encode())
+        if path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+# --- checks -----------------------------------------------------------------------------------------------
+def nothing_left(out: Path) -> Check:
+    """No output directory and no `.NAME.tmp-*` / `.NAME.old-*` beside it."""
+    def check(_: Result) -> tuple[bool, str]:
+        debris = [p.name for p in out.parent.glob(f".{out.name}.*")]
+        if out.exists() or debris:
+            return False, f"LEFT BEHIND: {', '.join(([out.name] if out.exists() else []) + debris)}"
+        return True, "nothing left"
+    return check
+
+
+def file_kept(path: Path, content: str) -> Check:
+    def check(_: Result) -> tuple[bool, str]:
+        ok = path.is_file() and path.read_text() == content
+        return ok, "file kept" if ok else f"FILE LOST: {path.name}"
+    return check
+
+
+def unchanged(root: Path, before: dict) -> Check:
+    def check(_: Result) -> tuple[bool, str]:
+        ok = root.is_dir() and digest_tree(root) == before.get("digest")
+        return ok, "input unchanged" if ok else "INPUT CHANGED"
+    return check
+
+
+# --- the cases --------------------------------------------------------------------------------------------
+def make_cases(w: Workspace) -> list[Case]:
+    ckpt, text, a, f = str(w.ckpt), str(w.text), str(w.a), str(w.f)
+    quick = ["--recipe", "none", "--no-gate"]
+    prompt = ["Once upon a time", "--max-new-tokens", "4"]
+    cases: list[Case] = []
+
+    def out(name: str) -> Path:
+        return w.outs / name
+
+    # usage
+    cases += [
+        Case("usage: unknown flag", ["build", "--no-such-flag"], 2),
+        Case("usage: missing argument", ["eval"], 2),
+        Case("usage: --paragraphs abc", ["eval", a, "--data", text, "--paragraphs", "abc"], 2),
+        Case("usage: unknown command", ["frobnicate"], 2),
+        Case("usage: no command", [], 2),
+    ]
+
+    # signals: a custom pass that touches a marker and stalls, imported from the repo (PYTHONPATH)
+    def stall_case(name: str, signum: int, expect: int) -> Case:
+        marker, recipe, target = w.tmp / f"{name}.marker", w.recipes / f"{name}.yaml", out(name)
+        recipe.write_text(f"passes:\n  - pass: tests.passes.destructive:Stall\n    marker: {marker}\n")
+        return Case(f"{signal.Signals(signum).name} during build (stalled pass)",
+                    ["build", ckpt, "--recipe", str(recipe), "--allow-custom-passes", "-o", str(target),
+                     "--eval-data", text], expect, check=nothing_left(target), env={"PYTHONPATH": str(ROOT)},
+                    interrupt=Interrupt(signum, lambda lines: marker.exists()))
+
+    long_text = w.tmp / "long-eval.txt"  # enough paragraphs that the gate is still scoring when the signal comes
+
+    def write_long_text() -> None:
+        paragraphs = [p for p in w.text.read_text().split("\n\n") if p.strip()]
+        long_text.write_text("\n\n".join((paragraphs * (2000 // len(paragraphs) + 1))[:2000]))
+
+    cases += [
+        stall_case("sigint-build", signal.SIGINT, 130),
+        Case("SIGINT during gate (after 'scoring')",
+             ["gate", a, "--baseline", ckpt, "--data", str(long_text), "--min-recovery", "0.9", "--paragraphs", "2000"],
+             130, setup=write_long_text,
+             interrupt=Interrupt(signal.SIGINT, lambda lines: any("scoring" in line for line in lines))),
+        stall_case("sigterm-build", signal.SIGTERM, 143),
+    ]
+
+    # where the output goes
+    user_dir, user_file, cwd_with_file = w.tmp / "userdir", w.tmp / "afile.txt", w.tmp / "cwd-with-file"
+    replaced, before_copy = w.tmp / "replaced", {}
+
+    def make_user_dir() -> None:
+        user_dir.mkdir(exist_ok=True)
+        (user_dir / "notes.txt").write_text("my notes")
+
+    def make_user_file() -> None:
+        user_file.write_text("my file")
+
+    def make_cwd() -> None:
+        cwd_with_file.mkdir(exist_ok=True)
+        (cwd_with_file / "keep.txt").write_text("keep me")
+
+    def snapshot_copy() -> None:
+        before_copy["digest"] = digest_tree(w.ckpt_copy)
+
+    def copy_artifact() -> None:
+        shutil.rmtree(replaced, ignore_errors=True)
+        shutil.copytree(w.a, replaced)
+
+    def replaced_whole(_: Result) -> tuple[bool, str]:
+        debris = [p.name for p in replaced.parent.glob(".replaced.*")]
+        ok = (replaced / "manifest.json").is_file() and not debris
+        return ok, "replaced, no debris" if ok else f"BROKEN REPLACE: debris {debris}"
+
+    before_a = {}
+
+    def snapshot_a() -> None:
+        before_a["digest"] = digest_tree(w.a)
+
+    cases += [
+        Case("-o DIR --overwrite, DIR holds a user's file", ["build", ckpt, *quick, "-o", str(user_dir), "--overwrite"],
+             2, setup=make_user_dir, check=file_kept(user_dir / "notes.txt", "my notes")),
+        Case("-o FILE --overwrite", ["build", ckpt, *quick, "-o", str(user_file), "--overwrite"], 2,
+             setup=make_user_file, check=file_kept(user_file, "my file")),
+        Case("output is the input (-o CKPT --overwrite)",
+             ["build", str(w.ckpt_copy), *quick, "-o", str(w.ckpt_copy), "--overwrite"], 2,
+             setup=snapshot_copy, check=unchanged(w.ckpt_copy, before_copy)),
+        Case("output inside the input (-o CKPT/sub)",
+             ["build", str(w.ckpt_copy), *quick, "-o", str(w.ckpt_copy / "sub")], 2,
+             setup=snapshot_copy, check=unchanged(w.ckpt_copy, before_copy)),
+        Case("-o . --overwrite (cwd holds a file)", ["build", ckpt, *quick, "-o", ".", "--overwrite"], 2,
+             setup=make_cwd, cwd=cwd_with_file, check=file_kept(cwd_with_file / "keep.txt", "keep me")),
+        Case("-o /proc/x (unwritable)", ["build", ckpt, *quick, "-o", "/proc/x"], 2),
+        Case("-o a_file/out (parent is a file)", ["build", ckpt, *quick, "-o", str(user_file / "out")], 2,
+             setup=make_user_file, check=file_kept(user_file, "my file")),
+        Case("existing artifact, no --overwrite", ["build", ckpt, *quick, "-o", a], 2, setup=snapshot_a,
+             check=unchanged(w.a, before_a)),
+        Case("existing artifact, --overwrite", ["build", ckpt, *quick, "-o", str(replaced), "--overwrite"], 0,
+             setup=copy_artifact, check=replaced_whole),
+        Case("export A -o A --overwrite", ["export", f, "-o", f, "--overwrite"], 2),
+    ]
+
+    # trusting the wrong inputs
+    gate = ["--data", text, "--paragraphs", "50"]
+    cases += [
+        Case("gate: baseline is another model",
+             ["gate", a, "--baseline", str(w.other), *gate, "--min-recovery", "0.9"], 2),
+        Case("gate: baseline is the artifact itself", ["gate", a, "--baseline", a, *gate, "--min-recovery", "0.9"], 2),
+        Case("build: an artifact given as the checkpoint", ["build", a, *quick, "-o", str(out("from-artifact"))], 2,
+             check=nothing_left(out("from-artifact"))),
+        Case("gate: another model with --any-baseline",
+             ["gate", a, "--baseline", str(w.other), *gate, "--min-recovery", "0.9", "--any-baseline"], 1),
+        Case("gate: the real baseline, floor 0.5", ["gate", f, "--baseline", ckpt, *gate, "--min-recovery", "0.5"], 0),
+    ]
+
+    # broken checkpoints (tests/breakage.py), each through a plain build
+    for kind in KINDS:
+        broken, target = w.broken / kind, out(f"broken-{kind}")
+        cases.append(Case(f"broken checkpoint: {kind}", ["build", str(broken), "-o", str(target)], 2,
+                          setup=lambda broken=broken, kind=kind: broken_copy(w.ckpt, broken, kind),
+                          check=nothing_left(target)))
+
+    extra = w.broken / "extra_tensors"
+
+    def add_extra_tensors() -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(w.ckpt, extra)
+        tensors = load_file(extra / "model.safetensors")
+        tensors.update({f"extra.probe.{i}": torch.zeros(4) for i in range(3)})
+        save_file(tensors, extra / "model.safetensors")
+
+    cases.append(Case("checkpoint with unused extra tensors", ["build", str(extra), *quick, "-o", str(out("extra"))],
+                      0, setup=add_extra_tensors, show="not used"))
+
+    # hostile artifacts (copies of the fp8 artifact), each through inspect and generate
+    def hostile(name: str, edit: Callable[[Path, dict], object]) -> Callable[[], None]:
+        def setup() -> None:
+            root = w.hostile / name
+            if root.exists():
+                return  # inspect made it, generate reuses it
+            shutil.copytree(w.f, root)
+            manifest = json.loads((root / "manifest.json").read_text())
+            result = edit(root, manifest)
+            (root / "manifest.json").write_text(json.dumps(manifest if result is None else result))
+        return setup
+
+    def unlisted_config(root: Path, m: dict) -> None:
+        del m["files"]["config.json"]
+        config = json.loads((root / "config.json").read_text())
+        config["num_hidden_layers"] = 1
+        (root / "config.json").write_text(json.dumps(config))
+
+    def absolute_name(root: Path, m: dict) -> None:
+        m["files"]["/etc/passwd"] = hashlib.sha256(Path("/etc/passwd").read_bytes()).hexdigest()
+
+    def symlinked_config(root: Path, m: dict) -> None:
+        outside = w.hostile / f"{root.name}-config.json"  # the same bytes: only the link itself is wrong
+        shutil.move(root / "config.json", outside)
+        (root / "config.json").symlink_to(outside)
+
+    def extra_file(root: Path, m: dict) -> None:
+        (root / "added_tokens.json").write_text('{"<evil>": 0}')  # a tokenizer file the loader would pick up
+
+    hostiles = [
+        ("config.json dropped from the files table and edited", "unlisted-config", unlisted_config),
+        ("'/etc/passwd' in the files table", "absolute-name", absolute_name),
+        ("config.json is a symlink", "symlinked-config", symlinked_config),
+        ("manifest is [1,2]", "manifest-array", lambda root, m: [1, 2]),
+        ("manifest lacks 'formats'", "no-formats", lambda root, m: m.pop("formats") and None),
+        ("schema_version: true", "schema-true", lambda root, m: m.update(schema_version=True)),
+        ("an unlisted extra file (added_tokens.json)", "unlisted-file", extra_file),
+    ]
+    for label, name, edit in hostiles:
+        art = str(w.hostile / name)
+        cases.append(Case(f"hostile artifact, inspect: {label}", ["inspect", art], 2, setup=hostile(name, edit)))
+        cases.append(Case(f"hostile artifact, generate: {label}", ["generate", art, *prompt], 2,
+                          setup=hostile(name, edit)))
+
+    # recipe files
+    bomb, no_flag, raises, target_key = (w.recipes / n for n in ("bomb.yaml", "custom.yaml", "raises.yaml",
+                                                                  "target.yaml"))
+    imported = w.tmp / "custom-module-imported"
+
+    def write_recipes() -> None:
+        levels = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+        levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+        bomb.write_text("name: laughs\n" + "\n".join(levels) + "\npasses: *a9\n")
+        (w.recipes / "kiln_probe_module.py").write_text(
+            f"import pathlib\npathlib.Path({str(imported)!r}).touch()\n"
+            "from dataclasses import dataclass\nfrom passes.base import Pass\n\n"
+            "@dataclass(frozen=True)\nclass Probe(Pass):\n    name = 'probe'\n")
+        no_flag.write_text("passes:\n  - pass: kiln_probe_module:Probe\n")
+        (w.recipes / "kiln_raising_module.py").write_text("raise RuntimeError('boom at import\\nsecond line')\n")
+        raises.write_text("passes:\n  - pass: kiln_raising_module:Probe\n")
+        target_key.write_text("target: blackwell\npasses:\n  - pass: weight-quantization\n")
+
+    def not_imported(result: Result) -> tuple[bool, str]:
+        return (False, "MODULE WAS IMPORTED") if imported.exists() else (True, "module not imported")
+
+    def short_line(result: Result) -> tuple[bool, str]:
+        n = len(result.lines[-1]) if result.lines else 0
+        return n <= 200 and result.seconds < 30, f"{n} chars, {result.seconds:.1f} s"
+
+    cases += [
+        Case("recipe: YAML bomb (billion laughs)", ["build", ckpt, "--recipe", str(bomb), "-o", str(out("bomb"))], 2,
+             setup=write_recipes, check=short_line),
+        Case("recipe: module:Class without --allow-custom-passes",
+             ["build", ckpt, "--recipe", str(no_flag), "-o", str(out("custom"))], 2, setup=write_recipes,
+             check=not_imported),
+        Case("recipe: custom module raising at import",
+             ["build", ckpt, "--recipe", str(raises), "--allow-custom-passes", "-o", str(out("raises"))], 2,
+             setup=write_recipes, check=nothing_left(out("raises"))),
+        Case("recipe: top-level target:", ["build", ckpt, "--recipe", str(target_key), "-o", str(out("target"))], 2,
+             setup=write_recipes),
+        Case("recipe: unknown name", ["build", ckpt, "--recipe", "fp9-magic", "-o", str(out("fp9"))], 2),
+    ]
+
+    # other numbers and texts
+    big = w.tmp / "one-paragraph.txt"
+
+    def write_big() -> None:
+        sentence = "Once upon a time there was a little cat who liked to play in the sun. "
+        big.write_text(sentence * (500_000 // len(sentence)))
+
+    cases += [
+        Case("gate --min-recovery -1", ["gate", a, "--baseline", ckpt, "--data", text, "--min-recovery", "-1"], 2),
+        Case("generate --temperature -1", ["generate", a, *prompt, "--temperature", "-1"], 2),
+        Case("generate --top-p 0", ["generate", a, *prompt, "--top-p", "0"], 2),
+        Case("eval: one 500 KB paragraph", ["eval", a, "--data", str(big)], 0, setup=write_big, show="warning"),
+        Case("build --recipe fp8 --weight-bits 5", ["build", ckpt, "--recipe", "fp8", "--weight-bits", "5",
+                                                   "-o", str(out("bits"))], 2),
+    ]
+    return cases
+
+
+# --- running ----------------------------------------------------------------------------------------------
+def run_plain(cmd: list[str], cwd: Path, env: dict) -> Result:
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=TIMEOUT, check=False)
+        return Result(proc.returncode, proc.stderr, time.perf_counter() - start)
+    except subprocess.TimeoutExpired as exc:
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        return Result(None, stderr, time.perf_counter() - start, f"TIMED OUT after {TIMEOUT} s")
+
+
+def run_interrupted(cmd: list[str], cwd: Path, env: dict, interrupt: Interrupt) -> Result:
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    note = ""
+    while not interrupt.ready(list(lines)):
+        if proc.poll() is not None:
+            note = "NEVER REACHED the interruption point"
+            break
+        if time.perf_counter() - start > TIMEOUT:
+            proc.kill()
+            note = f"NEVER REACHED the interruption point in {TIMEOUT} s"
+            break
+        time.sleep(0.05)
+    else:
+        proc.send_signal(interrupt.signum)
+        note = f"signal after {time.perf_counter() - start:.1f} s"
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        note += "; DID NOT EXIT within 60 s of the signal"
+    reader.join(5)
+    return Result(proc.returncode, "".join(lines), time.perf_counter() - start, note)
+
+
+def judge(case: Case, result: Result) -> tuple[bool, str]:
+    """(behaved, note): expected exit, no traceback, one error line (last) for a failure, none for a pass."""
+    problems, notes = [], [result.note] if result.note else []
+    lines = result.lines
+    errors = [line for line in lines if line.startswith(ERROR_PREFIXES)]
+    if result.code != case.expect:
+        problems.append(f"EXIT {result.code}, EXPECTED {case.expect}")
+    if "Traceback" in result.stderr:
+        problems.append("TRACEBACK")
+    if case.expect != 0:
+        if len(errors) != 1 or lines[-1] != errors[0]:
+            problems.append(f"{len(errors)} ERROR LINES" if len(errors) != 1 else "ERROR LINE NOT LAST")
+        elif len(errors[0]) > MAX_LINE:
+            problems.append(f"ERROR LINE OF {len(errors[0])} CHARS")
+        if len(lines) > 1:
+            notes.append(f"+{len(lines) - 1} log line{'s' if len(lines) > 2 else ''} before it")
+    elif errors:
+        problems.append("ERROR LINE ON A PASS")
+    if case.show is not None and not any(case.show in line for line in lines):
+        problems.append(f"NO LINE WITH {case.show!r}")
+    if case.check is not None:
+        try:
+            ok, note = case.check(result)
+        except Exception as exc:  # noqa: BLE001 -- a broken check is a misbehaving case, not a crash
+            ok, note = False, f"CHECK FAILED: {type(exc).__name__}: {exc}"
+        notes.append(note)
+        if not ok:
+            problems.append("CHECK")
+    return not problems, "; ".join([*problems, *(n for n in notes if n)])
+
+
+def shown_line(case: Case, result: Result) -> str:
+    """The last stderr line, or the first holding `case.show`. Kiln's log lines go through rich, which wraps
+    them at 120 columns when stderr is not a terminal: such a line is marked, not rejoined."""
+    lines = result.stderr.rstrip("\n").splitlines()
+    if case.show is not None:
+        at = next((i for i, line in enumerate(lines) if case.show in line), len(lines) - 1)
+    else:
+        at = len(lines) - 1
+    if at < 0:
+        return "(no stderr)"
+    line = lines[at]
+    wrapped = line.endswith(" ") and at + 1 < len(lines) and not lines[at + 1].startswith(("warning:", *ERROR_PREFIXES))
+    line = line.rstrip()
+    line = line if len(line) <= SHOWN else line[: SHOWN - 1] + "…"
+    return line + (" ⏎ [wrapped by rich at 120 columns; continues on the next stderr line]" if wrapped else "")
+
+
+def quoted(arg: str) -> str:
+    return arg if arg and not any(c.isspace() or c in "'\"" for c in arg) else json.dumps(arg)
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("`", "'")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="also write the Markdown table to this file")
+    parser.add_argument("--only", help="run only the cases whose name contains this")
+    parser.add_argument("--generated", action="store_true",
+                        help="use the generated checkpoint even when ../shared/models/stories260K is present")
+    opts = parser.parse_args()
+    started = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="kiln-bad-inputs-"))
+    try:
+        w = Workspace(tmp, opts.generated)
+        print(f"preparing: {w.model}, two artifacts in {tmp} ...", file=sys.stderr, flush=True)
+        w.prepare()
+        cases = [c for c in make_cases(w) if opts.only is None or opts.only.lower() in c.name.lower()]
+        rows, failed = [], []
+        for i, case in enumerate(cases, 1):
+            if case.setup is not None:
+                case.setup()
+            cmd = [OPTIMIZE, *case.args]
+            env = {**ENV, **case.env}
+            cwd = case.cwd or w.work
+            result = (run_interrupted(cmd, cwd, env, case.interrupt) if case.interrupt
+                      else run_plain(cmd, cwd, env))
+            ok, note = judge(case, result)
+            if not ok:
+                failed.append(case.name)
+            shown_cmd = " ".join(["optimize", *(quoted(w.shorten(a)) for a in case.args)])
+            name = ("❌ MISBEHAVED: " if not ok else "") + case.name + (f" ({note})" if note else "")
+            code = str(result.code) if result.code == case.expect else f"**{result.code}** (expected {case.expect})"
+            line = w.shorten(shown_line(case, result))
+            rows.append(f"| {i} | {cell(name)} | `{cell(shown_cmd)}` | {code} | {cell(line)} |")
+            print(f"[{i}/{len(cases)}] {'ok ' if ok else 'BAD'} {case.name}: exit {result.code} "
+                  f"({result.seconds:.1f} s){'' if ok else ' -- ' + note}", file=sys.stderr, flush=True)
+        elapsed = time.perf_counter() - started
+        behaved = len(cases) - len(failed)
+        summary = (f"{behaved}/{len(cases)} cases got the expected exit code with exactly one stderr line of "
+                   f"error (none on a pass) and no traceback, and passed their own checks. Model: {w.model}; "
+                   f"total {elapsed:.0f} s.")
+        table = ["| # | case | command | exit | stderr's last line |", "|---|---|---|---|---|", *rows, "", summary]
+        if failed:
+            table.append(f"**{len(failed)} MISBEHAVED:** " + "; ".join(failed))
+        text = "\n".join(table) + "\n"
+        print(text, end="")
+        if opts.out:
+            opts.out.write_text(text)
+        return 1 if failed else 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
