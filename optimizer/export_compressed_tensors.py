@@ -69,7 +69,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels.errors import KilnError
 from optimizer import __version__
-from optimizer.export import _COPIED, NVFP4_GROUP_SIZE, _kv_algo
+from optimizer.export_modelopt import COPIED_FILES, NVFP4_GROUP_SIZE, kv_algo
 from optimizer.output_dir import atomic_directory, check_output, mark_export
 from runtime.artifact import MANIFEST, WEIGHTS, read_manifest
 from runtime.spec import spec_from_json
@@ -198,7 +198,7 @@ def ordered_modules(formats: Mapping[str, Mapping], order: Iterable[str]) -> lis
 def ct_schemes(manifest: Mapping, tensors: Mapping[str, torch.Tensor],
                order: Iterable[str] = ()) -> tuple[dict[str, Scheme], list[str]]:
     """({quantized module: scheme}, [unquantized modules]) in model order. Refuses what has no scheme."""
-    _kv_algo(manifest.get("kv_cache") or {})
+    kv_algo(manifest.get("kv_cache") or {})
     formats = manifest["formats"]
     schemes: dict[str, Scheme] = {}
     unquantized: list[str] = []
@@ -301,7 +301,7 @@ def export_compressed_tensors(artifact: Path | str, output: Path | str, overwrit
         if quant is not None:
             config["quantization_config"] = quant
         (tmp / "config.json").write_text(json.dumps(config, indent=4) + "\n")
-        for name in _COPIED:
+        for name in COPIED_FILES:
             if (artifact / name).is_file():
                 shutil.copyfile(artifact / name, tmp / name)
         verify_compressed_tensors(tmp, artifact)

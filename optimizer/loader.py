@@ -298,7 +298,7 @@ def load_checkpoint(ref: str | Path, trust_remote_code: bool = False, *,
         weight_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
         tokenizer_files=tuple(root / n for n in TOKENIZER_FILES if (root / n).is_file()),
     )
-    tensors = prequantized.dequantize(quantized, tensors)  # float32 weights; source keeps the stored bytes
+    tensors = prequantized.dequantize(quantized, tensors, _bad_values)  # float32; source keeps the stored bytes
     graph = graph_from_spec(spec, config, source, tensors)
     graph.metadata["loader"] = {"unused_tensors": unused}
     if quantized:

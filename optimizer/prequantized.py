@@ -368,13 +368,13 @@ def _packed_k(method: str, module: str, info: Any, shapes: Mapping[str, tuple[in
 
 
 def _modelopt_decode(module: str, algo: str, in_features: int, t: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    from optimizer.export import dequantize_modelopt_linear
+    from optimizer.export_modelopt import dequantize_modelopt_linear
 
     return dequantize_modelopt_linear(module, algo, t, in_features)
 
 
 def _plan_modelopt(q: Mapping, header: Mapping[str, Any], shapes: Mapping[str, tuple[int, int]]) -> Plan:
-    from optimizer.export import MODELOPT_TENSORS, modelopt_linear_algo
+    from optimizer.export_modelopt import MODELOPT_TENSORS, modelopt_linear_algo
 
     algo = q.get("quant_algo")
     exclude = [p for p in q.get("exclude_modules") or [] if isinstance(p, str)]
@@ -530,12 +530,13 @@ def plan(root: Path | None, config: dict, header: Mapping[str, Any], expected: M
     return {k: v for k, v in config.items() if k != "quantization_config"}, p.header(header), p
 
 
-def dequantize(p: Plan | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def dequantize(p: Plan | None, tensors: dict[str, torch.Tensor],
+               bad_values: Callable[[torch.Tensor], str | None]) -> dict[str, torch.Tensor]:
     """Replace, one linear at a time, each planned linear's stored tensors by its float32 `<module>.weight`, and
-    drop the activation scales (in place; returns `tensors`). Every decoded weight is checked like a stored one."""
+    drop the activation scales (in place; returns `tensors`). Every decoded weight is checked like a stored one,
+    by the loader's `bad_values` (what is wrong with a tensor's values, or None)."""
     if p is None:
         return tensors
-    from optimizer.loader import _bad_values
 
     for name in p.dropped:
         tensors.pop(name, None)
@@ -551,7 +552,7 @@ def dequantize(p: Plan | None, tensors: dict[str, torch.Tensor]) -> dict[str, to
             raise _refuse(p.quant_method, f"{lin.module} decodes to shape {_shape(weight.shape)}, expected "
                                           f"{_shape(lin.shape)}")
         weight = weight.to(OUT_DTYPE).contiguous()
-        problem = _bad_values(weight)
+        problem = bad_values(weight)
         if problem:
             raise KilnError(f"tensor {lin.module}.weight, dequantized from {lin.scheme}, {problem}; refusing to "
                             "optimize a broken checkpoint")
@@ -574,4 +575,5 @@ def dequantize_checkpoint(config: Mapping, tensors: dict[str, torch.Tensor], *, 
     if p is None:
         return dict(config), tensors, {}
     config = {k: v for k, v in config.items() if k != "quantization_config"}
-    return config, dequantize(p, tensors), p.provenance
+    finite = lambda t: None if bool(torch.isfinite(t).all()) else "contains NaN or Inf values"  # noqa: E731
+    return config, dequantize(p, tensors, finite), p.provenance

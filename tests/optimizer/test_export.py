@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from kernels.errors import KilnError
 from optimizer.build import build
-from optimizer.export import HF_QUANT_CONFIG, dequantize_hf_modelopt, export, summarize_excluded
+from optimizer.export import export
+from optimizer.export_modelopt import HF_QUANT_CONFIG, dequantize_hf_modelopt, summarize_excluded
 from optimizer.recipes import Recipe
 from passes.mixed_precision import WeightQuantization
 from passes.mixed_precision_auto import AutoPrecision, ProductionPrecision
@@ -244,14 +245,14 @@ def test_fp8_per_tensor_static_export_equals_modelopts_fp8(llama, tmp_path):
 
 def test_export_refuses_rotations_and_quantized_kv_caches():
     from kernels.errors import KilnError
-    from optimizer.export import _kv_algo, modelopt_algo
+    from optimizer.export_modelopt import kv_algo, modelopt_algo
 
     rotated = {"format": "mxfp4", "activation": "mxfp4", "input_rotation": 16}
     with pytest.raises(KilnError, match="rotated online"):
         modelopt_algo("model.layers.0.mlp.down_proj", rotated, {})
     with pytest.raises(KilnError, match="not exported yet"):
-        _kv_algo({"0": {"format": "fp8_e4m3", "scaling": "per_tensor"}})
-    assert _kv_algo({}) is None
+        kv_algo({"0": {"format": "fp8_e4m3", "scaling": "per_tensor"}})
+    assert kv_algo({}) is None
 
 
 # --- compressed-tensors ----------------------------------------------------------------------------------------

@@ -1,0 +1,318 @@
+"""Engine artifact -> NVIDIA ModelOpt's unified Hugging Face checkpoint ("hf-modelopt"), the one vLLM
+(quantization="modelopt"), SGLang and TensorRT-LLM load. `optimizer.export` chooses between this layout and
+compressed-tensors; the shared pieces (files copied, KV-cache refusal, NVFP4 group size) live here.
+
+    DIR/model.safetensors     every artifact tensor under its Hugging Face name: quantized linears as
+                              <module>.weight / .weight_scale / .weight_scale_2 / .input_scale (the artifact
+                              already uses these names), everything else as stored (source dtype)
+    DIR/hf_quant_config.json  {"producer": {"name": "kiln", ...}, "quantization": {"quant_algo", ...}}
+    DIR/config.json           the source config plus "quantization_config" (quant_method "modelopt")
+    DIR/tokenizer files, generation_config.json
+
+Each linear's artifact format maps to one ModelOpt algorithm (the names its export writes, checked against
+ModelOpt 0.47's own export in tests/optimizer/test_export.py):
+
+    artifact format                                           quant_algo                  tensors
+    fp8_e4m3, per-tensor scale, fp8_static_per_tensor         FP8                         weight, weight_scale (), input_scale ()
+    fp8_e4m3, per-channel scale, fp8_dynamic_per_token        FP8_PER_CHANNEL_PER_TOKEN   weight, weight_scale [N]
+    nvfp4, nvfp4 activations with a calibrated input_scale    NVFP4 (group_size 16)       weight, weight_scale, weight_scale_2, input_scale
+    nvfp4, weight-only                                        W4A16_NVFP4 (group_size 16) weight, weight_scale, weight_scale_2
+    mxfp4, weight-only or mxfp4 activations                   mxfp4                       weight, weight_scale (E8M0 uint8)
+
+One algorithm for every quantized linear gives ModelOpt's single-algorithm config with `exclude_modules`
+(unquantized linears and the embedding, summarized with prefix wildcards as ModelOpt does); several give
+"MIXED_PRECISION" with a per-layer `quantized_layers` table. Anything else (FP8 weight-only, NVFP4
+activations without a calibrated input scale, FP8 with static per-channel...) has no ModelOpt equivalent and
+is a one-line error naming the module. `producer` names Kiln, not ModelOpt.
+After writing, the export is read back and dequantized, and must reproduce the artifact's weights exactly.
+Not handled: sharding into several safetensors files (one file is written), and KV-cache formats other than
+FP8/NVFP4 per-tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels import fp8
+from kernels.errors import KilnError
+from optimizer import __version__
+from optimizer.output_dir import atomic_directory, check_output, mark_export
+from runtime.artifact import MANIFEST, WEIGHTS, read_manifest
+from runtime.spec import spec_from_json
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+NVFP4_GROUP_SIZE = 16
+COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+           "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def modelopt_algo(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The ModelOpt quant_algo of one artifact format entry; None for a dense linear."""
+    fmt, act = entry.get("format"), entry.get("activation", "none")
+    if fmt == "dense":
+        return None
+    if entry.get("input_rotation"):
+        raise KilnError(f"{module}: its input is rotated online (Hadamard block {entry['input_rotation']}), "
+                        "which the ModelOpt unified checkpoint cannot express; export a recipe without rotation")
+    if fmt == "fp8_e4m3":
+        per_tensor = tensors[f"{module}.weight_scale"].numel() == 1
+        if per_tensor and act == "fp8_static_per_tensor":
+            return "FP8"
+        if not per_tensor and act == "fp8_dynamic_per_token":
+            return "FP8_PER_CHANNEL_PER_TOKEN"
+    elif fmt == "nvfp4":
+        if act == "none":
+            return "W4A16_NVFP4"
+        if act == "nvfp4" and f"{module}.input_scale" in tensors:
+            return "NVFP4"
+    elif fmt == "mxfp4" and act in ("none", "mxfp4"):
+        return "mxfp4"
+    if fmt == "fp8_e4m3" and act == "none":
+        raise KilnError(f"{module}: FP8 weight-only (W8A16) has no ModelOpt unified-checkpoint algorithm; export it "
+                        "with --format compressed-tensors, which vLLM also loads")
+    raise KilnError(f"{module}: {fmt} weights with {act} activations have no ModelOpt unified-checkpoint "
+                    "algorithm; try --format compressed-tensors (ModelOpt takes FP8 per-tensor + static, FP8 "
+                    "per-channel + per-token, NVFP4 with calibrated input scale, NVFP4 weight-only, MXFP4)")
+
+
+def _layer_config(algo: str) -> dict:
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        return {"quant_algo": algo, "group_size": NVFP4_GROUP_SIZE}
+    return {"quant_algo": algo}
+
+
+def summarize_excluded(unquantized: Iterable[str], quantized: Iterable[str]) -> list[str]:
+    """Prefix-wildcard summary of the unquantized modules that matches no quantized module (ModelOpt's
+    `exclude_modules` convention): e.g. a whole unquantized layer becomes "model.layers.7.*"."""
+    negative: set[str] = set()
+    for name in quantized:
+        negative.add(name)
+        negative.update(name[:i] + "*" for i in range(len(name) + 1))
+    summary: set[str] = set()
+    for name in unquantized:
+        options = []
+        for i, ch in enumerate(name):
+            if ch == ".":
+                options.append([name[:i] + "*"])
+                options.append([name[:i], name[:i] + ".*"])
+        options.append([name])
+        chosen: list[str] = []
+        for wildcards in options:
+            if any(w in negative for w in wildcards):
+                continue
+            if all(w in summary for w in wildcards):
+                chosen = []
+                break
+            chosen = wildcards
+            break
+        if len(chosen) == 2 and chosen[1] == chosen[0] + ".*":
+            summary.add(chosen[1])  # deployment engines match "prefix.*"
+        else:
+            summary.update(chosen)
+    return sorted(summary)
+
+
+def kv_algo(kv_cache: Mapping) -> None:
+    """ModelOpt's kv_cache_quant_algo: None (BF16). The artifact's quantized KV layers (fp8_e4m3 / nvfp4 with
+    calibrated scales and optional per-channel offsets) are not mapped onto ModelOpt's k_proj.k_scale /
+    v_proj.v_scale convention yet: refuse rather than write KV scales a serving engine would misread."""
+    formats = {row.get("format") for row in kv_cache.values()}
+    if formats - {"bf16"}:
+        raise KilnError(f"KV-cache formats {sorted(map(str, formats))} are not exported yet; export an artifact "
+                        "built without a kv-cache pass (the serving engine can then apply its own FP8 KV)")
+
+
+def hf_quant_config(manifest: Mapping, tensors: Mapping[str, torch.Tensor], embedding: str | None,
+                    order: Iterable[str] = ()) -> dict:
+    """hf_quant_config.json for an artifact (see the module docstring). Layers are listed in `order` (the
+    model's module order, as ModelOpt lists them), then any others."""
+    quantized: dict[str, dict] = {}
+    unquantized: list[str] = []
+    formats = manifest["formats"]
+    modules = [m for m in order if m in formats] + [m for m in formats if m not in set(order)]
+    for module in modules:
+        entry = formats[module]
+        algo = modelopt_algo(module, entry, tensors)
+        if algo is None:
+            unquantized.append(module)
+        else:
+            quantized[module] = _layer_config(algo)
+    quantization: dict = {"quant_algo": None, "kv_cache_quant_algo": kv_algo(manifest.get("kv_cache") or {})}
+    distinct = {json.dumps(c, sort_keys=True) for c in quantized.values()}
+    if len(distinct) > 1:
+        quantization["quant_algo"] = "MIXED_PRECISION"
+        quantization["quantized_layers"] = quantized
+    elif distinct:
+        quantization.update(next(iter(quantized.values())))
+        if embedding:
+            unquantized.append(embedding)
+        quantization["exclude_modules"] = summarize_excluded(unquantized, quantized)
+    return {"producer": {"name": "kiln", "version": __version__}, "quantization": quantization}
+
+
+def _group_details(algo: str, group_size: int | None) -> dict:
+    gs = group_size or NVFP4_GROUP_SIZE
+    if algo == "FP8":
+        return {"input_activations": {"dynamic": False, "num_bits": 8, "type": "float"},
+                "weights": {"dynamic": False, "num_bits": 8, "type": "float"}}
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        return {"input_activations": {"dynamic": False, "num_bits": 8, "type": "float"},
+                "weights": {"dynamic": False, "num_bits": 8, "type": "float", "strategy": "channel"}}
+    if algo == "NVFP4":
+        return {"input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": gs},
+                "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": gs}}
+    if algo == "W4A16_NVFP4":
+        return {"weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": gs}}
+    return {"quant_algo": algo}  # ModelOpt writes no config group for mxfp4 either
+
+
+def quantization_config(hf_quant: Mapping) -> dict:
+    """config.json's "quantization_config": the compressed-tensors-style view ModelOpt derives from
+    hf_quant_config (its `convert_hf_quant_config_format`)."""
+    q = hf_quant["quantization"]
+    algo = q.get("quant_algo")
+    out: dict = {}
+    if algo in ("FP8", "NVFP4", "W4A16_NVFP4"):
+        out["config_groups"] = {"group_0": {**_group_details(algo, q.get("group_size")), "targets": ["Linear"]}}
+    elif algo == "MIXED_PRECISION":
+        by_config: dict[tuple, list[str]] = {}
+        for layer, cfg in q["quantized_layers"].items():
+            by_config.setdefault(tuple(sorted(cfg.items())), []).append(layer)
+        out["config_groups"] = {
+            f"group_{i}": {**_group_details(dict(key)["quant_algo"], dict(key).get("group_size")),
+                           "targets": sorted(layers)}
+            for i, (key, layers) in enumerate(by_config.items())}
+        out["quantized_layers"] = q["quantized_layers"]
+    out["ignore"] = list(q.get("exclude_modules") or [])
+    if algo:
+        out["quant_algo"] = algo
+    kv = q.get("kv_cache_quant_algo")
+    if kv:
+        out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"} if kv == "FP8" else kv
+    out["producer"] = hf_quant["producer"]
+    out["quant_method"] = "modelopt"
+    return out
+
+
+def export_tensors(manifest: Mapping, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The artifact's tensors in ModelOpt's shapes (only FP8 per-channel scales change: [N, 1] -> [N])."""
+    out = dict(tensors)
+    for module, entry in manifest["formats"].items():
+        if entry.get("format") == "fp8_e4m3":
+            scale = tensors[f"{module}.weight_scale"]
+            if scale.numel() > 1:
+                out[f"{module}.weight_scale"] = scale.reshape(-1).contiguous()
+    return out
+
+
+def export_hf_modelopt(artifact: Path | str, output: Path | str, overwrite: bool = False) -> Path:
+    """Write `artifact` as a ModelOpt unified HF checkpoint in `output` (atomically), verify it, return it."""
+    artifact, output = Path(artifact), Path(output)
+    manifest = read_manifest(artifact)
+    check_output(output, overwrite, [artifact])  # before reading anything
+    tensors = load_file(str(artifact / WEIGHTS))
+    config = json.loads((artifact / "config.json").read_text())  # the export's config.json starts from it
+    spec = spec_from_json(manifest["architecture"])
+    embedding = spec.embedding.removesuffix(".weight")
+    hf_quant = hf_quant_config(manifest, tensors, embedding, [lin.name for lin in spec.linears()])
+    exported = export_tensors(manifest, tensors)
+    with atomic_directory(output, overwrite, [artifact]) as tmp:
+        mark_export(tmp, artifact, "hf-modelopt")
+        save_file(exported, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if hf_quant["quantization"]["quant_algo"] or hf_quant["quantization"]["kv_cache_quant_algo"]:
+            (tmp / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
+            config["quantization_config"] = quantization_config(hf_quant)
+        (tmp / "config.json").write_text(json.dumps(config, indent=4) + "\n")
+        for name in COPIED_FILES:
+            if (artifact / name).is_file():
+                shutil.copyfile(artifact / name, tmp / name)
+        verify_export(tmp, artifact)
+    return output
+
+
+MODELOPT_TENSORS = {"FP8": ("weight", "weight_scale"), "FP8_PER_CHANNEL_PER_TOKEN": ("weight", "weight_scale"),
+                    "NVFP4": ("weight", "weight_scale", "weight_scale_2"),
+                    "W4A16_NVFP4": ("weight", "weight_scale", "weight_scale_2"), "mxfp4": ("weight", "weight_scale")}
+"""The weight tensors (`<module>.<name>`) each quant_algo this reader decodes stores per linear."""
+
+
+def modelopt_linear_algo(name: str, quantization: Mapping, tensors: Mapping) -> str | None:
+    """The quant_algo of linear `name` under hf_quant_config.json's "quantization" (None: unquantized); `tensors`
+    only needs `in` (a safetensors header does)."""
+    algo = quantization.get("quant_algo")
+    if algo == "MIXED_PRECISION":
+        return (quantization.get("quantized_layers") or {}).get(name, {}).get("quant_algo")
+    if algo and f"{name}.weight_scale" in tensors:
+        return algo
+    return None
+
+
+def dequantize_modelopt_linear(name: str, algo: str, tensors: Mapping[str, torch.Tensor],
+                               in_features: int) -> torch.Tensor:
+    """fp32 weight of one linear stored with ModelOpt quant_algo `algo` (in_features: the true K; block formats
+    pad it)."""
+    from kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
+    from kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
+
+    if algo in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):
+        scale = tensors[f"{name}.weight_scale"].float()
+        return fp8.fp8_dequantize(tensors[f"{name}.weight"], scale.reshape(-1, 1) if scale.numel() > 1 else scale)
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        return nvfp4_dequantize(Nvfp4Weight.from_tensors({k: tensors[f"{name}.{k}"] for k in MODELOPT_TENSORS[algo]},
+                                                         in_features=in_features))
+    if algo == "mxfp4":
+        return mxfp4_dequantize(Mxfp4Weight.from_tensors({k: tensors[f"{name}.{k}"] for k in MODELOPT_TENSORS[algo]},
+                                                         in_features=in_features))
+    raise KilnError(f"{name} has quant_algo {algo!r}, which this reader does not know")
+
+
+def dequantize_hf_modelopt(path: Path | str) -> dict[str, torch.Tensor]:
+    """fp32 weight of every linear of an hf-modelopt checkpoint, read the way a serving engine reads it:
+    the algorithm from hf_quant_config.json, the true in_features from config.json (block formats pad K)."""
+    from optimizer.loader_config import build_spec
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    spec = build_spec(config)
+    tensors = load_file(str(path / "model.safetensors"))
+    q = json.loads((path / HF_QUANT_CONFIG).read_text())["quantization"] if (path / HF_QUANT_CONFIG).is_file() \
+        else {"quant_algo": None}
+    out: dict[str, torch.Tensor] = {}
+    for lin in spec.linears():
+        name = lin.name
+        algo = modelopt_linear_algo(name, q, tensors)
+        if algo is None:
+            weight = tensors.get(f"{name}.weight")
+            if weight is None and name == "lm_head" and spec.tie_word_embeddings:
+                weight = tensors[spec.embedding]
+            out[name] = weight.float()
+        else:
+            try:
+                out[name] = dequantize_modelopt_linear(name, algo, tensors, lin.in_features)
+            except KilnError as exc:
+                raise KilnError(f"{path}: {exc}") from None
+    return out
+
+
+def verify_export(path: Path, artifact: Path) -> None:
+    """The export, dequantized as a serving engine would, must equal the artifact's weights bit for bit."""
+    from runtime.weights import dequantize_weight
+
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    spec = spec_from_json(manifest["architecture"])
+    tensors = load_file(str(artifact / WEIGHTS))
+    exported = dequantize_hf_modelopt(path)
+    for lin in spec.linears():
+        entry = manifest["formats"].get(lin.name, {"format": "dense"})
+        if lin.name == "lm_head" and "lm_head.weight" not in tensors and spec.tie_word_embeddings:
+            expected = tensors[spec.embedding].float()
+        else:
+            expected = dequantize_weight(lin.name, entry, tensors)
+        if not torch.equal(exported[lin.name], expected):
+            raise KilnError(f"export check failed: {lin.name} dequantizes differently from the artifact")
