@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from optimizer.defaults import EVALUATION_TEXT, SAMPLE_TEXT, STORIES260K, generated_checkpoint
+from kiln.optimizer.defaults import EVALUATION_TEXT, SAMPLE_TEXT, STORIES260K, generated_checkpoint
 from tests.breakage import KINDS, broken_copy
 
 OPTIMIZE = shutil.which("optimize") or str(Path(sys.executable).parent / "optimize")

@@ -24,19 +24,19 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from calibration.data import load_token_lists
-from kernels.targets import get_target
-from optimizer.calibrate import KvCapture
-from optimizer.defaults import CALIBRATION_TEXT as CALIB
-from optimizer.defaults import EVALUATION_TEXT as EVAL
-from optimizer.defaults import STORIES260K as STORIES
-from optimizer.gate import AccuracyGate, engine_from_graph
-from optimizer.loader import load_checkpoint
-from passes.base import PassContext
-from passes.kv_cache import KvCacheQuantization
-from runtime.engine import decode_one_token, load_tokenizer, prefill
-from runtime.kv_cache import ContiguousKVCache
-from runtime.kv_format import kv_bytes_per_token
+from kiln.calibration.data import load_token_lists
+from kiln.kernels.targets import get_target
+from kiln.optimizer.calibrate import KvCapture
+from kiln.optimizer.defaults import CALIBRATION_TEXT as CALIB
+from kiln.optimizer.defaults import EVALUATION_TEXT as EVAL
+from kiln.optimizer.defaults import STORIES260K as STORIES
+from kiln.optimizer.gate import AccuracyGate, engine_from_graph
+from kiln.optimizer.loader import load_checkpoint
+from kiln.passes.base import PassContext
+from kiln.passes.kv_cache import KvCacheQuantization
+from kiln.runtime.engine import decode_one_token, load_tokenizer, prefill
+from kiln.runtime.kv_cache import ContiguousKVCache
+from kiln.runtime.kv_format import kv_bytes_per_token
 
 CONFIGS = [  # label, pass config (None: the BF16 baseline)
     ("bf16", None),

@@ -36,9 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from optimizer.defaults import CALIBRATION_TEXT as CALIB
-from optimizer.defaults import EVALUATION_TEXT as EVAL
-from optimizer.defaults import STORIES260K as STORIES
+from kiln.optimizer.defaults import CALIBRATION_TEXT as CALIB
+from kiln.optimizer.defaults import EVALUATION_TEXT as EVAL
+from kiln.optimizer.defaults import STORIES260K as STORIES
 
 # label -> (built-in recipe, weight bits for `auto`)
 KILN_ROWS = {
@@ -70,7 +70,7 @@ def has_modelopt() -> bool:
 
 
 def token_lists(tokenizer, path: Path, paragraphs: int) -> list[list[int]]:
-    from calibration.data import load_token_lists
+    from kiln.calibration.data import load_token_lists
 
     return load_token_lists(tokenizer, path, paragraphs)
 
@@ -82,7 +82,7 @@ def rtn_version(p):
     """The same pass rounding to nearest: no GPTQ, AWQ or tuning (rotations and activation modes stay)."""
     from dataclasses import replace
 
-    from passes.mixed_precision import WeightQuantization
+    from kiln.passes.mixed_precision import WeightQuantization
 
     if isinstance(p, WeightQuantization):
         return replace(p, method="rtn", awq=False, tune_steps=0)
@@ -92,8 +92,8 @@ def rtn_version(p):
 def kiln_row(label: str, method: str, paragraphs: int) -> dict:
     import torch
 
-    from optimizer.build import build
-    from optimizer.recipes import Recipe, resolve_recipe
+    from kiln.optimizer.build import build
+    from kiln.optimizer.recipes import Recipe, resolve_recipe
 
     torch.set_num_threads(1)
     name, bits = KILN_ROWS[label]
@@ -143,7 +143,7 @@ def modelopt_row(label: str, paragraphs: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.engine import load_tokenizer
+    from kiln.runtime.engine import load_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(STORIES)
@@ -181,7 +181,7 @@ def modelopt_row(label: str, paragraphs: int) -> dict:
 def hf_score(model, lists):
     import torch
 
-    from optimizer.gate import Score
+    from kiln.optimizer.gate import Score
 
     nll, count = 0.0, 0
     with torch.no_grad():

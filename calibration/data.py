@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from kernels.errors import KilnError
+from kiln.kernels.errors import KilnError
 
 MAX_TOKENS = 256
 DEFAULT_PARAGRAPHS = 600

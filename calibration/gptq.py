@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from calibration.grids import Scales, WeightLayout
-from calibration.scale_search import mse_scales
+from kiln.calibration.grids import Scales, WeightLayout
+from kiln.calibration.scale_search import mse_scales
 
 SCALE_METHODS = ("absmax", "mse")
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels import fp8
-from kernels.fp4 import e2m1_decode, e2m1_encode
-from kernels.mxfp4 import MXFP4_BLOCK_SIZE, e8m0_to_float32, mxfp4_block_scales, mxfp4_quantize
-from kernels.nvfp4 import (
+from kiln.kernels import fp8
+from kiln.kernels.fp4 import e2m1_decode, e2m1_encode
+from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, e8m0_to_float32, mxfp4_block_scales, mxfp4_quantize
+from kiln.kernels.nvfp4 import (
     NVFP4_BLOCK_SIZE,
     nvfp4_block_scales,
     nvfp4_global_scale,

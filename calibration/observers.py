@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.errors import KilnError
+from kiln.kernels.errors import KilnError
 
 
 class InputObserver:

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calibration.grids import Scales, WeightLayout
-from kernels import fp8
-from kernels.fp4 import E2M1_MAX
+from kiln.calibration.grids import Scales, WeightLayout
+from kiln.kernels import fp8
+from kiln.kernels.fp4 import E2M1_MAX
 
 NVFP4_CODE_OFFSETS = (0, -1, 1, 2, 3, 4, 5, 6)  # e4m3 code steps from the absmax code; 4/6 is ~4.7 steps
 MXFP4_EXPONENT_OFFSETS = (0, 1, -1)
@@ -58,7 +58,7 @@ def mse_scales(layout: WeightLayout, w: Tensor, importance: Tensor | None = None
         codes = base.stored["weight_scale"].to(torch.int16)
         offsets = torch.tensor(MXFP4_EXPONENT_OFFSETS, dtype=torch.int16)
         cand = (codes.unsqueeze(-1) + offsets).clamp(0, 254).to(torch.uint8)  # [N, blocks, C]
-        from kernels.mxfp4 import e8m0_to_float32
+        from kiln.kernels.mxfp4 import e8m0_to_float32
 
         best = _argmin(block_errors(layout, w, e8m0_to_float32(cand), importance))
         return layout.mxfp4_scales(cand.gather(-1, best.unsqueeze(-1)).squeeze(-1))

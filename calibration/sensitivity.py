@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kernels.errors import KilnError
+from kiln.kernels.errors import KilnError
 
 DEFAULT_MAX_STATES = 200_000
 

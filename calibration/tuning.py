@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from calibration.grids import Scales, WeightLayout
+from kiln.calibration.grids import Scales, WeightLayout
 
 
 def ste_round(layout: WeightLayout, v: Tensor, multiplier: Tensor) -> Tensor:

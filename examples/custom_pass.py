@@ -10,9 +10,9 @@ from typing import ClassVar
 
 import torch
 
-from kernels.errors import KilnError
-from passes.base import Pass, PassContext, PassResult
-from passes.graph import ModelGraph
+from kiln.kernels.errors import KilnError
+from kiln.passes.base import Pass, PassContext, PassResult
+from kiln.passes.graph import ModelGraph
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,10 @@ class RoundNorms(Pass):
 
 
 if __name__ == "__main__":
-    from optimizer.build import build
-    from optimizer.defaults import default_checkpoint, default_data
-    from optimizer.recipes import Recipe
-    from passes.mixed_precision import WeightQuantization
+    from kiln.optimizer.build import build
+    from kiln.optimizer.defaults import default_checkpoint, default_data
+    from kiln.optimizer.recipes import Recipe
+    from kiln.passes.mixed_precision import WeightQuantization
 
     checkpoint, message = default_checkpoint()
     print(message)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from optimizer.defaults import generated_checkpoint, shared_dir
+from kiln.optimizer.defaults import generated_checkpoint, shared_dir
 from tests.tiny_models import TINY_CONFIGS, make_tiny_checkpoint
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
@@ -52,7 +52,7 @@ def write_fp8_block_deepseek(path: Path, block_size: tuple[int, int] = FP8_BLOCK
     import torch
     from safetensors.torch import load_file, save_file
 
-    from kernels.fp8 import fp8_quantize_blocks
+    from kiln.kernels.fp8 import fp8_quantize_blocks
 
     make_tiny_checkpoint("deepseek_v3", path, seed, overrides)
     tensors = load_file(str(path / "model.safetensors"))

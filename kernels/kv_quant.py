@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.fp4 import e2m1_decode
-from kernels.fp8 import E4M3_MAX, FP8_DTYPE
-from kernels.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_quantize
+from kiln.kernels.fp4 import e2m1_decode
+from kiln.kernels.fp8 import E4M3_MAX, FP8_DTYPE
+from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_quantize
 
 KV_FP8_SCALINGS = ("per_tensor", "per_head", "dynamic")
 """How FP8 KV scales are chosen: one calibrated scale per tensor or per KV head, or one per token."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.fp4 import (
+from kiln.kernels.fp4 import (
     abs_max,
     blocks_of,
     check_finite_amax,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.fp4 import (
+from kiln.kernels.fp4 import (
     E2M1_MAX,
     abs_max,
     blocks_of,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.errors import KilnError
+from kiln.kernels.errors import KilnError
 
 
 @dataclass(frozen=True)

@@ -7,23 +7,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from calibration.data import DEFAULT_PARAGRAPHS, load_token_lists
-from kernels.errors import BelowFloor, KilnError
-from kernels.targets import get_target
-from optimizer.calibrate import KvCapture
-from optimizer.calibrator import RuntimeCalibrator
-from optimizer.defaults import default_data
-from optimizer.gate import AccuracyGate, check_floor, engine_from_graph
-from optimizer.loader import load_checkpoint
-from optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, write_artifact
-from optimizer.output_dir import check_output
-from optimizer.recipes import Recipe, resolve_recipe
-from optimizer.report import render_report
-from optimizer.sensitivity import LogitKl, precision_files
-from passes.base import PassContext, PassRecord, Pipeline
-from passes.graph import ModelGraph
-from runtime.engine import load_tokenizer
-from runtime.kv_budget import kv_budget
+from kiln.calibration.data import DEFAULT_PARAGRAPHS, load_token_lists
+from kiln.kernels.errors import BelowFloor, KilnError
+from kiln.kernels.targets import get_target
+from kiln.optimizer.calibrate import KvCapture
+from kiln.optimizer.calibrator import RuntimeCalibrator
+from kiln.optimizer.defaults import default_data
+from kiln.optimizer.gate import AccuracyGate, check_floor, engine_from_graph
+from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, write_artifact
+from kiln.optimizer.output_dir import check_output
+from kiln.optimizer.recipes import Recipe, resolve_recipe
+from kiln.optimizer.report import render_report
+from kiln.optimizer.sensitivity import LogitKl, precision_files
+from kiln.passes.base import PassContext, PassRecord, Pipeline
+from kiln.passes.graph import ModelGraph
+from kiln.runtime.engine import load_tokenizer
+from kiln.runtime.kv_budget import kv_budget
 
 
 class StrictRevert(BelowFloor):

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.errors import KilnError
-from optimizer.calibrator import RuntimeCalibrationSession
-from optimizer.lower import lower_tensors
-from passes.graph import ModelGraph
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.calibrator import RuntimeCalibrationSession
+from kiln.optimizer.lower import lower_tensors
+from kiln.passes.graph import ModelGraph
 
 
 class _RecordingCache:
@@ -42,7 +42,7 @@ class KvCapture:
 
     @torch.inference_mode()
     def __call__(self, graph: ModelGraph) -> dict[int, tuple[torch.Tensor, ...]]:
-        from runtime.model import Transformer
+        from kiln.runtime.model import Transformer
 
         tensors, formats = lower_tensors(graph)
         model = Transformer(graph.spec, tensors, formats).eval()

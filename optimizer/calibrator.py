@@ -31,10 +31,10 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.errors import KilnError
-from optimizer.lower import lower_tensors
-from passes.graph import ModelGraph
-from runtime.model import (
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.lower import lower_tensors
+from kiln.passes.graph import ModelGraph
+from kiln.runtime.model import (
     Block,
     DenseMlp,
     GqaAttention,

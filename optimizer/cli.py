@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from kernels.errors import BelowFloor, KilnError
+from kiln.kernels.errors import BelowFloor, KilnError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Kiln: optimize a Hugging Face causal LM into an engine artifact for Hopper or Blackwell.")
@@ -125,9 +125,9 @@ def build(
                                                      "weights and scales")] = None,
 ) -> None:
     """Optimize CHECKPOINT with RECIPE for TARGET and write an engine artifact."""
-    from optimizer.build import build as run_build
-    from optimizer.defaults import default_checkpoint
-    from optimizer.report import human_bytes
+    from kiln.optimizer.build import build as run_build
+    from kiln.optimizer.defaults import default_checkpoint
+    from kiln.optimizer.report import human_bytes
 
     if checkpoint is None:
         path, message = default_checkpoint()
@@ -151,7 +151,7 @@ def build(
     sizes.add_row("artifact", str(result.weight_bytes), human_bytes(result.weight_bytes))
     sizes.add_row("ratio", f"{result.weight_bytes / src:.3f}", "")
     out.print(sizes)
-    from optimizer.kv_report import kv_tables
+    from kiln.optimizer.kv_report import kv_tables
 
     for kv_table in kv_tables(manifest["kv_budget"]):
         out.print(kv_table)
@@ -220,7 +220,7 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Per-layer formats, sizes and gate figures of an artifact."""
-    from runtime.artifact import read_manifest
+    from kiln.runtime.artifact import read_manifest
 
     manifest = read_manifest(artifact)
     layers = {name: e["format"] + (f"+{e['activation']}" if e.get("activation", "none") != "none" else "")
@@ -237,7 +237,7 @@ def inspect(
         "passes": [{"name": p["name"], "decision": p["decision"], "gate": p["gate"]} for p in manifest["passes"]],
         "architecture": _architecture_summary(manifest["architecture"]),
     }
-    from optimizer.kv_report import artifact_kv_budget, kv_tables
+    from kiln.optimizer.kv_report import artifact_kv_budget, kv_tables
 
     kv = manifest.get("kv_budget") or artifact_kv_budget(artifact, manifest)
     summary["kv_bytes_per_token"] = kv["kv_bytes_per_token"]
@@ -246,7 +246,7 @@ def inspect(
     if as_json:
         print(json.dumps(summary, indent=2))
         return
-    from optimizer.report import human_bytes
+    from kiln.optimizer.report import human_bytes
 
     table = Table(title=f"{artifact}: {manifest['source']['model_type']} for {manifest['target']}")
     table.add_column("module")
@@ -268,9 +268,9 @@ def inspect(
 
 
 def _score_artifact(artifact: Path, data: Path, paragraphs: int):
-    import runtime
-    from calibration.data import load_token_lists
-    from optimizer.gate import score
+    from kiln import runtime
+    from kiln.calibration.data import load_token_lists
+    from kiln.optimizer.gate import score
 
     engine = runtime.load(artifact)
     tokens = load_token_lists(engine._tokenizer(), data, paragraphs, log=_log)
@@ -305,7 +305,7 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="sampling seed")] = None,
 ) -> None:
     """Generate text from an artifact with the slim runtime."""
-    import runtime
+    from kiln import runtime
 
     if temperature < 0:
         raise KilnError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -326,13 +326,13 @@ def gate(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """CI gate: exit 1 when the artifact's recovery against BASELINE falls below --min-recovery."""
-    from optimizer.gate import check_floor
+    from kiln.optimizer.gate import check_floor
 
     check_floor(min_recovery)
-    import runtime
-    from calibration.data import load_token_lists
-    from optimizer.gate import AccuracyGate, check_baseline, engine_from_graph
-    from optimizer.loader import load_checkpoint
+    from kiln import runtime
+    from kiln.calibration.data import load_token_lists
+    from kiln.optimizer.gate import AccuracyGate, check_baseline, engine_from_graph
+    from kiln.optimizer.loader import load_checkpoint
 
     engine = runtime.load(artifact)
     source = load_checkpoint(baseline, log=_log)
@@ -383,7 +383,7 @@ def export_(
     overwrite: Annotated[bool, typer.Option(help="replace an earlier Kiln export there")] = False,
 ) -> None:
     """Export an artifact as a quantized Hugging Face checkpoint for the big serving engines."""
-    from optimizer.export import export, export_summary
+    from kiln.optimizer.export import export, export_summary
 
     out.print(export_summary(export(artifact, fmt, output, overwrite), fmt))
 

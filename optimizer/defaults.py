@@ -55,7 +55,7 @@ def generated_checkpoint(path: Path | None = None) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
-    from optimizer.output_dir import follow_umask
+    from kiln.optimizer.output_dir import follow_umask
 
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

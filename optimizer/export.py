@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kernels.errors import KilnError
-from optimizer.export_compressed_tensors import describe, export_compressed_tensors
-from optimizer.export_modelopt import HF_QUANT_CONFIG, export_hf_modelopt
-from optimizer.output_dir import check_output
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.export_compressed_tensors import describe, export_compressed_tensors
+from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, export_hf_modelopt
+from kiln.optimizer.output_dir import check_output
 
 FORMATS = ("compressed-tensors", "hf-modelopt")
 

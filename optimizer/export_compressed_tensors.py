@@ -67,12 +67,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.errors import KilnError
-from optimizer import __version__
-from optimizer.export_modelopt import COPIED_FILES, NVFP4_GROUP_SIZE, kv_algo
-from optimizer.output_dir import atomic_directory, check_output, mark_export
-from runtime.artifact import MANIFEST, WEIGHTS, read_manifest
-from runtime.spec import spec_from_json
+from kiln.kernels.errors import KilnError
+from kiln.optimizer import __version__
+from kiln.optimizer.export_modelopt import COPIED_FILES, NVFP4_GROUP_SIZE, kv_algo
+from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
+from kiln.runtime.artifact import MANIFEST, WEIGHTS, read_manifest
+from kiln.runtime.spec import spec_from_json
 
 QUANT_METHOD = "compressed-tensors"
 MXFP4_GROUP_SIZE = 32
@@ -337,7 +337,7 @@ def scheme_of(name: str, quant: Mapping) -> Mapping | None:
 
 
 def _decode_fp4(packed: torch.Tensor, block_scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    from kernels.fp4 import e2m1_decode, unpack_fp4
+    from kiln.kernels.fp4 import e2m1_decode, unpack_fp4
 
     values = e2m1_decode(unpack_fp4(packed))  # [N, K]
     blocks = values.reshape(values.shape[0], -1, group_size)
@@ -355,14 +355,14 @@ def dequantize_linear(name: str, group: Mapping | None, tensors: Mapping[str, to
         return need("weight").float()
     weights, fmt = group["weights"], group.get("format")
     if weights["num_bits"] == 8 and weights["type"] == "float" and weights["strategy"] in ("tensor", "channel"):
-        from kernels import fp8
+        from kiln.kernels import fp8
 
         return fp8.fp8_dequantize(need("weight"), need("weight_scale").float())
     if weights["num_bits"] == 4 and weights["type"] == "float" and fmt == "nvfp4-pack-quantized":
         scale = need("weight_scale").float() / need("weight_global_scale").float()  # a divisor, not a factor
         return _decode_fp4(need("weight_packed"), scale, int(weights["group_size"]))
     if weights["num_bits"] == 4 and weights["type"] == "float" and fmt == "mxfp4-pack-quantized":
-        from kernels.mxfp4 import e8m0_to_float32
+        from kiln.kernels.mxfp4 import e8m0_to_float32
 
         scale = e8m0_to_float32(need("weight_scale"))  # 2^(e - 127), exactly
         return _decode_fp4(need("weight_packed"), scale, int(weights["group_size"]))
@@ -373,7 +373,7 @@ def dequantize_compressed_tensors(path: Path | str) -> dict[str, torch.Tensor]:
     """fp32 weight of every linear of a compressed-tensors checkpoint, decoded with compressed-tensors'
     arithmetic: the scheme from config.json's quantization_config (ignore, then targets), FP8 as q * scale,
     NVFP4 as e2m1 * (weight_scale / weight_global_scale), MXFP4 as e2m1 * 2^(e - 127)."""
-    from optimizer.loader_config import build_spec
+    from kiln.optimizer.loader_config import build_spec
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
@@ -395,7 +395,7 @@ def dequantize_compressed_tensors(path: Path | str) -> dict[str, torch.Tensor]:
 
 def verify_compressed_tensors(path: Path, artifact: Path) -> None:
     """The export must decode to the artifact's weights (see the module docstring for NVFP4's global scale)."""
-    from runtime.weights import dequantize_weight
+    from kiln.runtime.weights import dequantize_weight
 
     manifest = json.loads((artifact / MANIFEST).read_text())
     spec = spec_from_json(manifest["architecture"])

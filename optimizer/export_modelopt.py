@@ -39,12 +39,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels import fp8
-from kernels.errors import KilnError
-from optimizer import __version__
-from optimizer.output_dir import atomic_directory, check_output, mark_export
-from runtime.artifact import MANIFEST, WEIGHTS, read_manifest
-from runtime.spec import spec_from_json
+from kiln.kernels import fp8
+from kiln.kernels.errors import KilnError
+from kiln.optimizer import __version__
+from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
+from kiln.runtime.artifact import MANIFEST, WEIGHTS, read_manifest
+from kiln.runtime.spec import spec_from_json
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 NVFP4_GROUP_SIZE = 16
@@ -257,8 +257,8 @@ def dequantize_modelopt_linear(name: str, algo: str, tensors: Mapping[str, torch
                                in_features: int) -> torch.Tensor:
     """fp32 weight of one linear stored with ModelOpt quant_algo `algo` (in_features: the true K; block formats
     pad it)."""
-    from kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
-    from kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
+    from kiln.kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
+    from kiln.kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
 
     if algo in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):
         scale = tensors[f"{name}.weight_scale"].float()
@@ -275,7 +275,7 @@ def dequantize_modelopt_linear(name: str, algo: str, tensors: Mapping[str, torch
 def dequantize_hf_modelopt(path: Path | str) -> dict[str, torch.Tensor]:
     """fp32 weight of every linear of an hf-modelopt checkpoint, read the way a serving engine reads it:
     the algorithm from hf_quant_config.json, the true in_features from config.json (block formats pad K)."""
-    from optimizer.loader_config import build_spec
+    from kiln.optimizer.loader_config import build_spec
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
@@ -302,7 +302,7 @@ def dequantize_hf_modelopt(path: Path | str) -> dict[str, torch.Tensor]:
 
 def verify_export(path: Path, artifact: Path) -> None:
     """The export, dequantized as a serving engine would, must equal the artifact's weights bit for bit."""
-    from runtime.weights import dequantize_weight
+    from kiln.runtime.weights import dequantize_weight
 
     manifest = json.loads((artifact / MANIFEST).read_text())
     spec = spec_from_json(manifest["architecture"])

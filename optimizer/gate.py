@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.errors import KilnError
-from optimizer.lower import kv_cache_table, lower_tensors, roundtrip
-from passes.base import GateResult, MetricResult, PassMetric
-from passes.graph import ModelGraph
-from runtime.engine import Engine
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.lower import kv_cache_table, lower_tensors, roundtrip
+from kiln.passes.base import GateResult, MetricResult, PassMetric
+from kiln.passes.graph import ModelGraph
+from kiln.runtime.engine import Engine
 
 MAX_FLOOR = 1.5
 

@@ -14,8 +14,8 @@ from rich.table import Table
 def artifact_kv_budget(artifact: Path, manifest: dict) -> dict:
     """The budget of an artifact from its manifest (architecture, KV table and stored weight bytes).
     `optimize inspect` reads the manifest's own "kv_budget" when present, so it never imports torch."""
-    from runtime.kv_budget import kv_budget
-    from runtime.spec import spec_from_json
+    from kiln.runtime.kv_budget import kv_budget
+    from kiln.runtime.spec import spec_from_json
 
     sizes = manifest["sizes"]
     return kv_budget(spec_from_json(manifest["architecture"]), manifest.get("kv_cache"), sizes["weight_bytes"],

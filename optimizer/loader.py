@@ -21,12 +21,12 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.errors import KilnError
-from optimizer import prequantized
-from optimizer.loader_config import build_spec, check_config
-from passes.graph import ModelGraph, Source
-from runtime.artifact import MANIFEST, read_json, sha256_file
-from runtime.spec import ModelSpec
+from kiln.kernels.errors import KilnError
+from kiln.optimizer import prequantized
+from kiln.optimizer.loader_config import build_spec, check_config
+from kiln.passes.graph import ModelGraph, Source
+from kiln.runtime.artifact import MANIFEST, read_json, sha256_file
+from kiln.runtime.spec import ModelSpec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -12,8 +12,8 @@ import json
 import math
 from collections.abc import Collection
 
-from kernels.errors import KilnError
-from runtime.spec import (
+from kiln.kernels.errors import KilnError
+from kiln.runtime.spec import (
     AttentionSpec,
     ExtraModuleSpec,
     LayerSpec,

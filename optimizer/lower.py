@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save, save_file
 
-from kernels.errors import KilnError
-from optimizer import __version__
-from optimizer.output_dir import atomic_directory
-from passes.graph import ModelGraph
-from runtime.artifact import MANIFEST, SCHEMA_VERSION, WEIGHTS, sha256_file, validate_manifest
+from kiln.kernels.errors import KilnError
+from kiln.optimizer import __version__
+from kiln.optimizer.output_dir import atomic_directory
+from kiln.passes.graph import ModelGraph
+from kiln.runtime.artifact import MANIFEST, SCHEMA_VERSION, WEIGHTS, sha256_file, validate_manifest
 
 
 def lower_tensors(graph: ModelGraph) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from kernels.errors import KilnError
+from kiln.kernels.errors import KilnError
 
 EXPORT_MARKER = "kiln_export.json"
 """Written into every export so that a later --overwrite recognises the directory as Kiln's."""
@@ -36,7 +36,7 @@ def is_kiln_output(path: Path) -> bool:
 
 def mark_export(directory: Path, artifact: Path | str, fmt: str) -> None:
     """Write the export marker: provenance for the reader, ownership for a later --overwrite."""
-    from optimizer import __version__
+    from kiln.optimizer import __version__
 
     record = {"kiln_version": __version__, "format": fmt, "artifact": str(artifact)}
     manifest = Path(artifact) / "manifest.json"

@@ -50,8 +50,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kernels import fp8
-from kernels.errors import KilnError
+from kiln.kernels import fp8
+from kiln.kernels.errors import KilnError
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 OUT_DTYPE = torch.float32
@@ -368,13 +368,13 @@ def _packed_k(method: str, module: str, info: Any, shapes: Mapping[str, tuple[in
 
 
 def _modelopt_decode(module: str, algo: str, in_features: int, t: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    from optimizer.export_modelopt import dequantize_modelopt_linear
+    from kiln.optimizer.export_modelopt import dequantize_modelopt_linear
 
     return dequantize_modelopt_linear(module, algo, t, in_features)
 
 
 def _plan_modelopt(q: Mapping, header: Mapping[str, Any], shapes: Mapping[str, tuple[int, int]]) -> Plan:
-    from optimizer.export_modelopt import MODELOPT_TENSORS, modelopt_linear_algo
+    from kiln.optimizer.export_modelopt import MODELOPT_TENSORS, modelopt_linear_algo
 
     algo = q.get("quant_algo")
     exclude = [p for p in q.get("exclude_modules") or [] if isinstance(p, str)]
@@ -417,7 +417,7 @@ def _ct_decode(module: str, group: Mapping, t: Mapping[str, torch.Tensor]) -> to
     if weights.get("strategy") == "block":
         return fp8.fp8_block_dequantize(t[f"{module}.weight"], t[f"{module}.weight_scale"],
                                         tuple(weights["block_structure"]))
-    from optimizer.export_compressed_tensors import dequantize_linear
+    from kiln.optimizer.export_compressed_tensors import dequantize_linear
 
     out = dequantize_linear(module, group, t)
     stored = t.get(f"{module}.weight_shape")  # compressed-tensors' packed formats may record [N, K]
@@ -427,7 +427,7 @@ def _ct_decode(module: str, group: Mapping, t: Mapping[str, torch.Tensor]) -> to
 
 
 def _plan_ct(quant: Mapping, header: Mapping[str, Any], shapes: Mapping[str, tuple[int, int]]) -> Plan:
-    from optimizer.export_compressed_tensors import scheme_of
+    from kiln.optimizer.export_compressed_tensors import scheme_of
 
     method = "compressed-tensors"
     view = {**quant, "config_groups": _ct_groups(quant)}

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import yaml
 
-from kernels.errors import KilnError
-from passes.base import Pass
-from passes.kv_cache import KvCacheQuantization
-from passes.mixed_precision import WeightQuantization
-from passes.mixed_precision_auto import AutoPrecision, ProductionPrecision
+from kiln.kernels.errors import KilnError
+from kiln.passes.base import Pass
+from kiln.passes.kv_cache import KvCacheQuantization
+from kiln.passes.mixed_precision import WeightQuantization
+from kiln.passes.mixed_precision_auto import AutoPrecision, ProductionPrecision
 
 BUILTIN_PASSES: dict[str, type[Pass]] = {
     WeightQuantization.name: WeightQuantization,
@@ -198,7 +198,7 @@ def _import_pass(ref: str, base_dir: Path | None) -> type[Pass]:
         detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
         raise KilnError(f"cannot import custom pass module {_r(module_name)}: {_clip(detail, 150)}") from None
     if not (isinstance(cls, type) and issubclass(cls, Pass) and dataclasses.is_dataclass(cls)):
-        raise KilnError(f"{_r(ref)} is not a Pass dataclass (subclass passes.base.Pass, decorate with @dataclass)")
+        raise KilnError(f"{_r(ref)} is not a Pass dataclass (subclass kiln.passes.base.Pass, decorate with @dataclass)")
     return cls
 
 

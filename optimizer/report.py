@@ -64,11 +64,11 @@ def render_report(manifest: dict) -> str:
         lines += [f"| {name} | {m['name']} | {m['value']:.6g} | {'≥' if m['higher_is_better'] else '≤'} "
                   f"{m['floor']:g} | {m['passed']} |" for name, m in checks]
     if manifest.get("kv_budget"):
-        from optimizer.kv_report import kv_markdown
+        from kiln.optimizer.kv_report import kv_markdown
 
         lines += ["", *kv_markdown(manifest["kv_budget"])]
     if manifest.get("precision"):
-        from optimizer.sensitivity import precision_markdown
+        from kiln.optimizer.sensitivity import precision_markdown
 
         lines += ["", *precision_markdown(manifest["precision"])]
     lines += ["", "## Formats", "", "| format | linears |", "|---|---:|"]

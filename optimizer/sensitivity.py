@@ -16,12 +16,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from calibration.sensitivity import SensitivityTable
-from kernels.errors import KilnError
-from optimizer.gate import engine_from_graph, log_probs
-from optimizer.lower import kv_cache_table, lower_tensors, roundtrip
-from passes.graph import ModelGraph
-from runtime.engine import Engine
+from kiln.calibration.sensitivity import SensitivityTable
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.gate import engine_from_graph, log_probs
+from kiln.optimizer.lower import kv_cache_table, lower_tensors, roundtrip
+from kiln.passes.graph import ModelGraph
+from kiln.runtime.engine import Engine
 
 
 class LogitKl:

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from kernels.errors import KilnError
-from kernels.targets import Target
-from passes.graph import ModelGraph
+from kiln.kernels.errors import KilnError
+from kiln.kernels.targets import Target
+from kiln.passes.graph import ModelGraph
 
 
 @dataclass

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.spec import LayerSpec, ModelSpec
+from kiln.runtime.spec import LayerSpec, ModelSpec
 
 ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "k_down", "k_up", "v_down", "v_up", "gate", "up", "down",
          "expert", "router", "lm_head")

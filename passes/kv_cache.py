@@ -30,14 +30,14 @@ from typing import ClassVar
 
 import torch
 
-from kernels.errors import KilnError
-from kernels.fp8 import E4M3_MAX
-from kernels.kv_quant import KV_FP8_SCALINGS, kv_fake_quantize, nvfp4_kv_global_scale
-from kernels.nvfp4 import NVFP4_BLOCK_SIZE
-from kernels.targets import Target
-from passes.base import Pass, PassContext, PassResult
-from passes.graph import ModelGraph
-from runtime.spec import AttentionSpec
+from kiln.kernels.errors import KilnError
+from kiln.kernels.fp8 import E4M3_MAX
+from kiln.kernels.kv_quant import KV_FP8_SCALINGS, kv_fake_quantize, nvfp4_kv_global_scale
+from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from kiln.kernels.targets import Target
+from kiln.passes.base import Pass, PassContext, PassResult
+from kiln.passes.graph import ModelGraph
+from kiln.runtime.spec import AttentionSpec
 
 KV_FORMATS = ("fp8", "nvfp4")
 

@@ -42,18 +42,18 @@ from typing import ClassVar
 
 import torch
 
-from calibration.awq import awq_search
-from calibration.gptq import gptq_quantize
-from calibration.grids import WeightLayout
-from calibration.observers import InputObserver
-from calibration.scale_search import mse_scales
-from calibration.tuning import FakeQuantWeight, tune
-from kernels import fp8
-from kernels.errors import KilnError
-from kernels.rotation import block_hadamard
-from kernels.targets import Target
-from passes.base import CalibrationSession, Pass, PassContext, PassResult
-from passes.graph import Linear, ModelGraph, QuantizedWeight
+from kiln.calibration.awq import awq_search
+from kiln.calibration.gptq import gptq_quantize
+from kiln.calibration.grids import WeightLayout
+from kiln.calibration.observers import InputObserver
+from kiln.calibration.scale_search import mse_scales
+from kiln.calibration.tuning import FakeQuantWeight, tune
+from kiln.kernels import fp8
+from kiln.kernels.errors import KilnError
+from kiln.kernels.rotation import block_hadamard
+from kiln.kernels.targets import Target
+from kiln.passes.base import CalibrationSession, Pass, PassContext, PassResult
+from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 
 WEIGHT_FORMATS = ("fp8", "nvfp4", "mxfp4")
 ACTIVATION_MODES = ("none", "dynamic", "static")
@@ -103,11 +103,11 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
                 q, scale = fp8.fp8_quantize_per_tensor(w)
             tensors = {"weight": q, "weight_scale": scale}
         elif fmt == "nvfp4":
-            from kernels.nvfp4 import nvfp4_quantize
+            from kiln.kernels.nvfp4 import nvfp4_quantize
 
             tensors = nvfp4_quantize(w, global_scale=global_scale).tensors()
         elif fmt == "mxfp4":
-            from kernels.mxfp4 import mxfp4_quantize
+            from kiln.kernels.mxfp4 import mxfp4_quantize
 
             tensors = mxfp4_quantize(w).tensors()
         else:
@@ -137,12 +137,12 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     if qw.format == "fp8_e4m3":
         return fp8.fp8_dequantize(qw.tensors["weight"], qw.tensors["weight_scale"])
     if qw.format == "nvfp4":
-        from kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
+        from kiln.kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
 
         weight = {k: v for k, v in qw.tensors.items() if k != "input_scale"}
         return nvfp4_dequantize(Nvfp4Weight.from_tensors(weight, in_features=qw.in_features))
     if qw.format == "mxfp4":
-        from kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
+        from kiln.kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
 
         return mxfp4_dequantize(Mxfp4Weight.from_tensors(qw.tensors, in_features=qw.in_features))
     raise KilnError(f"unknown stored format {qw.format!r}")
@@ -210,10 +210,10 @@ def activation_fake_quantizer(fmt: str, mode: str) -> Callable[[torch.Tensor], t
             return fp8.fp8_fake_quantize_per_token
         return lambda x: fp8.fp8_fake_quantize_per_tensor(x, _safe(x.abs().amax() / fp8.E4M3_MAX))
     if fmt == "nvfp4":
-        from kernels.nvfp4 import nvfp4_fake_quantize
+        from kiln.kernels.nvfp4 import nvfp4_fake_quantize
 
         return nvfp4_fake_quantize
-    from kernels.mxfp4 import mxfp4_fake_quantize
+    from kiln.kernels.mxfp4 import mxfp4_fake_quantize
 
     return mxfp4_fake_quantize
 
@@ -222,7 +222,7 @@ def static_input_scale(fmt: str, absmax: torch.Tensor) -> torch.Tensor:
     """The stored per-tensor activation scale for a calibrated input maximum."""
     if fmt == "fp8":
         return _safe(absmax.float() / fp8.E4M3_MAX)
-    from kernels.nvfp4 import E2M1_MAX, E4M3_MAX
+    from kiln.kernels.nvfp4 import E2M1_MAX, E4M3_MAX
 
     return _safe(absmax.float() / (E2M1_MAX * E4M3_MAX))
 
@@ -256,7 +256,7 @@ def fusion_key(lin: Linear) -> str:
 def shared_global_scales(weights: dict[str, torch.Tensor], keys: dict[str, str]) -> dict[str, torch.Tensor]:
     """NVFP4 per-tensor scale per linear: amax / (6 * 448) over every weight with the same fusion key (ModelOpt's
     export unifies fused siblings the same way)."""
-    from kernels.nvfp4 import nvfp4_global_scale
+    from kiln.kernels.nvfp4 import nvfp4_global_scale
 
     amax: dict[str, torch.Tensor] = {}
     for name, w in weights.items():

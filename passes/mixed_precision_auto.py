@@ -51,18 +51,18 @@ from typing import ClassVar
 
 import torch
 
-from calibration.gptq import gptq_quantize
-from calibration.grids import WeightLayout
-from calibration.observers import InputObserver
-from calibration.scale_search import mse_scales
-from calibration.sensitivity import Choice, SensitivityTable, cheapest_bytes, solve_assignment
-from kernels.errors import KilnError
-from kernels.mxfp4 import MXFP4_BLOCK_SIZE
-from kernels.nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK_SIZE, nvfp4_quantize
-from kernels.targets import Target
-from passes.base import Pass, PassContext, PassResult
-from passes.graph import Linear, ModelGraph, QuantizedWeight
-from passes.mixed_precision import (
+from kiln.calibration.gptq import gptq_quantize
+from kiln.calibration.grids import WeightLayout
+from kiln.calibration.observers import InputObserver
+from kiln.calibration.scale_search import mse_scales
+from kiln.calibration.sensitivity import Choice, SensitivityTable, cheapest_bytes, solve_assignment
+from kiln.kernels.errors import KilnError
+from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE
+from kiln.kernels.nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK_SIZE, nvfp4_quantize
+from kiln.kernels.targets import Target
+from kiln.passes.base import Pass, PassContext, PassResult
+from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
+from kiln.passes.mixed_precision import (
     MLP_INPUT_STAGE,
     fusion_key,
     quantize_linear_weight,

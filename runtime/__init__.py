@@ -1,6 +1,6 @@
 """Floor 2: the slim runtime. Loads an engine artifact and executes it; imports only `kernels`.
 
-    import runtime
+    from kiln import runtime
     engine = runtime.load("artifacts/s260k-fp8")
     print(engine.generate(["Once upon a time"], max_new_tokens=64)[0].text)
 
@@ -13,7 +13,7 @@ __all__ = ["Engine", "Generation", "load"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from runtime import engine
+        from kiln.runtime import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

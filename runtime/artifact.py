@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kernels.errors import KilnError
+from kiln.kernels.errors import KilnError
 
 SCHEMA_VERSION = 2  # 2: the manifest carries the architecture; 1 (before it) is refused with "rebuild"
 MANIFEST = "manifest.json"
@@ -183,7 +183,7 @@ def validate_manifest(manifest: Any, where: Path | str | None = None) -> dict:
                         "architecture); rebuild it from its checkpoint with this Kiln's `optimize build`")
     if version != SCHEMA_VERSION:
         raise KilnError(f"{s.where}artifact schema version {version}, this runtime reads version {SCHEMA_VERSION}")
-    from runtime.spec import spec_from_json
+    from kiln.runtime.spec import spec_from_json
 
     spec_from_json(s.field(manifest, "", "architecture", "object"))
     files = s.field(manifest, "", "files", "object")

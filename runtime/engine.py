@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from kernels.errors import KilnError
-from runtime.artifact import WEIGHTS, artifact_file, clip, has_tokenizer, read_manifest
-from runtime.kv_format import resolve_kv_streams
-from runtime.model import Transformer
-from runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, stored_bytes_per_token
-from runtime.spec import ModelSpec, spec_from_json
+from kiln.kernels.errors import KilnError
+from kiln.runtime.artifact import WEIGHTS, artifact_file, clip, has_tokenizer, read_manifest
+from kiln.runtime.kv_format import resolve_kv_streams
+from kiln.runtime.model import Transformer
+from kiln.runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, stored_bytes_per_token
+from kiln.runtime.spec import ModelSpec, spec_from_json
 
 
 def prefill(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:

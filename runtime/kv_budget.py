@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kernels.targets import B200, H100, H200, Device
-from runtime.kv_format import kv_bytes_per_token, resolve_kv_streams
-from runtime.spec import ModelSpec
+from kiln.kernels.targets import B200, H100, H200, Device
+from kiln.runtime.kv_format import kv_bytes_per_token, resolve_kv_streams
+from kiln.runtime.spec import ModelSpec
 
 ACTIVATION_RESERVE_FRACTION = 0.10
 CONTEXTS = (4096, 32768)

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.errors import KilnError
-from kernels.kv_quant import KV_FP8_SCALINGS
-from kernels.nvfp4 import NVFP4_BLOCK_SIZE
-from runtime.spec import AttentionSpec, ModelSpec
+from kiln.kernels.errors import KilnError
+from kiln.kernels.kv_quant import KV_FP8_SCALINGS
+from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from kiln.runtime.spec import AttentionSpec, ModelSpec
 
 KV_FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
 KV_SCALINGS = {"bf16": ("none",), "fp8_e4m3": KV_FP8_SCALINGS, "nvfp4": ("e4m3_block16",)}

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.spec import AttentionSpec, LinearSpec, MlpSpec, ModelSpec, RotarySpec
-from runtime.weights import (
+from kiln.runtime.spec import AttentionSpec, LinearSpec, MlpSpec, ModelSpec, RotarySpec
+from kiln.runtime.weights import (
     check_dtype,
     check_finite,
     check_format,

@@ -27,16 +27,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.errors import KilnError
-from kernels.kv_quant import (
+from kiln.kernels.errors import KilnError
+from kiln.kernels.kv_quant import (
     fp8_kv_dequantize,
     fp8_kv_quantize,
     fp8_kv_quantize_per_token,
     nvfp4_kv_dequantize,
     nvfp4_kv_quantize,
 )
-from kernels.nvfp4 import NVFP4_BLOCK_SIZE
-from runtime.kv_format import KvStream
+from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from kiln.runtime.kv_format import KvStream
 
 DEFAULT_BLOCK_SIZE = 16
 

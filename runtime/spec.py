@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kernels.errors import KilnError
+from kiln.kernels.errors import KilnError
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import fp8
-from kernels.errors import KilnError
-from runtime.artifact import clip
+from kiln.kernels import fp8
+from kiln.kernels.errors import KilnError
+from kiln.runtime.artifact import clip
 
 WEIGHT_FORMATS = ("dense", "fp8_e4m3", "nvfp4", "mxfp4")
 ACTIVATION_FORMATS = ("none", "fp8_dynamic_per_token", "fp8_static_per_tensor", "nvfp4", "mxfp4")
@@ -129,7 +129,7 @@ def dequantize_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.T
             check_shape(f"{module}.weight_scale", scale, (), (1,), (w.shape[0] if out is None else out, 1))
             result = fp8.fp8_dequantize(w, scale)
         elif fmt == "nvfp4":
-            from kernels.nvfp4 import NVFP4_BLOCK_SIZE, Nvfp4Weight, nvfp4_dequantize, padded_in_features
+            from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE, Nvfp4Weight, nvfp4_dequantize, padded_in_features
 
             in_features = _in_features(module, entry, fmt, shape)
             names = ("weight", "weight_scale", "weight_scale_2")
@@ -143,7 +143,7 @@ def dequantize_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.T
                                          in_features=in_features)
             result = nvfp4_dequantize(q)
         else:  # mxfp4
-            from kernels.mxfp4 import MXFP4_BLOCK_SIZE, Mxfp4Weight, mxfp4_dequantize, padded_in_features
+            from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, Mxfp4Weight, mxfp4_dequantize, padded_in_features
 
             in_features = _in_features(module, entry, fmt, shape)
             if shape is not None:
@@ -187,12 +187,12 @@ def activation_quantizer(
         scale = _input_scale(module, tensors, required=True).float()
         return lambda x: fp8.fp8_fake_quantize_per_tensor(x, scale)
     if act == "nvfp4":
-        from kernels.nvfp4 import nvfp4_fake_quantize
+        from kiln.kernels.nvfp4 import nvfp4_fake_quantize
 
         global_scale = _input_scale(module, tensors, required=False)
         return lambda x: nvfp4_fake_quantize(x, global_scale)
     if act == "mxfp4":
-        from kernels.mxfp4 import mxfp4_fake_quantize
+        from kiln.kernels.mxfp4 import mxfp4_fake_quantize
 
         return mxfp4_fake_quantize
     raise KilnError(f"{clip(module)}: unknown activation format {clip(repr(act), 40)}; "
@@ -210,7 +210,7 @@ class InputTransform:
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         if not self.rotation_block:
             return x
-        from kernels.rotation import block_hadamard
+        from kiln.kernels.rotation import block_hadamard
 
         return block_hadamard(x, self.rotation_block)
 
@@ -226,7 +226,7 @@ def input_transform(module: str, entry: Mapping, tensors: Mapping[str, torch.Ten
     rotation = entry.get("input_rotation")
     if rotation is None:
         return None if quantize is None else InputTransform(0, quantize)
-    from kernels.rotation import ROTATION_KINDS
+    from kiln.kernels.rotation import ROTATION_KINDS
 
     if not isinstance(rotation, Mapping) or rotation.get("kind") not in ROTATION_KINDS:
         raise KilnError(f"{module}: unknown input_rotation {rotation!r}; known kinds: {', '.join(ROTATION_KINDS)}")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from optimizer.defaults import CALIBRATION_TEXT, EVALUATION_TEXT, PROJECT_ROOT, STORIES260K
+from kiln.optimizer.defaults import CALIBRATION_TEXT, EVALUATION_TEXT, PROJECT_ROOT, STORIES260K
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -31,7 +31,7 @@ def tiny_checkpoints(tmp_path_factory):
 @pytest.fixture
 def stories_graph():
     """A fresh graph of the real model (1 MB; tests may rewrite it)."""
-    from optimizer.loader import load_checkpoint
+    from kiln.optimizer.loader import load_checkpoint
 
     if not (STORIES / "config.json").is_file():
         pytest.skip("../shared/models absent")
@@ -41,7 +41,7 @@ def stories_graph():
 @pytest.fixture(scope="session")
 def generated_checkpoint(tmp_path_factory):
     """The embedded fallback checkpoint (random Llama with a real tokenizer): usable without ../shared."""
-    from optimizer.defaults import generated_checkpoint as make
+    from kiln.optimizer.defaults import generated_checkpoint as make
 
     return make(tmp_path_factory.mktemp("generated") / "ckpt")
 
@@ -51,7 +51,7 @@ def cli(capsys, monkeypatch):
     """Run `optimize ARGS...` in-process; returns (exit code, stdout, stderr)."""
     import sys
 
-    from optimizer.cli import main
+    from kiln.optimizer.cli import main
 
     def run(*args: str) -> tuple[int, str, str]:
         monkeypatch.setattr(sys, "argv", ["optimize", *map(str, args)])

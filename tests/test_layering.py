@@ -21,7 +21,7 @@ ALLOWED = {
 }
 
 
-SHARED_IR = "runtime.spec"
+SHARED_IR = "kiln.runtime.spec"
 
 
 def _imports(path: Path) -> set[str]:
@@ -34,7 +34,11 @@ def _imports(path: Path) -> set[str]:
             modules = [node.module]
         else:
             continue
-        found |= {"spec" if m == SHARED_IR else m.split(".")[0] for m in modules}
+        # our packages install as kiln.<package>: the floor is the second component
+        found |= {"spec" if m == SHARED_IR else m.split(".")[1] for m in modules
+                  if m.startswith("kiln.") and m.count(".") >= 1}
+        bare = {m.split(".")[0] for m in modules} & OURS
+        assert not bare, f"{path.relative_to(ROOT)} imports {sorted(bare)} outside the kiln namespace"
     return found & (OURS | {"spec"})
 
 

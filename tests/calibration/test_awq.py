@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibration.awq import awq_candidate, awq_search
-from calibration.grids import WeightLayout
-from kernels.fp8 import fp8_fake_quantize_per_token
+from kiln.calibration.awq import awq_candidate, awq_search
+from kiln.calibration.grids import WeightLayout
+from kiln.kernels.fp8 import fp8_fake_quantize_per_token
 
 
 def layer(seed=0):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibration.gptq import gptq_quantize, output_error, rtn_quantize
-from calibration.grids import WeightLayout
-from calibration.scale_search import mse_scales
-from passes.mixed_precision import dequantize, quantize_linear_weight
+from kiln.calibration.gptq import gptq_quantize, output_error, rtn_quantize
+from kiln.calibration.grids import WeightLayout
+from kiln.calibration.scale_search import mse_scales
+from kiln.passes.mixed_precision import dequantize, quantize_linear_weight
 
 FORMATS = ("fp8", "nvfp4", "mxfp4")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibration.observers import InputObserver
-from kernels.errors import KilnError
+from kiln.calibration.observers import InputObserver
+from kiln.kernels.errors import KilnError
 
 
 def test_statistics_match_the_whole_batch():
@@ -72,8 +72,8 @@ def test_an_observer_without_tokens_says_why():
 
 def test_weight_quantization_names_the_linear_its_observers_watch():
     # passes.mixed_precision hands each observer its linear's name (what _awq and GPTQ read statistics from)
-    from passes.graph import Linear
-    from passes.mixed_precision import WeightQuantization
+    from kiln.passes.graph import Linear
+    from kiln.passes.mixed_precision import WeightQuantization
 
     lin = Linear("model.layers.0.mlp.down_proj", "down", 4, 4, layer=0)
 

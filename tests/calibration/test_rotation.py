@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rotation import block_hadamard, block_sizes, hadamard_matrix, rotation_matrix
+from kiln.kernels.rotation import block_hadamard, block_sizes, hadamard_matrix, rotation_matrix
 
 
 @pytest.mark.parametrize("k, block", [(64, 16), (64, 32), (172, 32), (172, 16), (12, 32), (96, 64)])

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibration.grids import WeightLayout
-from calibration.scale_search import block_errors, mse_scales
-from passes.mixed_precision import dequantize, quantize_linear_weight
+from kiln.calibration.grids import WeightLayout
+from kiln.calibration.scale_search import block_errors, mse_scales
+from kiln.passes.mixed_precision import dequantize, quantize_linear_weight
 
 CASES = [("fp8", "per_channel"), ("fp8", "per_tensor"), ("nvfp4", "per_channel"), ("mxfp4", "per_channel")]
 

@@ -8,14 +8,14 @@ import random
 
 import pytest
 
-from calibration.sensitivity import (
+from kiln.calibration.sensitivity import (
     Choice,
     SensitivityTable,
     cheapest_bytes,
     rank_correlation,
     solve_assignment,
 )
-from kernels.errors import KilnError
+from kiln.kernels.errors import KilnError
 
 
 def brute_force(choices, budget):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp4 import E2M1_VALUES
+from kiln.kernels.fp4 import E2M1_VALUES
 
 GRID = torch.tensor(E2M1_VALUES[:8])
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import fp8
+from kiln.kernels import fp8
 
 torch.set_num_threads(1)
 

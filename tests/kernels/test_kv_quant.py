@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_quant import (
+from kiln.kernels.kv_quant import (
     fp8_kv_dequantize,
     fp8_kv_quantize,
     fp8_kv_quantize_per_token,
@@ -12,7 +12,7 @@ from kernels.kv_quant import (
     nvfp4_kv_dequantize,
     nvfp4_kv_quantize,
 )
-from kernels.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+from kiln.kernels.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 
 torch.set_num_threads(1)
 

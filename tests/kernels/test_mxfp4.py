@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.fp4 import e2m1_decode, unpack_fp4
-from kernels.mxfp4 import (
+from kiln.kernels.fp4 import e2m1_decode, unpack_fp4
+from kiln.kernels.mxfp4 import (
     Mxfp4Weight,
     e8m0_to_float32,
     mxfp4_block_scales,

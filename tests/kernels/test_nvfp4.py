@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.fp4 import e2m1_decode, unpack_fp4
-from kernels.nvfp4 import (
+from kiln.kernels.fp4 import e2m1_decode, unpack_fp4
+from kiln.kernels.nvfp4 import (
     E4M3_MIN_SUBNORMAL,
     Nvfp4Weight,
     nvfp4_block_scales,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from optimizer.defaults import SAMPLE_TEXT
+from kiln.optimizer.defaults import SAMPLE_TEXT
 from tests.breakage import MESSAGES, broken_copy
 from tests.conftest import EVAL_TEXT, ROOT, STORIES, needs_stories
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from optimizer.defaults import SAMPLE_TEXT
+from kiln.optimizer.defaults import SAMPLE_TEXT
 from tests.conftest import EVAL_TEXT, ROOT, STORIES, needs_stories
 
 OPTIMIZE = shutil.which("optimize") or str(Path(sys.executable).parent / "optimize")

@@ -15,15 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kernels.errors import KilnError
-from optimizer.build import build
-from optimizer.export import export
-from optimizer.export_modelopt import HF_QUANT_CONFIG, dequantize_hf_modelopt, summarize_excluded
-from optimizer.recipes import Recipe
-from passes.mixed_precision import WeightQuantization
-from passes.mixed_precision_auto import AutoPrecision, ProductionPrecision
-from runtime.spec import spec_from_json
-from runtime.weights import dequantize_weight
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.build import build
+from kiln.optimizer.export import export
+from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, dequantize_hf_modelopt, summarize_excluded
+from kiln.optimizer.recipes import Recipe
+from kiln.passes.mixed_precision import WeightQuantization
+from kiln.passes.mixed_precision_auto import AutoPrecision, ProductionPrecision
+from kiln.runtime.spec import spec_from_json
+from kiln.runtime.weights import dequantize_weight
 from tests.precision_helpers import SAMPLE_TEXT, tiny_with_tokenizer
 
 HAS_MODELOPT = importlib.util.find_spec("modelopt") is not None
@@ -176,8 +176,8 @@ def without_producer(d: dict) -> dict:
 @pytest.mark.anchors
 @pytest.mark.skipif(not HAS_MODELOPT, reason="nvidia-modelopt is not installed (the `anchors` extra)")
 def test_export_equals_modelopts_own(llama, tmp_path, name):
-    from calibration.data import load_token_lists
-    from runtime.engine import load_tokenizer
+    from kiln.calibration.data import load_token_lists
+    from kiln.runtime.engine import load_tokenizer
 
     artifact = kiln_artifact(llama, name, tmp_path / "art")
     ours = export(artifact, "hf-modelopt", tmp_path / "ours")
@@ -213,12 +213,12 @@ def test_export_equals_modelopts_own(llama, tmp_path, name):
 def test_fp8_per_tensor_static_export_equals_modelopts_fp8(llama, tmp_path):
     """ModelOpt's FP8_DEFAULT_CFG (per-tensor weights, static per-tensor activations): no Kiln pass makes it yet,
     so the artifact is written by hand from ModelOpt's own scales; the export's layout must match."""
-    from calibration.data import load_token_lists
-    from kernels import fp8
-    from optimizer.loader import load_checkpoint
-    from optimizer.lower import write_artifact
-    from passes.graph import QuantizedWeight
-    from runtime.engine import load_tokenizer
+    from kiln.calibration.data import load_token_lists
+    from kiln.kernels import fp8
+    from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.lower import write_artifact
+    from kiln.passes.graph import QuantizedWeight
+    from kiln.runtime.engine import load_tokenizer
 
     token_lists = load_token_lists(load_tokenizer(llama), SAMPLE_TEXT, 256)
     theirs = modelopt_export(llama, "FP8_DEFAULT_CFG", tmp_path / "theirs", token_lists)
@@ -244,8 +244,8 @@ def test_fp8_per_tensor_static_export_equals_modelopts_fp8(llama, tmp_path):
 
 
 def test_export_refuses_rotations_and_quantized_kv_caches():
-    from kernels.errors import KilnError
-    from optimizer.export_modelopt import kv_algo, modelopt_algo
+    from kiln.kernels.errors import KilnError
+    from kiln.optimizer.export_modelopt import kv_algo, modelopt_algo
 
     rotated = {"format": "mxfp4", "activation": "mxfp4", "input_rotation": 16}
     with pytest.raises(KilnError, match="rotated online"):
@@ -306,7 +306,7 @@ ATTENTION = ("q", "k", "v", "o")
 @pytest.fixture(scope="module")
 def ct_exports(llama, tmp_path_factory):
     """recipe name -> (artifact, compressed-tensors export), each built on first use."""
-    from optimizer.export_compressed_tensors import export_compressed_tensors
+    from kiln.optimizer.export_compressed_tensors import export_compressed_tensors
 
     root, built = tmp_path_factory.mktemp("ct"), {}
 
@@ -323,7 +323,7 @@ def ct_exports(llama, tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CT_RECIPES))
 def test_compressed_tensors_layout_and_weights(ct_exports, name):
-    from optimizer.export_compressed_tensors import (
+    from kiln.optimizer.export_compressed_tensors import (
         NVFP4_DECODE_RTOL,
         dequantize_compressed_tensors,
         scheme_of,
@@ -404,8 +404,8 @@ def test_compressed_tensors_exports_fp8_weight_only_from_the_cli(llama, tmp_path
     build(llama, "hopper", "fp8-weights", artifact, gate=False)
     code, _, stderr = cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct")
     assert code == 0, stderr
-    from optimizer.export import export_summary
-    from optimizer.export_compressed_tensors import dequantize_compressed_tensors
+    from kiln.optimizer.export import export_summary
+    from kiln.optimizer.export_compressed_tensors import dequantize_compressed_tensors
 
     quant = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert quant["format"] == "naive-quantized" and quant["ignore"] == ["lm_head"]
@@ -423,7 +423,7 @@ def test_compressed_tensors_exports_fp8_weight_only_from_the_cli(llama, tmp_path
 @pytest.mark.parametrize("model_type, overrides", [("llama", {"tie_word_embeddings": True}), ("mixtral", {})])
 def test_compressed_tensors_tied_head_and_moe_routers(tmp_path, model_type, overrides):
     """A tied lm_head is stored once (as the embedding) and ignored; MoE routers are ignored by name."""
-    from optimizer.export_compressed_tensors import dequantize_compressed_tensors
+    from kiln.optimizer.export_compressed_tensors import dequantize_compressed_tensors
     from tests.precision_helpers import add_tokenizer
     from tests.tiny_models import make_tiny_checkpoint
 
@@ -444,7 +444,7 @@ def test_compressed_tensors_tied_head_and_moe_routers(tmp_path, model_type, over
 
 
 def test_compressed_tensors_refusals(llama, tmp_path):
-    from optimizer.export_compressed_tensors import ct_scheme, ct_schemes
+    from kiln.optimizer.export_compressed_tensors import ct_scheme, ct_schemes
 
     def refused(entry, tensors=None, match=""):
         with pytest.raises(KilnError, match=match) as err:
@@ -484,7 +484,7 @@ def test_compressed_tensors_schemes_equal_the_librarys_presets():
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    from optimizer.export_compressed_tensors import SCHEMES, Scheme
+    from kiln.optimizer.export_compressed_tensors import SCHEMES, Scheme
 
     presets = 0
     for (kind, act), (label, fmt) in SCHEMES.items():
@@ -515,7 +515,7 @@ def test_compressed_tensors_library_decompresses_to_the_artifact(ct_exports, nam
     from compressed_tensors.quantization.lifecycle.forward import dequantize
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from optimizer.export_compressed_tensors import dequantize_compressed_tensors, scheme_of
+    from kiln.optimizer.export_compressed_tensors import dequantize_compressed_tensors, scheme_of
 
     artifact, ct = ct_exports(name)
     model, info = AutoModelForCausalLM.from_pretrained(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from calibration.data import load_token_lists, read_paragraphs
-from optimizer.gate import AccuracyGate, engine_from_graph, score
-from passes.mixed_precision import WeightQuantization
-from runtime.engine import load_tokenizer
+from kiln.calibration.data import load_token_lists, read_paragraphs
+from kiln.optimizer.gate import AccuracyGate, engine_from_graph, score
+from kiln.passes.mixed_precision import WeightQuantization
+from kiln.runtime.engine import load_tokenizer
 from tests.conftest import EVAL_TEXT, STORIES, needs_stories
 
 
@@ -21,10 +21,10 @@ def test_fp32_stories260k_perplexity_matches_the_protocol_reference(stories_grap
 
 @needs_stories
 def test_gate_scores_the_stored_artifact(stories_graph, tmp_path):
-    import runtime
-    from kernels.targets import get_target
-    from optimizer.lower import write_artifact
-    from passes.base import PassContext, Pipeline
+    from kiln import runtime
+    from kiln.kernels.targets import get_target
+    from kiln.optimizer.lower import write_artifact
+    from kiln.passes.base import PassContext, Pipeline
 
     tokens = load_token_lists(load_tokenizer(STORIES), EVAL_TEXT, 40)
     gate = AccuracyGate(engine_from_graph(stories_graph), tokens)

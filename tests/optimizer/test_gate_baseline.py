@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from passes.base import GateResult
+from kiln.passes.base import GateResult
 from tests.breakage import broken_copy
 from tests.conftest import EVAL_TEXT, STORIES, needs_stories
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    from optimizer.build import build
+    from kiln.optimizer.build import build
 
     if not (STORIES / "config.json").is_file():
         pytest.skip("../shared/models absent")

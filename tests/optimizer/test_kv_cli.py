@@ -8,8 +8,8 @@ import json
 import torch
 from safetensors.torch import load_file
 
-import runtime
-from optimizer.defaults import SAMPLE_TEXT
+from kiln import runtime
+from kiln.optimizer.defaults import SAMPLE_TEXT
 
 torch.set_num_threads(1)
 

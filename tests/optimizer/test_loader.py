@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.errors import KilnError
-from optimizer.loader import load_checkpoint
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.loader import load_checkpoint
 from tests.breakage import MESSAGES, broken_copy
 from tests.conftest import STORIES, needs_stories
 

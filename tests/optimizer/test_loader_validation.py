@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.errors import KilnError
-from optimizer.loader import load_checkpoint
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.loader import load_checkpoint
 from tests.breakage import MESSAGES, broken_copy
 from tests.conftest import STORIES, needs_stories
 
@@ -105,8 +105,8 @@ def test_a_config_declaring_fewer_layers_than_the_weights_hold(tmp_path):
 
 
 def test_deepseek_mtp_layers_are_extra_modules_of_the_spec(tiny_checkpoints, tmp_path):
-    from optimizer.loader import _expected_tensors
-    from optimizer.loader_config import build_spec
+    from kiln.optimizer.loader import _expected_tensors
+    from kiln.optimizer.loader_config import build_spec
 
     src = tiny_checkpoints["deepseek_v3"]
     config = json.loads((src / "config.json").read_text())

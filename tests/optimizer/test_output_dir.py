@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
-from kernels.errors import KilnError
-from optimizer.output_dir import EXPORT_MARKER, atomic_directory, check_output
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.output_dir import EXPORT_MARKER, atomic_directory, check_output
 
 
 def kiln_artifact(path):

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from examples.tiny_moe import write_fp8_block_deepseek
-from kernels import fp8
-from kernels.errors import KilnError
-from optimizer.loader import load_checkpoint
-from optimizer.prequantized import dequantize_checkpoint
+from kiln.kernels import fp8
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.prequantized import dequantize_checkpoint
 from tests.precision_helpers import SAMPLE_TEXT, tiny_with_tokenizer
 
 torch.set_num_threads(1)
@@ -127,7 +127,7 @@ def test_fp8_block_weights_are_close_to_the_weights_they_were_quantized_from(tmp
 
 
 def test_fp8_block_deepseek_builds_to_the_logits_of_its_dequantized_reference(dsv3_fp8, tmp_path, cli):
-    from runtime.engine import load
+    from kiln.runtime.engine import load
 
     reference = tmp_path / "reference"  # the same model as a plain float32 checkpoint
     shutil.copytree(dsv3_fp8, reference)
@@ -203,8 +203,8 @@ def test_modules_to_not_convert_are_read_as_stored(tmp_path, key):
 
 
 def _recipes():
-    from passes.mixed_precision import WeightQuantization
-    from passes.mixed_precision_auto import ProductionPrecision
+    from kiln.passes.mixed_precision import WeightQuantization
+    from kiln.passes.mixed_precision_auto import ProductionPrecision
 
     return {  # recipe -> (passes, the formats the artifact must hold)
         "mixed": ((ProductionPrecision(keep_most_sensitive=0),), {"nvfp4", "fp8_e4m3"}),  # ModelOpt MIXED_PRECISION
@@ -217,9 +217,9 @@ def _recipes():
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     """recipe -> (artifact, hf-modelopt export, compressed-tensors export) of a tiny Llama, built once each."""
-    from optimizer.build import build
-    from optimizer.export import export
-    from optimizer.recipes import Recipe
+    from kiln.optimizer.build import build
+    from kiln.optimizer.export import export
+    from kiln.optimizer.recipes import Recipe
 
     root = tmp_path_factory.mktemp("exports")
     llama = tiny_with_tokenizer("llama", root)
@@ -237,7 +237,7 @@ def exports(tmp_path_factory):
 
 
 def artifact_weights(artifact: Path) -> dict[str, torch.Tensor]:
-    from runtime.weights import dequantize_weight
+    from kiln.runtime.weights import dequantize_weight
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     tensors = load_file(str(artifact / "model.safetensors"))
@@ -248,7 +248,7 @@ def artifact_weights(artifact: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("recipe", ["mixed", "fp8-static", "mxfp4"])
 @pytest.mark.parametrize("fmt", ["hf-modelopt", "compressed-tensors"])
 def test_kiln_exports_load_back_with_the_artifacts_weights(exports, recipe, fmt, tmp_path, cli):
-    from optimizer.export_compressed_tensors import NVFP4_DECODE_RTOL, dequantize_compressed_tensors
+    from kiln.optimizer.export_compressed_tensors import NVFP4_DECODE_RTOL, dequantize_compressed_tensors
 
     artifact, modelopt, ct = exports(recipe)
     path = modelopt if fmt == "hf-modelopt" else ct

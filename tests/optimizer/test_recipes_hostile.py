@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kernels.errors import KilnError
-from optimizer.recipes import MAX_RECIPE_BYTES, Recipe, build_pass, load_recipe_file, resolve_recipe
-from passes.mixed_precision import WeightQuantization
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.recipes import MAX_RECIPE_BYTES, Recipe, build_pass, load_recipe_file, resolve_recipe
+from kiln.passes.mixed_precision import WeightQuantization
 from tests.conftest import ROOT
 
 MAX_MESSAGE = 300
@@ -91,7 +91,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from passes.base import Pass, PassResult
+from kiln.passes.base import Pass, PassResult
 
 Path({marker!r}).write_text("imported")
 

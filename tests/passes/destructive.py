@@ -9,8 +9,8 @@ from typing import ClassVar
 
 import torch
 
-from passes.base import Pass, PassContext, PassResult
-from passes.graph import ModelGraph
+from kiln.passes.base import Pass, PassContext, PassResult
+from kiln.passes.graph import ModelGraph
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,13 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kernels.errors import KilnError
-from kernels.targets import get_target
-from optimizer.calibrate import KvCapture
-from optimizer.gate import engine_from_graph
-from optimizer.loader import load_checkpoint
-from passes.base import GateResult, Pass, PassContext, PassResult, Pipeline
-from passes.kv_cache import KvCacheQuantization
+from kiln.kernels.errors import KilnError
+from kiln.kernels.targets import get_target
+from kiln.optimizer.calibrate import KvCapture
+from kiln.optimizer.gate import engine_from_graph
+from kiln.optimizer.loader import load_checkpoint
+from kiln.passes.base import GateResult, Pass, PassContext, PassResult, Pipeline
+from kiln.passes.kv_cache import KvCacheQuantization
 
 torch.set_num_threads(1)
 
@@ -112,7 +112,7 @@ def _first_metrics(checkpoint) -> dict[str, float]:
 
 
 def test_sensitivity_is_logit_kl_with_one_layer_quantized_when_the_driver_provides_it(tiny_checkpoints):
-    from optimizer.sensitivity import LogitKl
+    from kiln.optimizer.sensitivity import LogitKl
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     ctx = _ctx()

@@ -7,21 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.errors import KilnError
-from kernels.rotation import block_hadamard
-from kernels.targets import get_target
-from optimizer.calibrator import RuntimeCalibrator
-from optimizer.gate import engine_from_graph
-from optimizer.loader import load_checkpoint
-from passes.base import PassContext, Pipeline
-from passes.mixed_precision import (
+from kiln.kernels.errors import KilnError
+from kiln.kernels.rotation import block_hadamard
+from kiln.kernels.targets import get_target
+from kiln.optimizer.calibrator import RuntimeCalibrator
+from kiln.optimizer.gate import engine_from_graph
+from kiln.optimizer.loader import load_checkpoint
+from kiln.passes.base import PassContext, Pipeline
+from kiln.passes.mixed_precision import (
     WeightQuantization,
     _awq_groups,
     _fold_input_scale,
     dequantize,
     static_input_scale,
 )
-from runtime.engine import Engine
+from kiln.runtime.engine import Engine
 from tests.conftest import CALIB_TEXT, EVAL_TEXT, STORIES, needs_stories
 
 
@@ -58,7 +58,7 @@ def test_awq_folding_keeps_the_fp32_function(generated_checkpoint):
 
 
 def test_rotation_folding_is_exact_in_fp32(tiny_checkpoints):
-    from optimizer.lower import lower_tensors
+    from kiln.optimizer.lower import lower_tensors
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     tokens = token_lists(graph.spec.vocab_size)
@@ -72,7 +72,7 @@ def test_rotation_folding_is_exact_in_fp32(tiny_checkpoints):
 
 
 def test_rotated_pass_stores_the_rotated_weight_and_its_rotation(tiny_checkpoints):
-    from optimizer.lower import lower_tensors
+    from kiln.optimizer.lower import lower_tensors
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     source = graph.weight("model.layers.0.mlp.down_proj").clone()
@@ -178,9 +178,9 @@ def test_gptq_awq_and_tuning_store_grid_values_and_lower_the_kl(generated_checkp
 
 @needs_stories
 def test_gptq_beats_round_to_nearest_on_the_real_model():
-    from calibration.data import load_token_lists
-    from optimizer.gate import AccuracyGate
-    from runtime.engine import load_tokenizer
+    from kiln.calibration.data import load_token_lists
+    from kiln.optimizer.gate import AccuracyGate
+    from kiln.runtime.engine import load_tokenizer
 
     graph = load_checkpoint(STORIES)
     tokenizer = load_tokenizer(STORIES)
@@ -201,7 +201,7 @@ FLOORS = {"fp8": 0.995, "nvfp4-w4a16": 0.97, "mxfp4-w4a16": 0.94}
 @pytest.mark.parametrize("recipe", sorted(FLOORS))
 def test_builtin_recipes_reach_the_recovery_floors(recipe, tmp_path):
     """The fixed protocol: first 600 paragraphs of evaluation.txt, through the runtime; calibration.txt only."""
-    from optimizer.build import build
+    from kiln.optimizer.build import build
 
     result = build(STORIES, "blackwell", recipe, None, eval_data=EVAL_TEXT, calib_data=CALIB_TEXT,
                    min_recovery=FLOORS[recipe])
@@ -211,8 +211,8 @@ def test_builtin_recipes_reach_the_recovery_floors(recipe, tmp_path):
 
 def test_distillation_objective_is_the_runtimes_kl(tiny_checkpoints):
     """The tuning's forward is the runtime's: its KL equals the one computed from two runtime engines."""
-    from calibration.grids import WeightLayout
-    from calibration.tuning import FakeQuantWeight
+    from kiln.calibration.grids import WeightLayout
+    from kiln.calibration.tuning import FakeQuantWeight
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     tokens = token_lists(graph.spec.vocab_size, count=6)
@@ -255,7 +255,7 @@ def test_calibrated_pass_runs_on_every_architecture(tiny_checkpoints, model_type
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_nvfp4_fused_siblings_share_one_global_scale(tiny_checkpoints, method):
     """q/k/v and gate/up run as one GEMM in serving engines: one NVFP4 per-tensor scale, amax of the set / (6 * 448)."""
-    from kernels.nvfp4 import nvfp4_global_scale
+    from kiln.kernels.nvfp4 import nvfp4_global_scale
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     source = {n: graph.weight(lin).float().clone() for n, lin in graph.linears.items()}

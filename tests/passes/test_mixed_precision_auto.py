@@ -13,15 +13,15 @@ import json
 import pytest
 import torch
 
-from calibration.sensitivity import SensitivityTable
-from kernels.errors import KilnError
-from kernels.targets import get_target
-from optimizer.calibrator import RuntimeCalibrator
-from optimizer.loader import load_checkpoint
-from optimizer.recipes import resolve_recipe
-from optimizer.sensitivity import LogitKl, render_heatmap
-from passes.base import GateResult, PassContext, Pipeline
-from passes.mixed_precision_auto import (
+from kiln.calibration.sensitivity import SensitivityTable
+from kiln.kernels.errors import KilnError
+from kiln.kernels.targets import get_target
+from kiln.optimizer.calibrator import RuntimeCalibrator
+from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.recipes import resolve_recipe
+from kiln.optimizer.sensitivity import LogitKl, render_heatmap
+from kiln.passes.base import GateResult, PassContext, Pipeline
+from kiln.passes.mixed_precision_auto import (
     OPTIONS,
     AutoPrecision,
     ProductionPrecision,
@@ -321,7 +321,7 @@ def test_final_quantization_is_sequential(tiny):
 def test_auto_at_five_bits_reaches_its_floor_on_the_real_model():
     """The precision issue's target: `auto` at <= 5.0 effective bits recovers >= 0.985 (first 600 paragraphs of
     evaluation.txt, through the runtime; calibration.txt only), without the gate backing off."""
-    from optimizer.build import build
+    from kiln.optimizer.build import build
 
     result = build(STORIES, "blackwell", "auto", None, eval_data=EVAL_TEXT, calib_data=CALIB_TEXT,
                    min_recovery=0.985, weight_bits=5.0)

@@ -8,10 +8,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kernels.errors import KilnError
-from kernels.targets import get_target
-from passes.base import GateResult, Pass, PassContext, PassResult, Pipeline
-from passes.mixed_precision import WeightQuantization
+from kiln.kernels.errors import KilnError
+from kiln.kernels.targets import get_target
+from kiln.passes.base import GateResult, Pass, PassContext, PassResult, Pipeline
+from kiln.passes.mixed_precision import WeightQuantization
 from tests.passes.destructive import Scramble
 
 
@@ -59,7 +59,7 @@ def test_config_validation_names_value_and_allowed_set(kwargs, message):
 
 
 def test_target_refuses_fp4_activations_on_hopper(tiny_checkpoints):
-    from optimizer.loader import load_checkpoint
+    from kiln.optimizer.loader import load_checkpoint
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     with pytest.raises(KilnError, match="hopper has no nvfp4 tensor cores"):
@@ -69,7 +69,7 @@ def test_target_refuses_fp4_activations_on_hopper(tiny_checkpoints):
 
 
 def test_matching_zero_layers_is_an_error(tiny_checkpoints):
-    from optimizer.loader import load_checkpoint
+    from kiln.optimizer.loader import load_checkpoint
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     ctx = PassContext(target=get_target("hopper"))
@@ -93,7 +93,7 @@ class FakeGate:
 
 
 def test_destructive_pass_backs_off_then_reverts_and_restores_weights(tiny_checkpoints):
-    from optimizer.loader import load_checkpoint
+    from kiln.optimizer.loader import load_checkpoint
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     before = {k: v.clone() for k, v in graph.tensors.items()}
@@ -109,7 +109,7 @@ def test_destructive_pass_backs_off_then_reverts_and_restores_weights(tiny_check
 
 
 def test_first_back_off_that_passes_is_kept(tiny_checkpoints):
-    from optimizer.loader import load_checkpoint
+    from kiln.optimizer.loader import load_checkpoint
 
     probe = load_checkpoint(tiny_checkpoints["llama"])
     (trial,) = Pipeline([Scramble()]).run(probe, PassContext(get_target("hopper"), gate=FakeGate(probe), floor=1.0))
@@ -144,7 +144,7 @@ class CopyNorms(Pass):
 
 def test_each_pass_is_judged_on_its_own_cost(tiny_checkpoints):
     """A later pass's floor applies to its recovery against the graph it started from, not the source."""
-    from optimizer.loader import load_checkpoint
+    from kiln.optimizer.loader import load_checkpoint
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     scramble, copy = Pipeline([Scramble(noise=0.05, layers=1), CopyNorms()]).run(

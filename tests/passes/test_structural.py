@@ -14,14 +14,14 @@ from typing import ClassVar
 import pytest
 import torch
 
-import runtime
-from kernels.targets import get_target
-from optimizer.gate import AccuracyGate, engine_from_graph
-from optimizer.loader import load_checkpoint
-from optimizer.lower import write_artifact
-from passes.base import Pass, PassContext, PassMetric, PassResult, Pipeline
-from passes.graph import ModelGraph
-from runtime.spec import LinearSpec, ModelSpec
+from kiln import runtime
+from kiln.kernels.targets import get_target
+from kiln.optimizer.gate import AccuracyGate, engine_from_graph
+from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.lower import write_artifact
+from kiln.passes.base import Pass, PassContext, PassMetric, PassResult, Pipeline
+from kiln.passes.graph import ModelGraph
+from kiln.runtime.spec import LinearSpec, ModelSpec
 from tests.conftest import EVAL_TEXT, STORIES, needs_stories
 
 MANIFEST = {"passes": [], "target": "hopper", "source": {"model_type": "llama"}, "recipe": {"name": "t", "passes": []}}
@@ -105,8 +105,8 @@ def _artifact_bytes(path) -> dict[str, bytes]:
 
 @needs_stories
 def test_a_rejected_structural_pass_reverts_whole(tmp_path):
-    from calibration.data import load_token_lists
-    from runtime.engine import load_tokenizer
+    from kiln.calibration.data import load_token_lists
+    from kiln.runtime.engine import load_tokenizer
 
     graph = load_checkpoint(STORIES)
     spec, linears, tensors = graph.spec, {n: dataclasses.asdict(lin) for n, lin in graph.linears.items()}, \
@@ -194,9 +194,9 @@ class ScaleLmHead(Pass):
 
 
 def test_a_pass_metric_is_gated_and_reported(generated_checkpoint):
-    from calibration.data import load_token_lists
-    from optimizer.defaults import SAMPLE_TEXT
-    from runtime.engine import load_tokenizer
+    from kiln.calibration.data import load_token_lists
+    from kiln.optimizer.defaults import SAMPLE_TEXT
+    from kiln.runtime.engine import load_tokenizer
 
     graph = load_checkpoint(generated_checkpoint)
     gate = AccuracyGate(engine_from_graph(graph), load_token_lists(load_tokenizer(generated_checkpoint),
@@ -214,7 +214,7 @@ def test_a_pass_metric_is_gated_and_reported(generated_checkpoint):
 
 
 def test_the_spec_round_trips_through_json_for_every_architecture(tiny_checkpoints):
-    from runtime.spec import spec_from_json
+    from kiln.runtime.spec import spec_from_json
 
     for path in tiny_checkpoints.values():
         spec = load_checkpoint(path).spec

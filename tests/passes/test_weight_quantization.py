@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels import fp8
-from kernels.targets import get_target
-from optimizer.loader import load_checkpoint
-from passes.base import PassContext, Pipeline
-from passes.mixed_precision import WeightQuantization
+from kiln.kernels import fp8
+from kiln.kernels.targets import get_target
+from kiln.optimizer.loader import load_checkpoint
+from kiln.passes.base import PassContext, Pipeline
+from kiln.passes.mixed_precision import WeightQuantization
 
 
 def test_fp8_weights_structure_and_numerics(tiny_checkpoints):

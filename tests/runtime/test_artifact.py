@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-import runtime
-from kernels.errors import KilnError
-from optimizer.build import build
-from optimizer.loader import load_checkpoint
-from runtime.spec import spec_from_json
-from optimizer.defaults import SAMPLE_TEXT
+from kiln import runtime
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.build import build
+from kiln.optimizer.loader import load_checkpoint
+from kiln.runtime.spec import spec_from_json
+from kiln.optimizer.defaults import SAMPLE_TEXT
 
 
 @pytest.fixture
@@ -55,8 +55,9 @@ def test_runtime_does_not_import_passes_or_optimizer():
     import subprocess
     import sys
 
-    code = ("import sys, runtime, runtime.engine, runtime.model; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('passes', 'optimizer', 'calibration')]; "
+    code = ("import sys, kiln.runtime, kiln.runtime.engine, kiln.runtime.model; "
+            "bad = [m for m in sys.modules if m.split('.')[:2] in (['kiln', 'passes'], ['kiln', 'optimizer'], "
+            "['kiln', 'calibration'])]; "
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

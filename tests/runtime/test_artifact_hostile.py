@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-import runtime
-from kernels.errors import KilnError
-from runtime.artifact import MANIFEST, artifact_file, read_json, read_manifest
+from kiln import runtime
+from kiln.kernels.errors import KilnError
+from kiln.runtime.artifact import MANIFEST, artifact_file, read_json, read_manifest
 
 MAX_MESSAGE = 300
 
 
 @pytest.fixture(scope="module")
 def built(generated_checkpoint, tmp_path_factory):
-    from optimizer.build import build
+    from kiln.optimizer.build import build
 
     return build(generated_checkpoint, "hopper", "none", tmp_path_factory.mktemp("hostile") / "art", gate=False).path
 

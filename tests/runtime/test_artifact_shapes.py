@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import runtime
-from kernels import fp8
-from kernels.errors import KilnError
-from runtime.artifact import MANIFEST, WEIGHTS, sha256_file
-from runtime.weights import dequantize_weight
+from kiln import runtime
+from kiln.kernels import fp8
+from kiln.kernels.errors import KilnError
+from kiln.runtime.artifact import MANIFEST, WEIGHTS, sha256_file
+from kiln.runtime.weights import dequantize_weight
 
 MAX_MESSAGE = 300
 Q = "model.layers.0.self_attn.q_proj"
@@ -32,7 +32,7 @@ EMBED = "model.embed_tokens.weight"
 
 @pytest.fixture(scope="module")
 def built(generated_checkpoint, tmp_path_factory):
-    from optimizer.build import build
+    from kiln.optimizer.build import build
 
     return build(generated_checkpoint, "hopper", "none", tmp_path_factory.mktemp("shapes") / "art", gate=False).path
 
@@ -220,7 +220,7 @@ def test_fp8_layouts():
 
 
 def test_nvfp4_layouts():
-    from kernels.nvfp4 import nvfp4_quantize
+    from kiln.kernels.nvfp4 import nvfp4_quantize
 
     w = torch.randn(8, 40)  # padded to 48: packed [8, 24], block scales [8, 3]
     t = {f"m.{k}": v for k, v in nvfp4_quantize(w).tensors().items()}
@@ -247,7 +247,7 @@ def test_nvfp4_layouts():
 
 
 def test_mxfp4_layouts():
-    from kernels.mxfp4 import mxfp4_quantize
+    from kiln.kernels.mxfp4 import mxfp4_quantize
 
     w = torch.randn(4, 40)  # padded to 64: packed [4, 32], E8M0 scales [4, 2]
     t = {f"m.{k}": v for k, v in mxfp4_quantize(w).tensors().items()}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.targets import B200, H100, H200
-from optimizer.loader_config import build_spec
-from runtime.kv_budget import ACTIVATION_RESERVE_FRACTION, kv_budget, max_concurrent_sequences
-from runtime.kv_format import kv_bytes_per_token
+from kiln.kernels.targets import B200, H100, H200
+from kiln.optimizer.loader_config import build_spec
+from kiln.runtime.kv_budget import ACTIVATION_RESERVE_FRACTION, kv_budget, max_concurrent_sequences
+from kiln.runtime.kv_format import kv_bytes_per_token
 
 torch.set_num_threads(1)
 

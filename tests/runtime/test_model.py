@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from optimizer.loader import load_checkpoint
-from runtime.engine import Engine, load_tokenizer
-from runtime.kv_cache import ContiguousKVCache
+from kiln.optimizer.loader import load_checkpoint
+from kiln.runtime.engine import Engine, load_tokenizer
+from kiln.runtime.kv_cache import ContiguousKVCache
 from tests.conftest import STORIES, needs_stories
 from tests.tiny_models import TINY_CONFIGS
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kernels.errors import KilnError
-from optimizer.loader import load_checkpoint
-from runtime.engine import Engine
-from runtime.kv_cache import ContiguousKVCache
-from runtime.kv_format import KvStream
-from runtime.paged_kv_cache import BlockAllocator, KvCacheFull, PagedKVCache
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.loader import load_checkpoint
+from kiln.runtime.engine import Engine
+from kiln.runtime.kv_cache import ContiguousKVCache
+from kiln.runtime.kv_format import KvStream
+from kiln.runtime.paged_kv_cache import BlockAllocator, KvCacheFull, PagedKVCache
 from tests.conftest import CALIB_TEXT, STORIES, needs_stories
 
 torch.set_num_threads(1)
@@ -202,14 +202,14 @@ def test_fp8_kv_greedy_256_tokens_agrees_with_bf16_on_stories260k():
     FP8 engine decodes step by step through its own quantized paged cache along the BF16 greedy path, and
     each step's greedy choice is compared: agreement over all 256 steps and within every 64-step quarter.
     """
-    from calibration.data import load_token_lists
-    from kernels.targets import get_target
-    from optimizer.calibrate import KvCapture
-    from optimizer.gate import engine_from_graph
-    from optimizer.loader import load_checkpoint
-    from passes.base import PassContext
-    from passes.kv_cache import KvCacheQuantization
-    from runtime.engine import decode_one_token, load_tokenizer, prefill
+    from kiln.calibration.data import load_token_lists
+    from kiln.kernels.targets import get_target
+    from kiln.optimizer.calibrate import KvCapture
+    from kiln.optimizer.gate import engine_from_graph
+    from kiln.optimizer.loader import load_checkpoint
+    from kiln.passes.base import PassContext
+    from kiln.passes.kv_cache import KvCacheQuantization
+    from kiln.runtime.engine import decode_one_token, load_tokenizer, prefill
 
     graph = load_checkpoint(STORIES)
     tok = load_tokenizer(STORIES)
