@@ -26,12 +26,12 @@ sys.path.insert(0, str(ROOT))
 
 from kiln.calibration.data import load_token_lists
 from kiln.kernels.targets import get_target
-from kiln.optimizer.calibrate import KvCapture
 from kiln.optimizer.defaults import CALIBRATION_TEXT as CALIB
 from kiln.optimizer.defaults import EVALUATION_TEXT as EVAL
 from kiln.optimizer.defaults import STORIES260K as STORIES
 from kiln.optimizer.gate import AccuracyGate, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.runner import RuntimeRunner
 from kiln.passes.base import PassContext
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.runtime.engine import decode_one_token, load_tokenizer, prefill
@@ -98,7 +98,7 @@ def accuracy(checkpoint: Path, tokenizer, paragraphs: int, configs) -> list[dict
     graph = load_checkpoint(checkpoint)
     spec = graph.spec
     gate = AccuracyGate(engine_from_graph(graph), load_token_lists(tokenizer, EVAL, paragraphs))
-    ctx = PassContext(get_target("hopper"), capture_kv=KvCapture(load_token_lists(tokenizer, CALIB, 256)))
+    ctx = PassContext(get_target("hopper"), runner=RuntimeRunner(graph, load_token_lists(tokenizer, CALIB, 256)))
     bf16_bytes = sum(kv_bytes_per_token(spec).values())
     rows = []
     for label, config in configs:
@@ -121,7 +121,7 @@ def decode_speed(checkpoint: Path, batch: int, steps: int, tokenizer, repeats: i
     graph = load_checkpoint(checkpoint)
     plain = engine_from_graph(graph)
     KvCacheQuantization(format="fp8").apply(graph, PassContext(
-        get_target("hopper"), capture_kv=KvCapture(load_token_lists(tokenizer, CALIB, 64))))
+        get_target("hopper"), runner=RuntimeRunner(graph, load_token_lists(tokenizer, CALIB, 64))))
     fp8 = engine_from_graph(graph)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(16, 129, (batch,), generator=gen)

@@ -82,7 +82,7 @@ def rtn_version(p):
     """The same pass rounding to nearest: no GPTQ, AWQ or tuning (rotations and activation modes stay)."""
     from dataclasses import replace
 
-    from kiln.passes.mixed_precision import WeightQuantization
+    from kiln.passes.weight_quant import WeightQuantization
 
     if isinstance(p, WeightQuantization):
         return replace(p, method="rtn", awq=False, tune_steps=0)

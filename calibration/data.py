@@ -8,7 +8,7 @@ Calibrate on calibration text only; measure on evaluation text only.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kiln.kernels.errors import KilnError
@@ -68,3 +68,19 @@ def tokenize_paragraphs(tokenizer, paragraphs: list[str], max_tokens: int = MAX_
 def load_token_lists(tokenizer, path: Path | str, paragraphs: int | None = DEFAULT_PARAGRAPHS,
                      max_tokens: int = MAX_TOKENS, log: Callable[[str], None] | None = None) -> list[list[int]]:
     return tokenize_paragraphs(tokenizer, read_paragraphs(path, paragraphs), max_tokens, log)
+
+
+def length_batches(token_lists: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Indices of `token_lists` in batches: sorted by length (so padding stays small), each batch padded to its
+    longest list holding at most `max_tokens` (a single longer list is a batch of its own)."""
+    order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    for i in order:
+        if batch and (len(batch) + 1) * len(token_lists[i]) > max_tokens:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        batches.append(batch)
+    return batches

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from kiln.calibration.grids import Scales, WeightLayout
 from kiln.calibration.scale_search import mse_scales
+from kiln.kernels.formats import WeightFormat
 
 SCALE_METHODS = ("absmax", "mse")
 
@@ -82,13 +83,14 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
     dead = torch.diagonal(h) <= 0
     h[dead, dead] = 1.0  # an input that is never active: nothing to compensate
     importance = torch.diagonal(h).float().clone()
-    if layout.format == "nvfp4" and global_scale is None:  # one per-tensor scale, from the original weight
+    if layout.format == WeightFormat.NVFP4 and global_scale is None:  # one per-tensor scale, from the source
         global_scale = choose_scales(layout, w, scales, importance).stored["weight_scale_2"]
-    elif layout.format == "nvfp4":
+    elif layout.format == WeightFormat.NVFP4:
         global_scale = global_scale.float().reshape(())
     else:
         global_scale = None
-    dynamic = not static and layout.format != "fp8"  # fp8: one block spans the row, so dynamic == static
+    # fp8: one block spans the row, so dynamic == static
+    dynamic = not static and layout.format != WeightFormat.FP8_E4M3
     if not dynamic:
         fixed = choose_scales(layout, w, scales, importance, global_scale)
         multiplier = fixed.multiplier.clone()
@@ -160,7 +162,7 @@ def _inverse_cholesky_upper(h: Tensor) -> Tensor:
 
 
 def _concat_block_scales(layout: WeightLayout, parts: list[dict[str, Tensor]], global_scale: Tensor | None) -> Scales:
-    if layout.format == "nvfp4":
+    if layout.format == WeightFormat.NVFP4:
         block = torch.cat([p["weight_scale"] for p in parts], dim=1)
         return layout.nvfp4_scales(block, global_scale)
     return layout.mxfp4_scales(torch.cat([p["weight_scale"] for p in parts], dim=1))

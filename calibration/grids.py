@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from kiln.kernels import fp8
+from kiln.kernels.formats import WeightFormat, parse_weight_format
 from kiln.kernels.fp4 import e2m1_decode, e2m1_encode
 from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, e8m0_to_float32, mxfp4_block_scales, mxfp4_quantize
 from kiln.kernels.nvfp4 import (
@@ -56,20 +57,21 @@ class Scales:
 class WeightLayout:
     """How one format lays scales over a weight [N, K]: block width along K and the scale's constraints."""
 
-    format: str
+    format: WeightFormat  # also given as the recipes' spelling "fp8"
     granularity: str = "per_channel"  # fp8 only
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
+        if self.format not in (*FORMATS, WeightFormat.FP8_E4M3):
             raise ValueError(f"format={self.format!r} is not one of {FORMATS}")
+        object.__setattr__(self, "format", parse_weight_format(self.format))
         if self.granularity not in FP8_GRANULARITIES:
             raise ValueError(f"granularity={self.granularity!r} is not one of {FP8_GRANULARITIES}")
 
     # --- shapes --------------------------------------------------------------------------------------------
     def block_size(self, in_features: int) -> int:
-        if self.format == "nvfp4":
+        if self.format == WeightFormat.NVFP4:
             return NVFP4_BLOCK_SIZE
-        if self.format == "mxfp4":
+        if self.format == WeightFormat.MXFP4:
             return MXFP4_BLOCK_SIZE
         return in_features
 
@@ -89,7 +91,7 @@ class WeightLayout:
     # --- the grid ------------------------------------------------------------------------------------------
     def round(self, scaled: Tensor) -> Tensor:
         """Nearest grid value (saturating) of values already divided by their multiplier."""
-        if self.format == "fp8":
+        if self.format == WeightFormat.FP8_E4M3:
             return scaled.clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.FP8_DTYPE).float()
         return e2m1_decode(e2m1_encode(scaled))
 
@@ -103,13 +105,13 @@ class WeightLayout:
     def absmax_scales(self, w: Tensor, global_scale: Tensor | None = None) -> Scales:
         """The kernels' default scales (block maximum onto the grid maximum)."""
         w = w.float()
-        if self.format == "fp8":
+        if self.format == WeightFormat.FP8_E4M3:
             if self.granularity == "per_channel":
                 _, scale = fp8.fp8_quantize_per_channel(w)
                 return Scales(scale.reshape(-1, 1), {"weight_scale": scale})
             _, scale = fp8.fp8_quantize_per_tensor(w)
             return self.fp8_scales(scale, rows=w.shape[0])
-        if self.format == "nvfp4":
+        if self.format == WeightFormat.NVFP4:
             g = nvfp4_global_scale(w) if global_scale is None else global_scale.float().reshape(())
             return self.nvfp4_scales(nvfp4_block_scales(self.padded(w), g), g)
         return self.mxfp4_scales(mxfp4_block_scales(self.padded(w)))
@@ -134,9 +136,9 @@ class WeightLayout:
 
     def scales_from_stored(self, tensors: dict[str, Tensor], rows: int) -> Scales:
         """The Scales of an already stored weight (its ModelOpt-named tensors; extra keys are ignored)."""
-        if self.format == "fp8":
+        if self.format == WeightFormat.FP8_E4M3:
             return self.fp8_scales(tensors["weight_scale"], rows=rows)
-        if self.format == "nvfp4":
+        if self.format == WeightFormat.NVFP4:
             return self.nvfp4_scales(tensors["weight_scale"], tensors["weight_scale_2"])
         return self.mxfp4_scales(tensors["weight_scale"])
 
@@ -148,11 +150,11 @@ class WeightLayout:
         unchanged, so dequantizing the result gives `values` again.
         """
         values = values.float()
-        if self.format == "fp8":
+        if self.format == WeightFormat.FP8_E4M3:
             scale = scales.stored["weight_scale"]
             q = (values / scale).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.FP8_DTYPE)
             return {"weight": q, "weight_scale": scale}
-        if self.format == "nvfp4":
+        if self.format == WeightFormat.NVFP4:
             q = nvfp4_quantize(values, global_scale=scales.stored["weight_scale_2"],
                                block_scale=scales.stored["weight_scale"])
             return q.tensors()

@@ -45,7 +45,7 @@ if __name__ == "__main__":
     from kiln.optimizer.build import build
     from kiln.optimizer.defaults import default_checkpoint, default_data
     from kiln.optimizer.recipes import Recipe
-    from kiln.passes.mixed_precision import WeightQuantization
+    from kiln.passes.weight_quant import WeightQuantization
 
     checkpoint, message = default_checkpoint()
     print(message)

@@ -13,3 +13,9 @@ class KilnError(Exception):
 
 class BelowFloor(Exception):
     """An accuracy floor was not met. The message is one line."""
+
+
+def check_choice(field_name: str, value, allowed) -> None:
+    """Refuse a config value outside its allowed set, in one line naming both (every package's validator)."""
+    if value not in allowed:
+        raise KilnError(f"{field_name}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kiln.kernels.formats import KvFormat
 from kiln.kernels.fp4 import e2m1_decode
 from kiln.kernels.fp8 import E4M3_MAX, FP8_DTYPE
 from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE, nvfp4_quantize
@@ -101,16 +102,16 @@ def nvfp4_kv_dequantize(packed: Tensor, block_scale: Tensor, global_scale: Tenso
 def kv_fake_quantize(x: Tensor, fmt: str, scaling: str, scale: Tensor | None,
                      offset: Tensor | None = None) -> Tensor:
     """Store-then-read of [N, H, D] in a KV format, in fp32 (what attention sees); for error measurement."""
-    if fmt == "bf16":
+    if fmt == KvFormat.BF16:
         return x.float()
     centered = x.float() if offset is None else x.float() - offset
-    if fmt == "fp8_e4m3":
+    if fmt == KvFormat.FP8_E4M3:
         if scaling == "dynamic":
             out = fp8_kv_dequantize(*fp8_kv_quantize_per_token(centered))
         else:
             out = fp8_kv_dequantize(fp8_kv_quantize(centered, scale), scale)
-    elif fmt == "nvfp4":
+    elif fmt == KvFormat.NVFP4:
         out = nvfp4_kv_dequantize(*nvfp4_kv_quantize(centered, scale), scale)
     else:
-        raise ValueError(f"unknown KV format {fmt!r}; known: bf16, fp8_e4m3, nvfp4")
+        raise ValueError(f"unknown KV format {fmt!r}; known: {', '.join(KvFormat)}")
     return out if offset is None else out + offset

@@ -10,8 +10,6 @@ from pathlib import Path
 from kiln.calibration.data import DEFAULT_PARAGRAPHS, load_token_lists
 from kiln.kernels.errors import BelowFloor, KilnError
 from kiln.kernels.targets import get_target
-from kiln.optimizer.calibrate import KvCapture
-from kiln.optimizer.calibrator import RuntimeCalibrator
 from kiln.optimizer.defaults import default_data
 from kiln.optimizer.gate import AccuracyGate, check_floor, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
@@ -19,7 +17,8 @@ from kiln.optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, wr
 from kiln.optimizer.output_dir import check_output
 from kiln.optimizer.recipes import Recipe, resolve_recipe
 from kiln.optimizer.report import render_report
-from kiln.optimizer.sensitivity import LogitKl, precision_files
+from kiln.optimizer.runner import RuntimeRunner
+from kiln.optimizer.sensitivity import precision_files
 from kiln.passes.base import PassContext, PassRecord, Pipeline
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.engine import load_tokenizer
@@ -89,11 +88,8 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     calib_all = load_token_lists(tokenizer, calib_data, None) if pipeline.passes else []
     if pipeline.passes:
         log(f"calibration data: {len(calib_tokens)} paragraphs of {calib_data}")
-    ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, calibration_tokens=calib_tokens, log=log,
-                      capture_kv=KvCapture(calib_tokens) if calib_tokens else None,
-                      calibrator=RuntimeCalibrator(calib_all, observe_sequences=len(calib_tokens))
-                      if calib_tokens else None,
-                      logit_kl=LogitKl(graph, calib_tokens) if calib_tokens else None)
+    runner = RuntimeRunner(graph, calib_tokens, distillation_tokens=calib_all) if calib_tokens else None
+    ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, runner=runner, log=log)
 
     start = time.perf_counter()
     records = pipeline.run(graph, ctx)

@@ -1,7 +1,7 @@
 """Calibration activations for passes, computed by the runtime's own modules (optimizer may import runtime).
 
-    KvCapture      `PassContext.capture_kv`: K/V cache activations on the calibration tokens
-    RuntimeCalibrator (optimizer.calibrator)  `PassContext.calibrator`: per-linear inputs, block by block
+    KvCapture      `ModelRunner.capture_kv` (optimizer.runner): K/V cache activations on the calibration tokens
+    RuntimeCalibrator (optimizer.calibrator)  `ModelRunner.session`: per-linear inputs, block by block
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class _RecordingCache:
 
 
 class KvCapture:
-    """`PassContext.capture_kv`: K/V activations on the calibration tokens as the runtime's cache would receive
+    """`ModelRunner.capture_kv`: K/V activations on the calibration tokens as the runtime's cache would receive
     them (post-RoPE; for MLA the latent and the roped key part), through the graph as it stands now:
     layer -> one [tokens, heads, dim] tensor per cached stream."""
 

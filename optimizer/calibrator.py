@@ -1,7 +1,7 @@
-"""The calibration hook (`PassContext.calibrator`): the runtime's own modules run over the calibration tokens,
-one block at a time, as the graph stands at that moment.
+"""The calibration sessions of `ModelRunner.session` (optimizer.runner): the runtime's own modules run over
+the calibration tokens, one block at a time, as the graph stands at that moment.
 
-    session = RuntimeCalibrator(calibration_tokens).session(graph)
+    session = RuntimeCalibrator(calibration_tokens).session(graph)   # RuntimeRunner.session(graph)
     session.observe(["model.layers.0.self_attn.q_proj", ...], callback)   # callback(name, x [tokens, K])
 
 A session holds the hidden states of every calibration token at the input of one block (plus their
@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from kiln.calibration.data import length_batches
+from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
 from kiln.passes.graph import ModelGraph
@@ -49,7 +51,7 @@ Callback = Callable[[str, torch.Tensor], None]
 
 
 class RuntimeCalibrator:
-    """What the build driver puts in `PassContext.calibrator`.
+    """The sessions behind `RuntimeRunner.session` (optimizer.runner).
 
     `observe` runs over the first `observe_sequences` token lists (None: all): Hessians and ranges settle
     within a few hundred paragraphs. Distillation, which fits many more parameters, uses every token list.
@@ -121,16 +123,8 @@ class RuntimeCalibrationSession:
         self.spec = graph.spec  # the structure when the session starts (the distillation teacher's too)
         self.all_token_lists = token_lists  # distillation
         token_lists = token_lists[:observe_sequences] if observe_sequences else token_lists
-        order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
-        self.batches: list[_Batch] = []
-        current: list[int] = []
-        for i in order:
-            if current and (len(current) + 1) * len(token_lists[i]) > max_batch_tokens:
-                self.batches.append(_Batch([token_lists[j] for j in current]))
-                current = []
-            current.append(i)
-        if current:
-            self.batches.append(_Batch([token_lists[j] for j in current]))
+        self.batches = [_Batch([token_lists[j] for j in batch]) for batch in length_batches(token_lists,
+                                                                                            max_batch_tokens)]
         self.rotary = LayerRotaries(self.spec.layers)
         self.position: int | None = None  # hidden states are at the input of this block
         self._ran: dict[int, tuple[_Same, ...]] = {}  # what each block held when the hidden states went through
@@ -280,15 +274,7 @@ class Distillation:
         self.session = session
         spec = session.spec
         tokens = session.all_token_lists
-        order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))
-        groups, current = [], []
-        for i in order:
-            if current and (len(current) + 1) * len(tokens[i]) > max_batch_tokens:
-                groups.append(current)
-                current = []
-            current.append(i)
-        if current:
-            groups.append(current)
+        groups = length_batches(tokens, max_batch_tokens)
         random.Random(0).shuffle(groups)
         self.batches = [_Batch([tokens[i] for i in g]) for g in groups]
         # the source's last hidden states, not its log-probabilities: [tokens, hidden] is vocab/hidden times
@@ -324,7 +310,7 @@ class Distillation:
         with torch.no_grad():
             target = torch.log_softmax(self.teacher.lm_head(self._teacher_hidden[i]), dim=-1)
         logp = torch.log_softmax(self.student(b), dim=-1)[b.mask]
-        return (target.exp() * (target - logp)).sum(-1).mean()
+        return kl_terms(target, logp).sum(-1).mean()
 
 
 class _Model(torch.nn.Module):

@@ -140,7 +140,8 @@ def build(
                        progress_factory=_progress_factory("scoring"), weight_bits=weight_bits,
                        weight_bytes=weight_bytes)
     manifest = result.manifest
-    out.print(_gate_table(manifest["passes"]))
+    if manifest["passes"]:
+        out.print(_gate_table(manifest["passes"]))
     if manifest.get("precision"):
         out.print(_precision_table(manifest["precision"]))
     src = manifest["sizes"]["source_weight_bytes"]
@@ -260,7 +261,8 @@ def inspect(
     out.print(table)
     if manifest.get("precision"):
         out.print(_precision_table(manifest["precision"]))
-    out.print(_gate_table(manifest["passes"]))
+    if manifest["passes"]:
+        out.print(_gate_table(manifest["passes"]))
     w, s = summary["weight_bytes"], summary["source_weight_bytes"]
     out.print(f"weights: {human_bytes(w)} ({w} B) vs source {human_bytes(s)} ({s} B), ratio {w / s:.3f}")
     for kv_table in kv_tables(kv):

@@ -68,6 +68,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.kernels.errors import KilnError
+from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
 from kiln.optimizer.export_modelopt import COPIED_FILES, NVFP4_GROUP_SIZE, kv_algo
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
@@ -151,7 +152,7 @@ class Scheme:
 def ct_scheme(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor]) -> Scheme | None:
     """The compressed-tensors scheme of one artifact format entry; None for an unquantized linear."""
     fmt, act = entry.get("format"), entry.get("activation", "none")
-    if fmt == "dense":
+    if fmt == WeightFormat.DENSE:
         return None
     rotation = entry.get("input_rotation")
     if rotation:
@@ -159,7 +160,7 @@ def ct_scheme(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor]) 
         raise KilnError(f"{module}: its input is rotated online (Hadamard block {block}), which this export does "
                         "not write as a compressed-tensors transform_config; export a recipe without rotation")
     kind = None
-    if fmt == "fp8_e4m3":
+    if fmt == WeightFormat.FP8_E4M3:
         scale = tensors.get(f"{module}.weight_scale")
         weight = tensors.get(f"{module}.weight")
         if scale is not None and weight is not None:
@@ -167,9 +168,9 @@ def ct_scheme(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor]) 
                 kind = "fp8_tensor"
             elif scale.numel() == weight.shape[0]:
                 kind = "fp8_channel"
-    elif fmt in ("nvfp4", "mxfp4"):
+    elif fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4):
         kind = fmt
-        group = NVFP4_GROUP_SIZE if fmt == "nvfp4" else MXFP4_GROUP_SIZE
+        group = NVFP4_GROUP_SIZE if fmt == WeightFormat.NVFP4 else MXFP4_GROUP_SIZE
         in_features = int(entry.get("in_features", 0))
         if in_features % group:
             raise KilnError(f"{module}: in_features {in_features} is not a multiple of the {fmt.upper()} group "
@@ -179,9 +180,10 @@ def ct_scheme(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor]) 
     if (kind, act) not in SCHEMES:
         raise KilnError(f"{module}: {fmt} weights with {act} activations have no compressed-tensors scheme "
                         f"({_EXPORTABLE})")
-    needs_input_scale = act == "fp8_static_per_tensor" or (kind == "nvfp4" and act == "nvfp4")
+    needs_input_scale = (act == ActivationFormat.FP8_STATIC_PER_TENSOR
+                         or (kind == "nvfp4" and act == ActivationFormat.NVFP4))
     if needs_input_scale and f"{module}.input_scale" not in tensors:
-        what = "NVFP4 activations" if act == "nvfp4" else "static FP8 activations"
+        what = "NVFP4 activations" if act == ActivationFormat.NVFP4 else "static FP8 activations"
         raise KilnError(f"{module}: {what} without a calibrated input_scale have no compressed-tensors scheme "
                         f"(its {'input_global_scale' if act == 'nvfp4' else 'input_scale'} is static; "
                         f"{_EXPORTABLE})")
@@ -261,13 +263,13 @@ def export_tensors(schemes: Mapping[str, Scheme], tensors: Mapping[str, torch.Te
     out = dict(tensors)
     for module, scheme in schemes.items():
         p = f"{module}."
-        if scheme.activation == "none":
+        if scheme.activation == ActivationFormat.NONE:
             out.pop(p + "input_scale", None)  # a weight-only layer has no activation scale to load
         if scheme.weight_kind in ("fp8_tensor", "fp8_channel"):
             scale = tensors[p + "weight_scale"].float()
             out[p + "weight_scale"] = (scale.reshape(1) if scheme.weight_kind == "fp8_tensor"
                                        else scale.reshape(-1, 1)).contiguous()
-            if scheme.activation == "fp8_static_per_tensor":
+            if scheme.activation == ActivationFormat.FP8_STATIC_PER_TENSOR:
                 out[p + "input_scale"] = tensors[p + "input_scale"].float().reshape(1).contiguous()
             elif scheme.activation != "none":
                 out.pop(p + "input_scale", None)
@@ -275,7 +277,7 @@ def export_tensors(schemes: Mapping[str, Scheme], tensors: Mapping[str, torch.Te
             out[p + "weight_packed"] = out.pop(p + "weight")
             if scheme.weight_kind == "nvfp4":
                 out[p + "weight_global_scale"] = _reciprocal(out.pop(p + "weight_scale_2"))
-                if scheme.activation == "nvfp4":
+                if scheme.activation == ActivationFormat.NVFP4:
                     out[p + "input_global_scale"] = _reciprocal(out.pop(p + "input_scale"))
             else:
                 out.pop(p + "input_scale", None)
@@ -386,7 +388,7 @@ def dequantize_compressed_tensors(path: Path | str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for lin in spec.linears():
         group = scheme_of(lin.name, quant) if quant is not None else None
-        if group is None and lin.name == "lm_head" and "lm_head.weight" not in tensors and spec.tie_word_embeddings:
+        if group is None and lin.name == "lm_head" and spec.lm_head_tied(tensors):
             out[lin.name] = tensors[spec.embedding].float()
         else:
             out[lin.name] = dequantize_linear(lin.name, group, tensors)
@@ -405,12 +407,12 @@ def verify_compressed_tensors(path: Path, artifact: Path) -> None:
     for lin in spec.linears():
         name = lin.name
         entry = manifest["formats"].get(name, {"format": "dense"})
-        if name == "lm_head" and "lm_head.weight" not in tensors and spec.tie_word_embeddings:
+        if name == "lm_head" and spec.lm_head_tied(tensors):
             expected = tensors[spec.embedding].float()
         else:
             expected = dequantize_weight(name, entry, tensors)
         got = exported[name]
-        if entry.get("format") == "nvfp4":
+        if entry.get("format") == WeightFormat.NVFP4:
             _check_nvfp4_storage(name, entry, tensors, written)
             same = got.shape == expected.shape and bool(
                 ((got - expected).abs() <= NVFP4_DECODE_RTOL * expected.abs()).all())
@@ -427,7 +429,7 @@ def _check_nvfp4_storage(name: str, entry: Mapping, artifact: Mapping[str, torch
     ok = all(torch.equal(artifact[f"{name}.{a}"].view(torch.uint8), written[f"{name}.{b}"].view(torch.uint8))
              for a, b in pairs)
     ok = ok and torch.equal(written[f"{name}.weight_global_scale"], _reciprocal(artifact[f"{name}.weight_scale_2"]))
-    if entry.get("activation") == "nvfp4":
+    if entry.get("activation") == ActivationFormat.NVFP4:
         ok = ok and torch.equal(written[f"{name}.input_global_scale"], _reciprocal(artifact[f"{name}.input_scale"]))
     if not ok:
         raise KilnError(f"export check failed: {name}'s NVFP4 tensors are not the artifact's")

@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.kernels import fp8
 from kiln.kernels.errors import KilnError
+from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
 from kiln.runtime.artifact import MANIFEST, WEIGHTS, read_manifest
@@ -55,25 +56,25 @@ COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.js
 def modelopt_algo(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor]) -> str | None:
     """The ModelOpt quant_algo of one artifact format entry; None for a dense linear."""
     fmt, act = entry.get("format"), entry.get("activation", "none")
-    if fmt == "dense":
+    if fmt == WeightFormat.DENSE:
         return None
     if entry.get("input_rotation"):
         raise KilnError(f"{module}: its input is rotated online (Hadamard block {entry['input_rotation']}), "
                         "which the ModelOpt unified checkpoint cannot express; export a recipe without rotation")
-    if fmt == "fp8_e4m3":
+    if fmt == WeightFormat.FP8_E4M3:
         per_tensor = tensors[f"{module}.weight_scale"].numel() == 1
-        if per_tensor and act == "fp8_static_per_tensor":
+        if per_tensor and act == ActivationFormat.FP8_STATIC_PER_TENSOR:
             return "FP8"
-        if not per_tensor and act == "fp8_dynamic_per_token":
+        if not per_tensor and act == ActivationFormat.FP8_DYNAMIC_PER_TOKEN:
             return "FP8_PER_CHANNEL_PER_TOKEN"
-    elif fmt == "nvfp4":
-        if act == "none":
+    elif fmt == WeightFormat.NVFP4:
+        if act == ActivationFormat.NONE:
             return "W4A16_NVFP4"
-        if act == "nvfp4" and f"{module}.input_scale" in tensors:
+        if act == ActivationFormat.NVFP4 and f"{module}.input_scale" in tensors:
             return "NVFP4"
-    elif fmt == "mxfp4" and act in ("none", "mxfp4"):
+    elif fmt == WeightFormat.MXFP4 and act in (ActivationFormat.NONE, ActivationFormat.MXFP4):
         return "mxfp4"
-    if fmt == "fp8_e4m3" and act == "none":
+    if fmt == WeightFormat.FP8_E4M3 and act == ActivationFormat.NONE:
         raise KilnError(f"{module}: FP8 weight-only (W8A16) has no ModelOpt unified-checkpoint algorithm; export it "
                         "with --format compressed-tensors, which vLLM also loads")
     raise KilnError(f"{module}: {fmt} weights with {act} activations have no ModelOpt unified-checkpoint "
@@ -204,7 +205,7 @@ def export_tensors(manifest: Mapping, tensors: Mapping[str, torch.Tensor]) -> di
     """The artifact's tensors in ModelOpt's shapes (only FP8 per-channel scales change: [N, 1] -> [N])."""
     out = dict(tensors)
     for module, entry in manifest["formats"].items():
-        if entry.get("format") == "fp8_e4m3":
+        if entry.get("format") == WeightFormat.FP8_E4M3:
             scale = tensors[f"{module}.weight_scale"]
             if scale.numel() > 1:
                 out[f"{module}.weight_scale"] = scale.reshape(-1).contiguous()
@@ -289,7 +290,7 @@ def dequantize_hf_modelopt(path: Path | str) -> dict[str, torch.Tensor]:
         algo = modelopt_linear_algo(name, q, tensors)
         if algo is None:
             weight = tensors.get(f"{name}.weight")
-            if weight is None and name == "lm_head" and spec.tie_word_embeddings:
+            if weight is None and name == "lm_head" and spec.lm_head_tied(tensors):
                 weight = tensors[spec.embedding]
             out[name] = weight.float()
         else:
@@ -310,7 +311,7 @@ def verify_export(path: Path, artifact: Path) -> None:
     exported = dequantize_hf_modelopt(path)
     for lin in spec.linears():
         entry = manifest["formats"].get(lin.name, {"format": "dense"})
-        if lin.name == "lm_head" and "lm_head.weight" not in tensors and spec.tie_word_embeddings:
+        if lin.name == "lm_head" and spec.lm_head_tied(tensors):
             expected = tensors[spec.embedding].float()
         else:
             expected = dequantize_weight(lin.name, entry, tensors)

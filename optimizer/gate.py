@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.calibration.data import length_batches
+from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import kv_cache_table, lower_tensors, roundtrip
 from kiln.passes.base import GateResult, MetricResult, PassMetric
@@ -50,19 +52,6 @@ def engine_from_graph(graph: ModelGraph, tokenizer=None) -> Engine:
                                kv_cache=kv_cache_table(graph))
 
 
-def _batches(token_lists: Sequence[Sequence[int]], max_tokens: int = 8192):
-    # sort by length so padding stays small; yield (indices, lists)
-    order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
-    batch: list[int] = []
-    for i in order:
-        if batch and (len(batch) + 1) * len(token_lists[i]) > max_tokens:
-            yield batch
-            batch = []
-        batch.append(i)
-    if batch:
-        yield batch
-
-
 @dataclass
 class Score:
     nll: float  # summed over tokens
@@ -75,7 +64,7 @@ class Score:
 
 def log_probs(engine: Engine, token_lists: Sequence[Sequence[int]], progress: Callable[[int], None] | None = None):
     """Yield (index, log-probs [n-1, V] for next tokens, targets [n-1]) per token list."""
-    for batch in _batches(token_lists):
+    for batch in length_batches(token_lists, 8192):
         logits = engine.logits([token_lists[i] for i in batch])
         for i, lg in zip(batch, logits, strict=True):
             targets = torch.as_tensor(token_lists[i][1:], dtype=torch.long)
@@ -112,7 +101,7 @@ class AccuracyGate:
         for i, lp, targets in log_probs(candidate, self.token_lists, self.progress):
             base = self.baseline_lp[i]
             nll -= float(lp.gather(1, targets[:, None]).sum())
-            kl += float((base.exp() * (base - lp)).sum())
+            kl += float(kl_terms(base, lp).sum())
             agree += int((base.argmax(-1) == lp.argmax(-1)).sum())
             count += len(targets)
         return GateResult(

@@ -264,7 +264,7 @@ def read_config(root: Path) -> dict:
 def graph_from_spec(spec: ModelSpec, config: dict, source: Source, tensors: dict[str, torch.Tensor]) -> ModelGraph:
     """The graph of a spec whose tensors `_check_tensors` has checked."""
     graph = ModelGraph(spec=spec, hf_config=config, source=source, tensors=tensors)
-    if "lm_head.weight" not in tensors and spec.tie_word_embeddings:
+    if spec.lm_head_tied(tensors):
         graph.linears["lm_head"].tied_to = spec.embedding
     return graph
 

@@ -35,8 +35,9 @@ import yaml
 from kiln.kernels.errors import KilnError
 from kiln.passes.base import Pass
 from kiln.passes.kv_cache import KvCacheQuantization
-from kiln.passes.mixed_precision import WeightQuantization
-from kiln.passes.mixed_precision_auto import AutoPrecision, ProductionPrecision
+from kiln.passes.weight_quant import WeightQuantization
+from kiln.passes.auto_precision import AutoPrecision
+from kiln.passes.production_precision import ProductionPrecision
 
 BUILTIN_PASSES: dict[str, type[Pass]] = {
     WeightQuantization.name: WeightQuantization,

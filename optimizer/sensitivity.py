@@ -1,4 +1,5 @@
-"""Sensitivity through the runtime (`PassContext.logit_kl`) and its picture (a layers x formats heatmap).
+"""Sensitivity through the runtime (`ModelRunner.logit_kl`, optimizer.runner) and its picture (a layers x
+formats heatmap).
 
     kl = LogitKl(source_graph, calibration_token_lists)
     kl(graph, paragraphs)  -> mean over next-token positions of KL(source || graph) of the final logits,
@@ -16,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kiln.calibration.metrics import kl_terms
 from kiln.calibration.sensitivity import SensitivityTable
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.gate import engine_from_graph, log_probs
@@ -25,7 +27,7 @@ from kiln.runtime.engine import Engine
 
 
 class LogitKl:
-    """What the build driver puts in `PassContext.logit_kl`."""
+    """`RuntimeRunner.logit_kl` (optimizer.runner): KL of the final logits against the source."""
 
     def __init__(self, source: ModelGraph, token_lists: Sequence[Sequence[int]]):
         self.token_lists = [list(t) for t in token_lists if len(t) >= 2]
@@ -62,7 +64,7 @@ class LogitKl:
         kl, count = 0.0, 0
         for i, lp, _ in log_probs(engine_from_graph(graph), lists):
             base = baseline[i]
-            kl += float((base.exp() * (base - lp)).sum())
+            kl += float(kl_terms(base, lp).sum())
             count += lp.shape[0]
         return kl / count
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -44,7 +44,7 @@ class PassResult:
                 "notes": list(self.notes)}
 
 
-class Runner(Protocol):
+class ExecutedGraph(Protocol):
     """A graph as the runtime executes it (the gate hands a pass metric two of these)."""
 
     def logits(self, token_lists: Sequence[Sequence[int]]) -> list[Any]:
@@ -60,7 +60,7 @@ class PassMetric:
 
     name: str
     floor: float
-    measure: Callable[[Runner, Runner, Sequence[Sequence[int]]], float]
+    measure: Callable[[ExecutedGraph, ExecutedGraph, Sequence[Sequence[int]]], float]
     higher_is_better: bool = True
 
 
@@ -143,20 +143,50 @@ Gate = Callable[..., GateResult]
 against `before` (the graph as the pass found it)."""
 
 
+class Distillation(Protocol):
+    """KL(source || graph with tuned weights and norms swapped in), batch by batch, differentiable."""
+
+    def loss(self, step: int) -> Any:
+        """The loss of step `step`'s batch (batches cycle over the calibration tokens)."""
+
+    def __len__(self) -> int:
+        """Number of batches."""
+
+
 class CalibrationSession(Protocol):
-    """Per-linear inputs on the calibration tokens, one block at a time, through the graph as it stands."""
+    """Per-linear inputs on the calibration tokens, one block at a time, through the graph as it stands; its
+    source (for distillation) is the graph as it stood when the session was opened."""
 
     def observe(self, linears: Sequence[str], callback: Callable[[str, Any], None]) -> None:
         """Call callback(name, x [tokens, in_features]) with the inputs of `linears` (all in one block, or the
         lm_head), batch by batch; the blocks before theirs run as the graph is now (sequential calibration:
         what a pass already quantized is quantized)."""
 
+    def distillation(self, weights: Mapping[str, Callable[[], Any]], norms: Mapping[str, Any],
+                     max_batch_tokens: int = 4096) -> Distillation:
+        """The end-to-end tuning objective: `weights` (linear -> its current fp32 weight) and `norms` (norm
+        weight -> a parameter) replace the graph's in the student; the teacher is the session's source."""
 
-class Calibrator(Protocol):
-    """Runs the model over the calibration tokens for a pass; implemented in optimizer/ (it needs the
-    runtime, which passes/ never imports)."""
 
-    def session(self, graph: ModelGraph) -> CalibrationSession: ...
+class ModelRunner(Protocol):
+    """Everything a pass asks of the model, answered by running it with the runtime's numerics on the
+    calibration tokens; implemented in optimizer/runner.py (passes/ never imports the runtime)."""
+
+    calibration_tokens: Sequence[Sequence[int]]  # tokenized calibration paragraphs (calibration.txt)
+
+    def session(self, graph: ModelGraph) -> CalibrationSession:
+        """Open a calibration session on the graph as it stands (observe linears' inputs; distillation)."""
+
+    def capture_kv(self, graph: ModelGraph) -> dict[int, tuple[Any, ...]]:
+        """K/V activations on the calibration tokens, as the runtime's cache would receive them (post-RoPE):
+        layer -> one [tokens, heads, dim] tensor per cached stream."""
+
+    def logit_kl(self, graph: ModelGraph, paragraphs: int) -> float:
+        """Mean per-token KL(source model || graph as it stands) of the final logits on the first
+        `paragraphs` calibration paragraphs: what precision passes rank groups by."""
+
+    def logits(self, graph: ModelGraph, token_lists: Sequence[Sequence[int]]) -> list[Any]:
+        """Full-sequence logits [len, vocab] of the graph as it stands, per token list."""
 
 
 @dataclass
@@ -166,15 +196,7 @@ class PassContext:
     target: Target
     gate: Gate | None = None  # evaluates the graph through the runtime's numerics
     floor: float | None = None  # overrides every pass's default_floor when set
-    calibration_tokens: Sequence[Sequence[int]] = ()  # tokenized calibration paragraphs (calibration.txt)
-    # K/V activations on the calibration tokens, as the runtime's cache would receive them (post-RoPE):
-    # layer -> one [tokens, heads, dim] tensor per cached stream. Set by the driver (optimizer.calibrate).
-    capture_kv: Callable[[ModelGraph], dict[int, tuple[Any, ...]]] | None = None
-    # inputs of every linear on the calibration tokens, block by block (sequential); optimizer.calibrator
-    calibrator: Calibrator | None = None
-    # mean per-token KL(source model || graph as it stands) of the final logits on the first N calibration
-    # paragraphs, through the runtime (optimizer.sensitivity.LogitKl): what precision passes rank groups by
-    logit_kl: Callable[[ModelGraph, int], float] | None = None
+    runner: ModelRunner | None = None  # runs the model on calibration text; None: no calibration text
     log: Callable[[str], None] = lambda message: None
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.kernels.dequantize import dequantize
 from kiln.runtime.spec import LayerSpec, ModelSpec
 
 ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "k_down", "k_up", "v_down", "v_up", "gate", "up", "down",
@@ -42,6 +43,10 @@ class QuantizedWeight:
 
     def stored_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 values (the runtime's arithmetic: kernels.dequantize)."""
+        return dequantize(self.format, self.tensors, self.in_features)
 
 
 @dataclass

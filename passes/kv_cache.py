@@ -2,7 +2,7 @@
 
 Preconditions: a loaded graph; MLA conversion, when in the pipeline, has run (the cache of an MLA layer is
 its compressed latent and roped key part, and their dims decide what fits). Static scales need K/V
-activations on calibration text, which the driver provides as `ctx.capture_kv` (optimizer.calibrate).
+activations on calibration text, which the driver's runner provides (`ctx.runner.capture_kv`, optimizer.runner).
 What it does: annotates `graph.kv_cache[layer]` with the format the runtime stores that layer's cache in
 (the artifact's manifest "kv_cache" table, runtime.kv_format) and its calibrated scales:
     fp8    E4M3 values; scales per tensor (amax / 448 over the calibration tokens), per KV head, or
@@ -15,8 +15,8 @@ With `center` (the default) it also stores each stream's per-channel mean over t
 RoPE keys carry large, nearly constant means in their slowly rotating channels, which FP8's relative
 rounding would otherwise spend its precision on. It costs no bytes per token.
 It measures each layer's sensitivity into `result.metrics["model.layers.{i}.kv_cache"]`: the mean per-token
-KL of the final logits on calibration paragraphs with only that layer's cache quantized (`ctx.logit_kl`),
-or, without that hook, the relative squared error of its quantized K and V on the calibration activations
+KL of the final logits on calibration paragraphs with only that layer's cache quantized (`ctx.runner.logit_kl`),
+or, without a runner, the relative squared error of its quantized K and V on the calibration activations
 (always recorded as `...kv_cache.relative_error`).
 What it does not handle: weights (weight-quant), MLA conversion (the mla pass), attention kernels.
 Back-off: keep the most sensitive layers' caches in BF16, 1, 2, 4, ... of them.
@@ -30,7 +30,9 @@ from typing import ClassVar
 
 import torch
 
-from kiln.kernels.errors import KilnError
+from kiln.calibration.metrics import relative_error
+from kiln.kernels.errors import KilnError, check_choice
+from kiln.kernels.formats import KvFormat, parse_kv_format
 from kiln.kernels.fp8 import E4M3_MAX
 from kiln.kernels.kv_quant import KV_FP8_SCALINGS, kv_fake_quantize, nvfp4_kv_global_scale
 from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
@@ -40,18 +42,6 @@ from kiln.passes.graph import ModelGraph
 from kiln.runtime.spec import AttentionSpec
 
 KV_FORMATS = ("fp8", "nvfp4")
-
-
-def _choice(field_name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise KilnError(f"{field_name}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}")
-
-
-def kv_streams(attention: AttentionSpec) -> tuple[tuple[str, int, int], ...]:
-    """(name, heads, dim) of each stream a layer caches; the same order as runtime.kv_format.kv_streams."""
-    if attention.kind == "mla":
-        return (("latent", 1, attention.kv_lora_rank), ("k_rope", 1, attention.qk_rope_head_dim))
-    return (("k", attention.num_kv_heads, attention.head_dim), ("v", attention.num_kv_heads, attention.v_head_dim))
 
 
 def layer_key(layer: int) -> str:
@@ -66,10 +56,6 @@ def _fp8_scale(x: torch.Tensor, scaling: str) -> tuple[torch.Tensor | None, torc
     scale = amax.float() / E4M3_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return scale, (scale if scaling == "per_tensor" else scale.reshape(-1, 1))
-
-
-def _relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
-    return float((x_hat - x.float()).pow(2).sum() / x.float().pow(2).sum().clamp_min(1e-30))
 
 
 @dataclass(frozen=True)
@@ -97,9 +83,9 @@ class KvCacheQuantization(Pass):
     runs_after: ClassVar[frozenset[str]] = frozenset({"mla"})
 
     def __post_init__(self):
-        _choice("format", self.format, KV_FORMATS)
-        _choice("scaling", self.scaling, KV_FP8_SCALINGS)
-        _choice("center", self.center, (True, False))
+        check_choice("format", self.format, KV_FORMATS)
+        check_choice("scaling", self.scaling, KV_FP8_SCALINGS)
+        check_choice("center", self.center, (True, False))
         keep = tuple(self.keep)
         for layer in keep:
             if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
@@ -118,16 +104,16 @@ class KvCacheQuantization(Pass):
             raise KilnError(f"keep names layers this model does not have: {unknown[:5]} "
                             f"(it has layers 0..{len(layers) - 1})")
 
-    def _layer_format(self, attention: AttentionSpec) -> tuple[str, str, str | None]:
+    def _layer_format(self, attention: AttentionSpec) -> tuple[KvFormat, str, str | None]:
         """(stored format, scaling, why it differs from the requested format or None)."""
-        if self.format == "nvfp4":
-            bad = [f"{name} dim {dim}" for name, _, dim in kv_streams(attention) if dim % NVFP4_BLOCK_SIZE]
+        if parse_kv_format(self.format) == KvFormat.NVFP4:
+            bad = [f"{name} dim {dim}" for name, _, dim in attention.kv_streams() if dim % NVFP4_BLOCK_SIZE]
             if not bad:
-                return "nvfp4", "e4m3_block16", None
+                return KvFormat.NVFP4, "e4m3_block16", None
             dims = "head_dim" if attention.kind != "mla" else "cached dims"
-            return "fp8_e4m3", self.scaling, (f"NVFP4 needs {dims} in multiples of {NVFP4_BLOCK_SIZE} "
+            return KvFormat.FP8_E4M3, self.scaling, (f"NVFP4 needs {dims} in multiples of {NVFP4_BLOCK_SIZE} "
                                               f"({', '.join(bad)}): FP8 E4M3 instead")
-        return "fp8_e4m3", self.scaling, None
+        return KvFormat.FP8_E4M3, self.scaling, None
 
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
         result = PassResult(self.name)
@@ -137,14 +123,14 @@ class KvCacheQuantization(Pass):
                 result.skipped[layer_key(block.index)] = "kept in BF16 (keep list / back-off)"
             else:
                 plans[block.index] = self._layer_format(block.attention)
-        needs_calibration = self.center or any(fmt == "nvfp4" or scaling != "dynamic"
+        needs_calibration = self.center or any(fmt == KvFormat.NVFP4 or scaling != "dynamic"
                                                for fmt, scaling, _ in plans.values())
-        if ctx.capture_kv is None and needs_calibration:
+        if ctx.runner is None and needs_calibration:
             raise KilnError("kv-cache: static KV scales need K/V activations on calibration text, and the pass "
-                            "context has no capture_kv (pass calibration data, e.g. optimize build --calib-data, "
+                            "context has no runner (pass calibration data, e.g. optimize build --calib-data, "
                             "or use format='fp8', scaling='dynamic', center=False)")
-        activations = ctx.capture_kv(graph) if (ctx.capture_kv is not None and plans) else None
-        if activations is None and ctx.logit_kl is None:
+        activations = ctx.runner.capture_kv(graph) if (ctx.runner is not None and plans) else None
+        if activations is None and ctx.runner is None:
             result.notes.append("no calibration activations: sensitivity not measured, so no back-off")
         backed_off = []
         previous = dict(graph.kv_cache)  # what earlier passes left; the sensitivity probe starts from it
@@ -152,13 +138,13 @@ class KvCacheQuantization(Pass):
             if block.index not in plans:
                 continue
             fmt, scaling, note = plans[block.index]
-            streams = kv_streams(block.attention)
+            streams = block.attention.kv_streams()
             scales, offsets, error = {}, {}, 0.0
             for s, (stream, _, _) in enumerate(streams):
                 x = activations[block.index][s] if activations is not None else None
                 offset = x.mean(dim=0) if (self.center and x is not None) else None
                 centered = x if offset is None else x - offset
-                if fmt == "nvfp4":
+                if fmt == KvFormat.NVFP4:
                     stored = compute = nvfp4_kv_global_scale(centered.abs().amax())
                 else:
                     stored, compute = _fp8_scale(centered, scaling) if x is not None else (None, None)
@@ -167,7 +153,7 @@ class KvCacheQuantization(Pass):
                 if offset is not None:
                     offsets[stream] = offset
                 if x is not None:
-                    error += _relative_error(x, kv_fake_quantize(x, fmt, scaling, compute, offset))
+                    error += relative_error(kv_fake_quantize(x, fmt, scaling, compute, offset), x)
             graph.kv_cache[block.index] = {"format": fmt, "scaling": scaling, "streams": [n for n, _, _ in streams],
                                            "scales": scales, "offsets": offsets, **({"note": note} if note else {})}
             described = f"{fmt} ({scaling}{', centered' if offsets else ''})"
@@ -179,7 +165,7 @@ class KvCacheQuantization(Pass):
                 backed_off.append(block.index)
         if backed_off:
             result.notes.append(f"layers {backed_off}: {plans[backed_off[0]][2]}")
-        if ctx.logit_kl is not None and len(plans) > 1:
+        if ctx.runner is not None and len(plans) > 1:
             self._logit_kl_sensitivity(graph, ctx, previous, list(plans), result)
         return result
 
@@ -190,7 +176,7 @@ class KvCacheQuantization(Pass):
         try:
             for layer in layers:
                 graph.kv_cache = {**previous, layer: annotated[layer]}
-                result.metrics[layer_key(layer)] = ctx.logit_kl(graph, self.sensitivity_paragraphs)
+                result.metrics[layer_key(layer)] = ctx.runner.logit_kl(graph, self.sensitivity_paragraphs)
         finally:
             graph.kv_cache = annotated
         result.notes.append(f"sensitivity: logit KL on {self.sensitivity_paragraphs} calibration paragraphs with "

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from kiln.kernels.errors import KilnError
+from kiln.kernels.formats import KvFormat
 from kiln.kernels.kv_quant import KV_FP8_SCALINGS
 from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
-from kiln.runtime.spec import AttentionSpec, ModelSpec
+from kiln.runtime.spec import ModelSpec
 
-KV_FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
-KV_SCALINGS = {"bf16": ("none",), "fp8_e4m3": KV_FP8_SCALINGS, "nvfp4": ("e4m3_block16",)}
-BF16 = {"format": "bf16", "scaling": "none"}
+KV_FORMATS = tuple(KvFormat)
+KV_SCALINGS = {KvFormat.BF16: ("none",), KvFormat.FP8_E4M3: KV_FP8_SCALINGS, KvFormat.NVFP4: ("e4m3_block16",)}
+BF16 = {"format": KvFormat.BF16, "scaling": "none"}
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class KvStream:
     name: str  # "k", "v", "latent", "k_rope"
     heads: int
     dim: int
-    format: str = "bf16"
+    format: KvFormat = KvFormat.BF16
     scaling: str = "none"
     scale: torch.Tensor | None = None  # static fp8: 0-dim or [H, 1]; nvfp4: 0-dim global scale
     offset: torch.Tensor | None = None  # [H, D] subtracted before quantizing, added back on reading
@@ -51,21 +52,14 @@ class KvStream:
         return stream_bytes_per_token(self.heads, self.dim, self.format, self.scaling)
 
 
-def kv_streams(attention: AttentionSpec) -> tuple[tuple[str, int, int], ...]:
-    """(name, heads, dim) of each stream a layer caches, in the order the model passes them."""
-    if attention.kind == "mla":
-        return (("latent", 1, attention.kv_lora_rank), ("k_rope", 1, attention.qk_rope_head_dim))
-    return (("k", attention.num_kv_heads, attention.head_dim), ("v", attention.num_kv_heads, attention.v_head_dim))
-
-
 def stream_bytes_per_token(heads: int, dim: int, fmt: str, scaling: str) -> int:
     """Deployment bytes one token costs in one stream (per-token scales included; static scales are not)."""
     values = heads * dim
-    if fmt == "bf16":
+    if fmt == KvFormat.BF16:
         return 2 * values
-    if fmt == "fp8_e4m3":
+    if fmt == KvFormat.FP8_E4M3:
         return values + (4 if scaling == "dynamic" else 0)  # dynamic: one fp32 scale per token
-    if fmt == "nvfp4":
+    if fmt == KvFormat.NVFP4:
         return values // 2 + values // NVFP4_BLOCK_SIZE  # two E2M1 a byte + one E4M3 scale per 16
     raise KilnError(f"unknown KV format {fmt!r}; known: {', '.join(KV_FORMATS)}")
 
@@ -81,7 +75,7 @@ def check_entry(layer: int, entry: Mapping, streams: tuple[tuple[str, int, int],
     names = [name for name, _, _ in streams]
     if "streams" in entry and list(entry["streams"]) != names:
         raise KilnError(f"kv_cache layer {layer}: streams {entry['streams']} do not match the model's {names}")
-    if fmt == "nvfp4":
+    if fmt == KvFormat.NVFP4:
         bad = [f"{name} dim {dim}" for name, _, dim in streams if dim % NVFP4_BLOCK_SIZE]
         if bad:
             raise KilnError(f"kv_cache layer {layer}: NVFP4 needs dims that are multiples of {NVFP4_BLOCK_SIZE}, "
@@ -108,13 +102,13 @@ def resolve_kv_streams(spec: ModelSpec, table: Mapping | None,
     out = []
     for layer in spec.layers:
         entry = _entry(table, layer.index)
-        streams = kv_streams(layer.attention)
+        streams = layer.attention.kv_streams()
         check_entry(layer.index, entry, streams)
         fmt, scaling = entry["format"], entry.get("scaling", "none")
-        needs_scale = fmt == "nvfp4" or (fmt == "fp8_e4m3" and scaling != "dynamic")
+        needs_scale = fmt == KvFormat.NVFP4 or (fmt == KvFormat.FP8_E4M3 and scaling != "dynamic")
         resolved = []
         offsets = entry.get("offset_tensors") or {}
-        if offsets and fmt == "bf16":
+        if offsets and fmt == KvFormat.BF16:
             raise KilnError(f"kv_cache layer {layer.index}: a BF16 cache takes no offsets")
         unknown = sorted(set(offsets) - {name for name, _, _ in streams})
         if unknown:

@@ -78,7 +78,7 @@ class Weights:
         entry = self.formats.get(name, {"format": "dense"})
         check_format(name, entry)
         shape = (lin.out_features, lin.in_features)
-        if name == "lm_head" and f"{name}.weight" not in self.tensors and self.spec.tie_word_embeddings:
+        if name == "lm_head" and self.spec.lm_head_tied(self.tensors):
             weight = self.tensor(self.spec.embedding, shape, "the embedding")
         else:
             weight = dequantize_weight(name, entry, self.tensors, shape)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from kiln.kernels.errors import KilnError
+from kiln.kernels.formats import KvFormat
 from kiln.kernels.kv_quant import (
     fp8_kv_dequantize,
     fp8_kv_quantize,
@@ -168,11 +169,11 @@ class _Nvfp4Pool(_QuantizedPool):
 
 
 _POOLS = {
-    ("bf16", "none"): _DensePool,
-    ("fp8_e4m3", "per_tensor"): _Fp8StaticPool,
-    ("fp8_e4m3", "per_head"): _Fp8StaticPool,
-    ("fp8_e4m3", "dynamic"): _Fp8DynamicPool,
-    ("nvfp4", "e4m3_block16"): _Nvfp4Pool,
+    (KvFormat.BF16, "none"): _DensePool,
+    (KvFormat.FP8_E4M3, "per_tensor"): _Fp8StaticPool,
+    (KvFormat.FP8_E4M3, "per_head"): _Fp8StaticPool,
+    (KvFormat.FP8_E4M3, "dynamic"): _Fp8DynamicPool,
+    (KvFormat.NVFP4, "e4m3_block16"): _Nvfp4Pool,
 }
 
 
@@ -181,7 +182,7 @@ def stored_bytes_per_token(streams: Sequence[Sequence[KvStream]], dtype: torch.d
     total = 0
     for layer in streams:
         for s in layer:
-            dense = s.format == "bf16"
+            dense = s.format == KvFormat.BF16
             total += s.heads * s.dim * dtype.itemsize if dense else s.bytes_per_token()
     return total
 

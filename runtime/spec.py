@@ -57,6 +57,12 @@ class AttentionSpec:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
 
+    def kv_streams(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, heads, dim) of each stream a layer caches, in the order the model passes them."""
+        if self.kind == "mla":
+            return (("latent", 1, self.kv_lora_rank), ("k_rope", 1, self.qk_rope_head_dim))
+        return (("k", self.num_kv_heads, self.head_dim), ("v", self.num_kv_heads, self.v_head_dim))
+
 
 @dataclass(frozen=True)
 class MlpSpec:
@@ -126,6 +132,11 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra_modules: tuple[ExtraModuleSpec, ...] = ()
+
+    def lm_head_tied(self, tensor_names) -> bool:
+        """The lm_head reads the embedding: the config ties them and no separate lm_head weight is stored
+        (`tensor_names`: the names of a checkpoint's or an artifact's tensors)."""
+        return self.tie_word_embeddings and "lm_head.weight" not in tensor_names
 
     def linears(self) -> list[LinearSpec]:
         """The linears decoding runs, in model order: each layer's, then lm_head."""

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from kiln.kernels import fp8
+from kiln.kernels.dequantize import dequantize
 from kiln.kernels.errors import KilnError
+from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.runtime.artifact import clip
 
-WEIGHT_FORMATS = ("dense", "fp8_e4m3", "nvfp4", "mxfp4")
-ACTIVATION_FORMATS = ("none", "fp8_dynamic_per_token", "fp8_static_per_tensor", "nvfp4", "mxfp4")
+WEIGHT_FORMATS = tuple(WeightFormat)
+ACTIVATION_FORMATS = tuple(ActivationFormat)
 
 
 def _shape(shape) -> str:
@@ -112,12 +114,12 @@ def dequantize_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.T
     w = need_tensor(tensors, f"{module}.weight")
     out = shape[0] if shape is not None else None
     try:
-        if fmt == "dense":
+        if fmt == WeightFormat.DENSE:
             check_dtype(f"{module}.weight", w, "a dense weight")
             if shape is not None:
                 check_shape(f"{module}.weight", w, shape)
             result = w.float()
-        elif fmt == "fp8_e4m3":
+        elif fmt == WeightFormat.FP8_E4M3:
             check_dtype(f"{module}.weight", w, "an fp8_e4m3 weight", fp8.FP8_DTYPE)
             if shape is not None:
                 check_shape(f"{module}.weight", w, shape)
@@ -127,36 +129,33 @@ def dequantize_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.T
             scale = need_tensor(tensors, f"{module}.weight_scale")
             check_dtype(f"{module}.weight_scale", scale, "an FP8 weight scale")
             check_shape(f"{module}.weight_scale", scale, (), (1,), (w.shape[0] if out is None else out, 1))
-            result = fp8.fp8_dequantize(w, scale)
-        elif fmt == "nvfp4":
-            from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE, Nvfp4Weight, nvfp4_dequantize, padded_in_features
+            result = dequantize(fmt, {"weight": w, "weight_scale": scale})
+        elif fmt == WeightFormat.NVFP4:
+            from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4_TENSOR_NAMES, padded_in_features
 
             in_features = _in_features(module, entry, fmt, shape)
-            names = ("weight", "weight_scale", "weight_scale_2")
             if shape is not None:
                 _check_block_layout(module, tensors, out, padded_in_features(in_features), NVFP4_BLOCK_SIZE,
                                     torch.float8_e4m3fn)
                 g = need_tensor(tensors, f"{module}.weight_scale_2")
                 check_shape(f"{module}.weight_scale_2", g, (), (1,))
                 check_dtype(f"{module}.weight_scale_2", g, "its global scale", torch.float32)
-            q = Nvfp4Weight.from_tensors({k: need_tensor(tensors, f"{module}.{k}") for k in names},
-                                         in_features=in_features)
-            result = nvfp4_dequantize(q)
+            result = dequantize(fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in NVFP4_TENSOR_NAMES},
+                                in_features)
         else:  # mxfp4
-            from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, Mxfp4Weight, mxfp4_dequantize, padded_in_features
+            from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, MXFP4_TENSOR_NAMES, padded_in_features
 
             in_features = _in_features(module, entry, fmt, shape)
             if shape is not None:
                 _check_block_layout(module, tensors, out, padded_in_features(in_features), MXFP4_BLOCK_SIZE,
                                     torch.uint8)
-            q = Mxfp4Weight.from_tensors({k: need_tensor(tensors, f"{module}.{k}") for k in ("weight", "weight_scale")},
-                                         in_features=in_features)
-            result = mxfp4_dequantize(q)
+            result = dequantize(fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in MXFP4_TENSOR_NAMES},
+                                in_features)
     except (ValueError, TypeError) as exc:  # the kernels' own layout and value checks
         detail = str(exc).strip().splitlines()
         raise KilnError(f"artifact tensors of {clip(module)} ({fmt}) are malformed: "
                         f"{clip(detail[0] if detail else type(exc).__name__, 160)}") from None
-    check_finite(f"{module}.weight" if fmt == "dense" else f"{module}.weight ({fmt}, dequantized)", result)
+    check_finite(f"{module}.weight" if fmt == WeightFormat.DENSE else f"{module}.weight ({fmt}, dequantized)", result)
     return result
 
 
@@ -179,19 +178,19 @@ def activation_quantizer(
 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The fake-quantizer applied to the linear's input (None for weight-only formats)."""
     act = entry.get("activation", "none")
-    if act == "none":
+    if act == ActivationFormat.NONE:
         return None
-    if act == "fp8_dynamic_per_token":
+    if act == ActivationFormat.FP8_DYNAMIC_PER_TOKEN:
         return fp8.fp8_fake_quantize_per_token
-    if act == "fp8_static_per_tensor":
+    if act == ActivationFormat.FP8_STATIC_PER_TENSOR:
         scale = _input_scale(module, tensors, required=True).float()
         return lambda x: fp8.fp8_fake_quantize_per_tensor(x, scale)
-    if act == "nvfp4":
+    if act == ActivationFormat.NVFP4:
         from kiln.kernels.nvfp4 import nvfp4_fake_quantize
 
         global_scale = _input_scale(module, tensors, required=False)
         return lambda x: nvfp4_fake_quantize(x, global_scale)
-    if act == "mxfp4":
+    if act == ActivationFormat.MXFP4:
         from kiln.kernels.mxfp4 import mxfp4_fake_quantize
 
         return mxfp4_fake_quantize

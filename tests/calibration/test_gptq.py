@@ -9,7 +9,7 @@ import torch
 from kiln.calibration.gptq import gptq_quantize, output_error, rtn_quantize
 from kiln.calibration.grids import WeightLayout
 from kiln.calibration.scale_search import mse_scales
-from kiln.passes.mixed_precision import dequantize, quantize_linear_weight
+from kiln.passes.weight_quant import quantize_linear_weight
 
 FORMATS = ("fp8", "nvfp4", "mxfp4")
 
@@ -45,7 +45,7 @@ def test_gptq_values_are_exactly_what_the_format_stores(fmt):
     w, x = correlated_layer(k=70)  # K not a multiple of 16/32: the block formats pad
     res = gptq_quantize(w, x.T @ x, WeightLayout(fmt), act_order=False, scales="mse")
     stored = quantize_linear_weight(w, fmt, method="gptq", hessian=x.T @ x, act_order=False)
-    assert torch.equal(dequantize(stored), res.values)
+    assert torch.equal(stored.dequantize(), res.values)
     assert stored.method == "gptq"
 
 

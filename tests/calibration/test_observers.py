@@ -71,9 +71,9 @@ def test_an_observer_without_tokens_says_why():
 
 
 def test_weight_quantization_names_the_linear_its_observers_watch():
-    # passes.mixed_precision hands each observer its linear's name (what _awq and GPTQ read statistics from)
+    # passes.weight_quant hands each observer its linear's name (what _awq and GPTQ read statistics from)
     from kiln.passes.graph import Linear
-    from kiln.passes.mixed_precision import WeightQuantization
+    from kiln.passes.weight_quant import WeightQuantization
 
     lin = Linear("model.layers.0.mlp.down_proj", "down", 4, 4, layer=0)
 

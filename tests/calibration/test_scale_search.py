@@ -8,7 +8,7 @@ import torch
 
 from kiln.calibration.grids import WeightLayout
 from kiln.calibration.scale_search import block_errors, mse_scales
-from kiln.passes.mixed_precision import dequantize, quantize_linear_weight
+from kiln.passes.weight_quant import quantize_linear_weight
 
 CASES = [("fp8", "per_channel"), ("fp8", "per_tensor"), ("nvfp4", "per_channel"), ("mxfp4", "per_channel")]
 
@@ -43,7 +43,7 @@ def test_searched_scales_are_stored_exactly(fmt, granularity):
     w = torch.randn(24, 70)
     stored = quantize_linear_weight(w, fmt, granularity, method="mse")
     layout = WeightLayout(fmt, granularity)
-    assert torch.equal(dequantize(stored), layout.quantize(w, mse_scales(layout, w)))
+    assert torch.equal(stored.dequantize(), layout.quantize(w, mse_scales(layout, w)))
 
 
 def test_nvfp4_search_scales_up_where_the_block_maximum_on_6_loses():

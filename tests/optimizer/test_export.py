@@ -20,8 +20,9 @@ from kiln.optimizer.build import build
 from kiln.optimizer.export import export
 from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, dequantize_hf_modelopt, summarize_excluded
 from kiln.optimizer.recipes import Recipe
-from kiln.passes.mixed_precision import WeightQuantization
-from kiln.passes.mixed_precision_auto import AutoPrecision, ProductionPrecision
+from kiln.passes.auto_precision import AutoPrecision
+from kiln.passes.production_precision import ProductionPrecision
+from kiln.passes.weight_quant import WeightQuantization
 from kiln.runtime.spec import spec_from_json
 from kiln.runtime.weights import dequantize_weight
 from tests.precision_helpers import SAMPLE_TEXT, tiny_with_tokenizer

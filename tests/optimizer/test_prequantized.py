@@ -203,8 +203,8 @@ def test_modules_to_not_convert_are_read_as_stored(tmp_path, key):
 
 
 def _recipes():
-    from kiln.passes.mixed_precision import WeightQuantization
-    from kiln.passes.mixed_precision_auto import ProductionPrecision
+    from kiln.passes.production_precision import ProductionPrecision
+    from kiln.passes.weight_quant import WeightQuantization
 
     return {  # recipe -> (passes, the formats the artifact must hold)
         "mixed": ((ProductionPrecision(keep_most_sensitive=0),), {"nvfp4", "fp8_e4m3"}),  # ModelOpt MIXED_PRECISION

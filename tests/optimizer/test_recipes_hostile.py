@@ -11,7 +11,7 @@ import pytest
 
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.recipes import MAX_RECIPE_BYTES, Recipe, build_pass, load_recipe_file, resolve_recipe
-from kiln.passes.mixed_precision import WeightQuantization
+from kiln.passes.weight_quant import WeightQuantization
 from tests.conftest import ROOT
 
 MAX_MESSAGE = 300

@@ -11,7 +11,7 @@ import torch
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
 from kiln.passes.base import GateResult, Pass, PassContext, PassResult, Pipeline
-from kiln.passes.mixed_precision import WeightQuantization
+from kiln.passes.weight_quant import WeightQuantization
 from tests.passes.destructive import Scramble
 
 

@@ -8,7 +8,7 @@ from kiln.kernels import fp8
 from kiln.kernels.targets import get_target
 from kiln.optimizer.loader import load_checkpoint
 from kiln.passes.base import PassContext, Pipeline
-from kiln.passes.mixed_precision import WeightQuantization
+from kiln.passes.weight_quant import WeightQuantization
 
 
 def test_fp8_weights_structure_and_numerics(tiny_checkpoints):

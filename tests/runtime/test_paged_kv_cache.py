@@ -204,9 +204,9 @@ def test_fp8_kv_greedy_256_tokens_agrees_with_bf16_on_stories260k():
     """
     from kiln.calibration.data import load_token_lists
     from kiln.kernels.targets import get_target
-    from kiln.optimizer.calibrate import KvCapture
     from kiln.optimizer.gate import engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.runner import RuntimeRunner
     from kiln.passes.base import PassContext
     from kiln.passes.kv_cache import KvCacheQuantization
     from kiln.runtime.engine import decode_one_token, load_tokenizer, prefill
@@ -214,7 +214,7 @@ def test_fp8_kv_greedy_256_tokens_agrees_with_bf16_on_stories260k():
     graph = load_checkpoint(STORIES)
     tok = load_tokenizer(STORIES)
     bf16 = engine_from_graph(graph)
-    ctx = PassContext(get_target("hopper"), capture_kv=KvCapture(load_token_lists(tok, CALIB_TEXT, 64)))
+    ctx = PassContext(get_target("hopper"), runner=RuntimeRunner(graph, load_token_lists(tok, CALIB_TEXT, 64)))
     KvCacheQuantization(format="fp8", scaling="per_tensor").apply(graph, ctx)
     fp8 = engine_from_graph(graph)
     assert all(s.format == "fp8_e4m3" for layer in fp8.kv_streams for s in layer)

@@ -7,20 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.calibration.quantize import static_input_scale
 from kiln.kernels.errors import KilnError
 from kiln.kernels.rotation import block_hadamard
 from kiln.kernels.targets import get_target
 from kiln.optimizer.calibrator import RuntimeCalibrator
 from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.runner import RuntimeRunner
 from kiln.passes.base import PassContext, Pipeline
-from kiln.passes.mixed_precision import (
-    WeightQuantization,
-    _awq_groups,
-    _fold_input_scale,
-    dequantize,
-    static_input_scale,
-)
+from kiln.passes.weight_quant import WeightQuantization, _awq_groups, _fold_input_scale
 from kiln.runtime.engine import Engine
 from tests.conftest import CALIB_TEXT, EVAL_TEXT, STORIES, needs_stories
 
@@ -80,7 +76,7 @@ def test_rotated_pass_stores_the_rotated_weight_and_its_rotation(tiny_checkpoint
     q = graph.linears["model.layers.0.mlp.down_proj"].quant
     assert q.rotation_block == 16
     rotated = block_hadamard(source, 16)
-    assert float((dequantize(q) - rotated).pow(2).sum() / rotated.pow(2).sum()) < 0.02
+    assert float((q.dequantize() - rotated).pow(2).sum() / rotated.pow(2).sum()) < 0.02
     _, formats = lower_tensors(graph)
     assert formats["model.layers.0.mlp.down_proj"]["input_rotation"] == {"kind": "block_hadamard", "block_size": 16}
 
@@ -140,7 +136,7 @@ def test_calibration_is_sequential_through_the_runtime(tiny_checkpoints):
 def test_static_fp8_scales_are_the_calibrated_input_maxima(tiny_checkpoints):
     graph = load_checkpoint(tiny_checkpoints["llama"])
     tokens = token_lists(graph.spec.vocab_size)
-    ctx = PassContext(get_target("hopper"), calibrator=RuntimeCalibrator(tokens))
+    ctx = PassContext(get_target("hopper"), runner=RuntimeRunner(graph, tokens))
     maxima: dict[str, float] = {}
     reference = RuntimeCalibrator(tokens).session(load_checkpoint(tiny_checkpoints["llama"]))
     reference.observe(["model.layers.0.self_attn.q_proj"],
@@ -165,7 +161,7 @@ def test_gptq_awq_and_tuning_store_grid_values_and_lower_the_kl(generated_checkp
 
     rtn = load_checkpoint(generated_checkpoint)
     Pipeline([WeightQuantization(format="mxfp4")]).run(rtn, PassContext(get_target("hopper")))
-    ctx = PassContext(get_target("hopper"), calibrator=RuntimeCalibrator(tokens, max_batch_tokens=256))
+    ctx = PassContext(get_target("hopper"), runner=RuntimeRunner(graph, tokens, max_batch_tokens=256))
     norm = graph.tensors["model.layers.0.input_layernorm.weight"]
     (record,) = Pipeline([WeightQuantization(format="mxfp4", method="gptq", awq=True, tune_steps=8,
                                              tune_lr=1e-3)]).run(graph, ctx)
@@ -185,11 +181,11 @@ def test_gptq_beats_round_to_nearest_on_the_real_model():
     graph = load_checkpoint(STORIES)
     tokenizer = load_tokenizer(STORIES)
     gate = AccuracyGate(engine_from_graph(graph), load_token_lists(tokenizer, EVAL_TEXT, 100))
-    calibrator = RuntimeCalibrator(load_token_lists(tokenizer, CALIB_TEXT, 64))
+    calib = load_token_lists(tokenizer, CALIB_TEXT, 64)
     rtn, gptq = load_checkpoint(STORIES), load_checkpoint(STORIES)
     Pipeline([WeightQuantization(format="nvfp4")]).run(rtn, PassContext(get_target("hopper")))
     Pipeline([WeightQuantization(format="nvfp4", method="gptq", act_order=False)]).run(
-        gptq, PassContext(get_target("hopper"), calibrator=calibrator))
+        gptq, PassContext(get_target("hopper"), runner=RuntimeRunner(gptq, calib)))
     assert gate(gptq, 0.0).recovery > gate(rtn, 0.0).recovery + 0.02
 
 
@@ -221,7 +217,7 @@ def test_distillation_objective_is_the_runtimes_kl(tiny_checkpoints):
     source = engine_from_graph(graph)
     Pipeline([WeightQuantization(format="nvfp4", activations="dynamic")]).run(graph, PassContext(get_target("blackwell")))
     layout = WeightLayout("nvfp4")
-    latents = {lin.name: FakeQuantWeight(layout, dequantize(lin.quant),
+    latents = {lin.name: FakeQuantWeight(layout, lin.quant.dequantize(),
                                          layout.scales_from_stored(dict(lin.quant.tensors), lin.out_features))
                for lin in graph.linears.values() if lin.quant is not None}
     objective = session.distillation(latents, {}, max_batch_tokens=10_000)
@@ -241,7 +237,7 @@ def test_calibrated_pass_runs_on_every_architecture(tiny_checkpoints, model_type
     AWQ skips what it cannot fold (MoE, MLA) and says so; the runtime runs the result."""
     graph = load_checkpoint(tiny_checkpoints[model_type])
     tokens = token_lists(graph.spec.vocab_size, count=2)
-    ctx = PassContext(get_target("blackwell"), calibrator=RuntimeCalibrator(tokens))
+    ctx = PassContext(get_target("blackwell"), runner=RuntimeRunner(graph, tokens))
     (record,) = Pipeline([WeightQuantization(method="gptq", awq=True, activations="static")]).run(graph, ctx)
     quantized = [lin for lin in graph.linears.values() if lin.quant is not None]
     assert quantized and all("input_scale" in lin.quant.tensors for lin in quantized)
@@ -260,8 +256,7 @@ def test_nvfp4_fused_siblings_share_one_global_scale(tiny_checkpoints, method):
     graph = load_checkpoint(tiny_checkpoints["llama"])
     source = {n: graph.weight(lin).float().clone() for n, lin in graph.linears.items()}
     tokens = token_lists(graph.spec.vocab_size)
-    ctx = PassContext(get_target("hopper"), calibration_tokens=tokens,
-                      calibrator=RuntimeCalibrator(tokens) if method != "rtn" else None)
+    ctx = PassContext(get_target("hopper"), runner=RuntimeRunner(graph, tokens) if method != "rtn" else None)
     Pipeline([WeightQuantization(format="nvfp4", method=method, act_order=False)]).run(graph, ctx)
     a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
     sets = [[a + "q_proj", a + "k_proj", a + "v_proj"], [m + "gate_proj", m + "up_proj"], [a + "o_proj"],

@@ -1,7 +1,7 @@
 """Mixed precision (auto-precision, production-precision): the spec, checked on tiny models.
 
 Before: a tiny checkpoint in source precision. Run the pass with a context like the build driver's
-(calibration tokens, the runtime calibrator, the runtime KL probe). Expected: one option per group, routers and
+(the runtime runner: calibration sessions and the KL probe on calibration tokens). Expected: one option per group, routers and
 norms untouched, the budget respected, sensitivity measured for every group and candidate, the target's
 capabilities enforced, back-off promoting the most sensitive group first, MoE experts all quantized.
 """
@@ -16,18 +16,14 @@ import torch
 from kiln.calibration.sensitivity import SensitivityTable
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
-from kiln.optimizer.calibrator import RuntimeCalibrator
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.recipes import resolve_recipe
+from kiln.optimizer.runner import RuntimeRunner
 from kiln.optimizer.sensitivity import LogitKl, render_heatmap
+from kiln.passes.auto_precision import AutoPrecision
 from kiln.passes.base import GateResult, PassContext, Pipeline
-from kiln.passes.mixed_precision_auto import (
-    OPTIONS,
-    AutoPrecision,
-    ProductionPrecision,
-    default_candidates,
-    target_fp4,
-)
+from kiln.passes.precision_options import OPTIONS, default_candidates, target_fp4
+from kiln.passes.production_precision import ProductionPrecision
 from tests.conftest import CALIB_TEXT, EVAL_TEXT, STORIES, needs_stories
 
 
@@ -38,8 +34,7 @@ def tokens(count: int = 6, length: int = 24, vocab: int = 160, seed: int = 0) ->
 
 def context(graph, target: str = "blackwell", token_lists=None, gate=None, log=None) -> PassContext:
     token_lists = tokens() if token_lists is None else token_lists
-    return PassContext(get_target(target), gate=gate, calibration_tokens=token_lists,
-                       calibrator=RuntimeCalibrator(token_lists), logit_kl=LogitKl(graph, token_lists),
+    return PassContext(get_target(target), gate=gate, runner=RuntimeRunner(graph, token_lists),
                        log=log or (lambda message: None))
 
 

@@ -1,7 +1,7 @@
 """Weight quantization: store chosen linears as FP8 E4M3, NVFP4 or MXFP4, optionally with activations.
 
 Preconditions: a loaded graph; the target must run the format (Hopper: FP4 only weight-only); calibration
-text (`ctx.calibrator`, which the build driver sets from --calib-data) for GPTQ, AWQ, tuning and static
+text (`ctx.runner`, which the build driver sets from --calib-data) for GPTQ, AWQ, tuning and static
 activation scales. Without it, static scales are an error and the rest falls back to data-free MSE scales,
 with a warning and a note in the result (the manifest says "mse" for every linear).
 What it does: for every linear whose role is selected and whose name is not kept, replace its precision
@@ -43,25 +43,31 @@ from typing import ClassVar
 import torch
 
 from kiln.calibration.awq import awq_search
-from kiln.calibration.gptq import gptq_quantize
 from kiln.calibration.grids import WeightLayout
+from kiln.calibration.metrics import relative_error
 from kiln.calibration.observers import InputObserver
+from kiln.calibration.quantize import (
+    METHODS,
+    WEIGHT_FORMATS,
+    activation_fake_quantizer,
+    quantize_weight,
+    shared_global_scales,
+    static_input_scale,
+    stored_layout,
+)
 from kiln.calibration.scale_search import mse_scales
 from kiln.calibration.tuning import FakeQuantWeight, tune
-from kiln.kernels import fp8
-from kiln.kernels.errors import KilnError
+from kiln.kernels.errors import KilnError, check_choice
+from kiln.kernels.formats import ActivationFormat, WeightFormat, parse_weight_format
 from kiln.kernels.rotation import block_hadamard
 from kiln.kernels.targets import Target
 from kiln.passes.base import CalibrationSession, Pass, PassContext, PassResult
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 
-WEIGHT_FORMATS = ("fp8", "nvfp4", "mxfp4")
 ACTIVATION_MODES = ("none", "dynamic", "static")
 GRANULARITIES = ("per_channel", "per_tensor")
-METHODS = ("rtn", "mse", "gptq")
 QUANTIZABLE_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "gate", "up", "down", "expert", "lm_head")
 DEFAULT_ROLES = tuple(r for r in QUANTIZABLE_ROLES if r != "lm_head")
-STORED_FORMATS = {"fp8": "fp8_e4m3", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
 
 # Dataflow order inside a block: a stage's inputs depend only on the stages before it.
 STAGES = (("q", "k", "v", "q_a", "kv_a"), ("q_b", "kv_b"), ("o",), ("gate", "up"), ("down",), ("lm_head",))
@@ -76,88 +82,20 @@ DEFAULT_FLOORS = {("fp8", "none"): 0.99, ("fp8", "dynamic"): 0.99, ("fp8", "stat
                   ("mxfp4", "none"): 0.94, ("mxfp4", "dynamic"): 0.8}
 
 
-def _choice(field_name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise KilnError(f"{field_name}={value!r} is not allowed; choose one of {', '.join(map(str, allowed))}")
-
-
 def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_channel",
                            activation: str = "none", *, method: str = "rtn", hessian: torch.Tensor | None = None,
                            act_order: bool = True, damping: float = 0.01,
                            input_scale: torch.Tensor | None = None,
                            global_scale: torch.Tensor | None = None) -> QuantizedWeight:
-    """Quantize one [out, in] weight to `fmt`.
-
-    method "rtn" is the kernels' round-to-nearest (what every calibration refines); "mse" searches the
-    scales (weighted by diag(hessian) when given); "gptq" needs `hessian` (E[x^T x] of the layer's inputs).
-    `input_scale` (static activations) is stored beside the weight. `global_scale` pins NVFP4's per-tensor
-    scale (fused siblings share one: `shared_global_scales`); None: from this weight alone.
-    """
-    _choice("method", method, METHODS)
-    w = w.float()
-    if method == "rtn":
-        if fmt == "fp8":
-            if granularity == "per_channel":
-                q, scale = fp8.fp8_quantize_per_channel(w)
-            else:
-                q, scale = fp8.fp8_quantize_per_tensor(w)
-            tensors = {"weight": q, "weight_scale": scale}
-        elif fmt == "nvfp4":
-            from kiln.kernels.nvfp4 import nvfp4_quantize
-
-            tensors = nvfp4_quantize(w, global_scale=global_scale).tensors()
-        elif fmt == "mxfp4":
-            from kiln.kernels.mxfp4 import mxfp4_quantize
-
-            tensors = mxfp4_quantize(w).tensors()
-        else:
-            raise KilnError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    else:
-        _choice("format", fmt, WEIGHT_FORMATS)
-        layout = WeightLayout(fmt, granularity)
-        if method == "mse":
-            importance = torch.diagonal(hessian).float() if hessian is not None else None
-            scales = mse_scales(layout, w, importance, global_scale if fmt == "nvfp4" else None)
-            values = layout.quantize(w, scales)
-        else:
-            if hessian is None:
-                raise KilnError("method='gptq' needs the layer's input Hessian (calibration data)")
-            result = gptq_quantize(w, hessian, layout, damping=damping, act_order=act_order, scales="mse",
-                                   global_scale=global_scale if fmt == "nvfp4" else None)
-            values, scales = result.values, result.scales
-        tensors = layout.pack(values, scales)
+    """Quantize one [out, in] weight to `fmt` (calibration.quantize.quantize_weight) as the graph stores it.
+    `input_scale` (static activations) is stored beside the weight."""
+    tensors = quantize_weight(w, fmt, granularity, method=method, hessian=hessian, act_order=act_order,
+                              damping=damping, global_scale=global_scale)
     if input_scale is not None:
         tensors = {**tensors, "input_scale": input_scale.float().reshape(())}
-    return QuantizedWeight(STORED_FORMATS[fmt], tensors, activation,
-                           in_features=w.shape[1] if fmt != "fp8" else None, method=method)
-
-
-def dequantize(qw: QuantizedWeight) -> torch.Tensor:
-    """fp32 values of a QuantizedWeight (same arithmetic as the runtime's loader)."""
-    if qw.format == "fp8_e4m3":
-        return fp8.fp8_dequantize(qw.tensors["weight"], qw.tensors["weight_scale"])
-    if qw.format == "nvfp4":
-        from kiln.kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
-
-        weight = {k: v for k, v in qw.tensors.items() if k != "input_scale"}
-        return nvfp4_dequantize(Nvfp4Weight.from_tensors(weight, in_features=qw.in_features))
-    if qw.format == "mxfp4":
-        from kiln.kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
-
-        return mxfp4_dequantize(Mxfp4Weight.from_tensors(qw.tensors, in_features=qw.in_features))
-    raise KilnError(f"unknown stored format {qw.format!r}")
-
-
-def relative_error(qw: QuantizedWeight, w: torch.Tensor) -> float:
-    """||dequantize(qw) - w||^2 / ||w||^2."""
-    return float((dequantize(qw) - w).pow(2).sum() / w.pow(2).sum().clamp_min(1e-30))
-
-
-def stored_layout(qw: QuantizedWeight) -> WeightLayout:
-    """The calibration layout of a stored weight (FP8 per tensor when its scale is 0-dim)."""
-    if qw.format == "fp8_e4m3":
-        return WeightLayout("fp8", "per_tensor" if qw.tensors["weight_scale"].ndim == 0 else "per_channel")
-    return WeightLayout(qw.format)
+    stored = parse_weight_format(fmt, WEIGHT_FORMATS)
+    return QuantizedWeight(stored, tensors, activation,
+                           in_features=w.shape[1] if stored != WeightFormat.FP8_E4M3 else None, method=method)
 
 
 @dataclass
@@ -175,8 +113,8 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
     latents: dict[str, FakeQuantWeight] = {}
     for name in names:
         qw = graph.linears[name].quant
-        layout = stored_layout(qw)
-        values = dequantize(qw)
+        layout = stored_layout(qw.format, qw.tensors)
+        values = qw.dequantize()
         latents[name] = FakeQuantWeight(layout, values, layout.scales_from_stored(dict(qw.tensors), values.shape[0]))
     layers = {graph.linears[n].layer for n in names if graph.linears[n].layer is not None}
     norm_names = [n for block in graph.blocks if block.index in layers for n in block.norms[:2]]
@@ -193,42 +131,14 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
     return TunedWeights(tensors, {n: p.detach().clone() for n, p in norms.items()}, note)
 
 
-def activation_format(fmt: str, mode: str) -> str:
+def activation_format(fmt: str, mode: str) -> ActivationFormat:
     if mode == "none":
-        return "none"
-    if fmt == "fp8":
-        return "fp8_dynamic_per_token" if mode == "dynamic" else "fp8_static_per_tensor"
-    return fmt  # nvfp4 / mxfp4 activations: dynamic block scales (NVFP4 static: a calibrated per-tensor scale)
-
-
-def activation_fake_quantizer(fmt: str, mode: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """What the runtime applies to a linear's input, for searches that must see it (static: from x's maximum)."""
-    if mode == "none":
-        return None
-    if fmt == "fp8":
-        if mode == "dynamic":
-            return fp8.fp8_fake_quantize_per_token
-        return lambda x: fp8.fp8_fake_quantize_per_tensor(x, _safe(x.abs().amax() / fp8.E4M3_MAX))
-    if fmt == "nvfp4":
-        from kiln.kernels.nvfp4 import nvfp4_fake_quantize
-
-        return nvfp4_fake_quantize
-    from kiln.kernels.mxfp4 import mxfp4_fake_quantize
-
-    return mxfp4_fake_quantize
-
-
-def static_input_scale(fmt: str, absmax: torch.Tensor) -> torch.Tensor:
-    """The stored per-tensor activation scale for a calibrated input maximum."""
-    if fmt == "fp8":
-        return _safe(absmax.float() / fp8.E4M3_MAX)
-    from kiln.kernels.nvfp4 import E2M1_MAX, E4M3_MAX
-
-    return _safe(absmax.float() / (E2M1_MAX * E4M3_MAX))
-
-
-def _safe(scale: torch.Tensor) -> torch.Tensor:
-    return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())
+        return ActivationFormat.NONE
+    stored = parse_weight_format(fmt, WEIGHT_FORMATS)
+    if stored == WeightFormat.FP8_E4M3:
+        return (ActivationFormat.FP8_DYNAMIC_PER_TOKEN if mode == "dynamic"
+                else ActivationFormat.FP8_STATIC_PER_TENSOR)
+    return ActivationFormat(stored)  # nvfp4 / mxfp4 activations: dynamic block scales (NVFP4 static: a calibrated per-tensor scale)
 
 
 def stage_of(lin: Linear) -> int:
@@ -251,22 +161,6 @@ def fusion_key(lin: Linear) -> str:
     if lin.role == "expert" and lin.proj in ("gate", "up"):
         return f"layers.{lin.layer}.experts.{lin.expert}.gate_up"
     return lin.name
-
-
-def shared_global_scales(weights: dict[str, torch.Tensor], keys: dict[str, str]) -> dict[str, torch.Tensor]:
-    """NVFP4 per-tensor scale per linear: amax / (6 * 448) over every weight with the same fusion key (ModelOpt's
-    export unifies fused siblings the same way)."""
-    from kiln.kernels.nvfp4 import nvfp4_global_scale
-
-    amax: dict[str, torch.Tensor] = {}
-    for name, w in weights.items():
-        m = w.abs().amax().float()
-        amax[keys[name]] = torch.maximum(amax[keys[name]], m) if keys[name] in amax else m
-    out = {}
-    for name in weights:
-        # nvfp4_global_scale of a tensor holding only the set's maximum: the same checks and zero handling
-        out[name] = nvfp4_global_scale(amax[keys[name]].reshape(1))
-    return out
 
 
 @dataclass(frozen=True)
@@ -341,17 +235,17 @@ class WeightQuantization(Pass):
     default_floor: ClassVar[float] = 0.98
 
     def __post_init__(self):
-        _choice("format", self.format, WEIGHT_FORMATS)
-        _choice("activations", self.activations, ACTIVATION_MODES)
-        _choice("granularity", self.granularity, GRANULARITIES)
-        _choice("method", self.method, METHODS)
+        check_choice("format", self.format, WEIGHT_FORMATS)
+        check_choice("activations", self.activations, ACTIVATION_MODES)
+        check_choice("granularity", self.granularity, GRANULARITIES)
+        check_choice("method", self.method, METHODS)
         object.__setattr__(self, "roles", tuple(self.roles))
         object.__setattr__(self, "keep", tuple(sorted(self.keep)))
         for role in self.roles:
-            _choice("roles entry", role, QUANTIZABLE_ROLES)
+            check_choice("roles entry", role, QUANTIZABLE_ROLES)
         if not self.roles:
             raise KilnError("roles is empty: the pass would quantize nothing")
-        if self.activations == "static" and self.format == "mxfp4":
+        if self.activations == "static" and self.weight_format == WeightFormat.MXFP4:
             raise KilnError("activations='static' is not allowed for mxfp4 (its E8M0 block scales are always "
                             "dynamic); use 'dynamic' or 'none', or format fp8 / nvfp4")
         for flag in ("awq", "act_order", "sequential"):
@@ -370,6 +264,11 @@ class WeightQuantization(Pass):
         block = self.rotation_block
         if isinstance(block, bool) or not isinstance(block, int) or block < 0 or block & (block - 1):
             raise KilnError(f"rotation_block must be 0 (no rotation) or a power of two, got {block!r}")
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        """The stored format `format` names ("fp8" is FP8 E4M3)."""
+        return parse_weight_format(self.format, WEIGHT_FORMATS)
 
     def floor(self, ctx: PassContext) -> float:
         if ctx.floor is not None:
@@ -409,10 +308,10 @@ class WeightQuantization(Pass):
         if not chosen:
             return result
         method = self.method
-        if ctx.calibrator is None and self.needs_calibration():
+        if ctx.runner is None and self.needs_calibration():
             if self.activations == "static":
                 raise KilnError(f"{self.name}: activations='static' needs calibration text for its input scales, "
-                                "and the pass context has no calibrator (optimize build --calib-data FILE, or "
+                                "and the pass context has no runner (optimize build --calib-data FILE, or "
                                 "build(..., calib_data=...)); or use activations='dynamic'")
             # Like the precision passes: the best data-free values, said loudly, rather than no build at all.
             note = (f"no calibration text: {self._calibration_reason()} not possible, data-free MSE scales "
@@ -420,7 +319,7 @@ class WeightQuantization(Pass):
             ctx.log(f"warning: {self.name}: {note}")
             result.notes.append(note)
             method = "mse"
-        if ctx.calibrator is None or (method == "rtn" and not self.needs_calibration()):
+        if ctx.runner is None or (method == "rtn" and not self.needs_calibration()):
             weights = {lin.name: self._rotate(graph.weight(lin).float()) for lin in chosen}
             shared = self._global_scales(chosen, weights)
             for lin in chosen:
@@ -429,8 +328,8 @@ class WeightQuantization(Pass):
                                             global_scale=shared.get(lin.name))
                 self._store(lin, w, replace(qw, rotation_block=self.rotation_block), result)
             return result
-        session = ctx.calibrator.session(graph)  # before anything changes: its source is the distillation teacher
-        observe = session if self.sequential else ctx.calibrator.session(_unquantized_view(graph))
+        session = ctx.runner.session(graph)  # before anything changes: its source is the distillation teacher
+        observe = session if self.sequential else ctx.runner.session(_unquantized_view(graph))
         by_layer: dict[int | None, list[Linear]] = {}
         for lin in chosen:
             by_layer.setdefault(lin.layer, []).append(lin)
@@ -482,7 +381,7 @@ class WeightQuantization(Pass):
 
     def _global_scales(self, lins: list[Linear], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """NVFP4: one per-tensor scale per fused set of `lins` (q/k/v, gate/up); other formats: none."""
-        if self.format != "nvfp4":
+        if self.weight_format != WeightFormat.NVFP4:
             return {}
         return shared_global_scales(weights, {lin.name: fusion_key(lin) for lin in lins})
 
@@ -501,7 +400,7 @@ class WeightQuantization(Pass):
         act = qw.activation
         result.changed[lin.name] = f"{qw.format}" + (f" + {act} activations" if act != "none" else "") + \
             (f" ({qw.method})" if qw.method != "rtn" else "")
-        result.metrics[lin.name] = relative_error(qw, w)
+        result.metrics[lin.name] = relative_error(qw.dequantize(), w)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x R along the last dim (inputs, and weight rows) when the pass rotates; x otherwise."""

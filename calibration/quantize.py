@@ -1,0 +1,145 @@
+"""One weight -> the tensors a format stores, by the calibration methods; and what the formats do to inputs.
+
+    quantize_weight(w, fmt, granularity, method, ...)   "rtn" (the kernels' round to nearest), "mse" (scale
+                                search, scale_search) or "gptq" (gptq, on the input Hessian) -> stored tensors
+    calibrated_weight(w, fmt, method, hessian, ...)     the same, with the weight-only fallbacks the precision
+                                passes use for a linear that saw no calibration token
+    shared_global_scales(weights, keys)                 one NVFP4 per-tensor scale per fused set
+    activation_fake_quantizer / static_input_scale      what the runtime does to a linear's input
+    stored_layout(fmt, tensors)                         the calibration layout (grids) of stored tensors
+
+Formats here are the weight formats "fp8" (E4M3), "nvfp4", "mxfp4"; tensors use ModelOpt's short names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from kiln.calibration.gptq import gptq_quantize
+from kiln.calibration.grids import WeightLayout
+from kiln.calibration.scale_search import mse_scales
+from kiln.kernels import fp8
+from kiln.kernels.errors import KilnError, check_choice
+from kiln.kernels.formats import WeightFormat, parse_weight_format
+
+WEIGHT_FORMATS = ("fp8", "nvfp4", "mxfp4")
+METHODS = ("rtn", "mse", "gptq")
+
+
+def quantize_weight(w: torch.Tensor, fmt: str, granularity: str = "per_channel", *, method: str = "rtn",
+                    hessian: torch.Tensor | None = None, act_order: bool = True, damping: float = 0.01,
+                    global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The stored tensors of one fp32 [out, in] weight in `fmt`.
+
+    method "rtn" is the kernels' round-to-nearest (what every calibration refines); "mse" searches the
+    scales (weighted by diag(hessian) when given); "gptq" needs `hessian` (E[x^T x] of the layer's inputs).
+    `global_scale` pins NVFP4's per-tensor scale (fused siblings share one: `shared_global_scales`); None:
+    from this weight alone."""
+    check_choice("method", method, METHODS)
+    fmt = parse_weight_format(fmt, WEIGHT_FORMATS)
+    w = w.float()
+    if method == "rtn":
+        if fmt == WeightFormat.FP8_E4M3:
+            if granularity == "per_channel":
+                q, scale = fp8.fp8_quantize_per_channel(w)
+            else:
+                q, scale = fp8.fp8_quantize_per_tensor(w)
+            return {"weight": q, "weight_scale": scale}
+        if fmt == WeightFormat.NVFP4:
+            from kiln.kernels.nvfp4 import nvfp4_quantize
+
+            return nvfp4_quantize(w, global_scale=global_scale).tensors()
+        from kiln.kernels.mxfp4 import mxfp4_quantize
+
+        return mxfp4_quantize(w).tensors()
+    layout = WeightLayout(fmt, granularity)
+    if method == "mse":
+        importance = torch.diagonal(hessian).float() if hessian is not None else None
+        scales = mse_scales(layout, w, importance, global_scale if fmt == WeightFormat.NVFP4 else None)
+        values = layout.quantize(w, scales)
+    else:
+        if hessian is None:
+            raise KilnError("method='gptq' needs the layer's input Hessian (calibration data)")
+        result = gptq_quantize(w, hessian, layout, damping=damping, act_order=act_order, scales="mse",
+                               global_scale=global_scale if fmt == WeightFormat.NVFP4 else None)
+        values, scales = result.values, result.scales
+    return layout.pack(values, scales)
+
+
+def calibrated_weight(w: torch.Tensor, fmt: str, method: str, hessian: torch.Tensor | None,
+                      global_scale: torch.Tensor | None, act_order: bool = True) -> tuple[dict[str, torch.Tensor], str]:
+    """(stored tensors, the method actually used) for one [N, K] weight in `fmt` (fp8 per channel, nvfp4,
+    mxfp4). `global_scale` pins NVFP4's per-tensor scale. Without a Hessian (a linear that saw no calibration
+    token) "gptq" falls back to "mse" on the weights alone and "mse" to unweighted MSE: weight-only
+    statistics."""
+    layout = WeightLayout(fmt)
+    if method == "rtn":
+        if layout.format == WeightFormat.NVFP4:
+            from kiln.kernels.nvfp4 import nvfp4_quantize
+
+            return dict(nvfp4_quantize(w, global_scale=global_scale).tensors()), "rtn"
+        return dict(quantize_weight(w, fmt, "per_channel")), "rtn"
+    if method == "gptq" and hessian is not None:
+        result = gptq_quantize(w, hessian, layout, scales="mse", global_scale=global_scale, act_order=act_order)
+        return dict(layout.pack(result.values, result.scales)), "gptq"
+    importance = torch.diagonal(hessian).float() if hessian is not None else None
+    scales = mse_scales(layout, w, importance, global_scale)
+    return dict(layout.pack(layout.quantize(w, scales), scales)), "mse" if hessian is not None or method == "mse" \
+        else "mse (weight-only)"
+
+
+def stored_layout(fmt: str, tensors: Mapping[str, torch.Tensor]) -> WeightLayout:
+    """The calibration layout of stored tensors in stored format `fmt` (FP8 per tensor when its scale is
+    0-dim)."""
+    if fmt == WeightFormat.FP8_E4M3:
+        return WeightLayout(WeightFormat.FP8_E4M3, "per_tensor" if tensors["weight_scale"].ndim == 0 else "per_channel")
+    return WeightLayout(fmt)
+
+
+def activation_fake_quantizer(fmt: str, mode: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the runtime applies to a linear's input, for searches that must see it (static: from x's maximum)."""
+    if mode == "none":
+        return None
+    fmt = parse_weight_format(fmt, WEIGHT_FORMATS)
+    if fmt == WeightFormat.FP8_E4M3:
+        if mode == "dynamic":
+            return fp8.fp8_fake_quantize_per_token
+        return lambda x: fp8.fp8_fake_quantize_per_tensor(x, _safe(x.abs().amax() / fp8.E4M3_MAX))
+    if fmt == WeightFormat.NVFP4:
+        from kiln.kernels.nvfp4 import nvfp4_fake_quantize
+
+        return nvfp4_fake_quantize
+    from kiln.kernels.mxfp4 import mxfp4_fake_quantize
+
+    return mxfp4_fake_quantize
+
+
+def static_input_scale(fmt: str, absmax: torch.Tensor) -> torch.Tensor:
+    """The stored per-tensor activation scale for a calibrated input maximum."""
+    if parse_weight_format(fmt, WEIGHT_FORMATS) == WeightFormat.FP8_E4M3:
+        return _safe(absmax.float() / fp8.E4M3_MAX)
+    from kiln.kernels.nvfp4 import E2M1_MAX, E4M3_MAX
+
+    return _safe(absmax.float() / (E2M1_MAX * E4M3_MAX))
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())
+
+
+def shared_global_scales(weights: dict[str, torch.Tensor], keys: dict[str, str]) -> dict[str, torch.Tensor]:
+    """NVFP4 per-tensor scale per weight: amax / (6 * 448) over every weight with the same key (fused siblings;
+    ModelOpt's export unifies them the same way)."""
+    from kiln.kernels.nvfp4 import nvfp4_global_scale
+
+    amax: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        m = w.abs().amax().float()
+        amax[keys[name]] = torch.maximum(amax[keys[name]], m) if keys[name] in amax else m
+    out = {}
+    for name in weights:
+        # nvfp4_global_scale of a tensor holding only the set's maximum: the same checks and zero handling
+        out[name] = nvfp4_global_scale(amax[keys[name]].reshape(1))
+    return out

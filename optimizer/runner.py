@@ -1,0 +1,57 @@
+"""`PassContext.runner`: what passes ask of the model (passes.base.ModelRunner), answered by the runtime's own
+modules on the calibration tokens.
+
+    runner = RuntimeRunner(source_graph, calibration_tokens)
+    runner.session(graph)            observe linears' inputs block by block; distillation (optimizer.calibrator)
+    runner.capture_kv(graph)         K/V cache activations (optimizer.calibrate.KvCapture)
+    runner.logit_kl(graph, n)        KL(source || graph) of the final logits on n paragraphs (optimizer.sensitivity)
+    runner.logits(graph, lists)      full-sequence logits through the runtime (optimizer.gate.engine_from_graph)
+
+The source is the graph as it stands when the runner is made (before any pass): passes replace tensors, never
+change them in place, so holding it by reference costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kiln.optimizer.calibrate import KvCapture
+from kiln.optimizer.calibrator import RuntimeCalibrationSession, RuntimeCalibrator
+from kiln.optimizer.gate import engine_from_graph
+from kiln.optimizer.sensitivity import LogitKl
+from kiln.passes.graph import ModelGraph
+
+
+class RuntimeRunner:
+    """The one ModelRunner: a RuntimeCalibrator, a KvCapture and a LogitKl over the same calibration text.
+
+    `calibration_tokens` are what observation, K/V capture and sensitivity run on; `distillation_tokens`
+    (default: the same) are what end-to-end tuning fits on, which wants more text than an observation (the
+    build driver hands it every calibration paragraph; observation keeps to the first
+    len(calibration_tokens), whose Hessians and ranges settle within a few hundred paragraphs)."""
+
+    def __init__(self, source: ModelGraph, calibration_tokens: Sequence[Sequence[int]], *,
+                 distillation_tokens: Sequence[Sequence[int]] | None = None, max_batch_tokens: int = 8192):
+        self.calibration_tokens = [list(t) for t in calibration_tokens]
+        if distillation_tokens is None:
+            self._calibrator = RuntimeCalibrator(self.calibration_tokens, max_batch_tokens)
+        else:
+            self._calibrator = RuntimeCalibrator(distillation_tokens, max_batch_tokens,
+                                                 observe_sequences=len(self.calibration_tokens))
+        self._kv = KvCapture(self.calibration_tokens, max_batch_tokens)
+        self._kl = LogitKl(source, self.calibration_tokens)
+
+    def session(self, graph: ModelGraph) -> RuntimeCalibrationSession:
+        return self._calibrator.session(graph)
+
+    def capture_kv(self, graph: ModelGraph) -> dict[int, tuple[torch.Tensor, ...]]:
+        return self._kv(graph)
+
+    def logit_kl(self, graph: ModelGraph, paragraphs: int) -> float:
+        return self._kl(graph, paragraphs)
+
+    @torch.inference_mode()
+    def logits(self, graph: ModelGraph, token_lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        return engine_from_graph(graph).logits(token_lists)

@@ -1,0 +1,117 @@
+"""The precision options the mixed-precision passes choose from: one weight format and what happens to the
+input activations, with what each costs in stored bytes and which targets run it.
+
+    OPTIONS              name -> PrecisionOption (bf16, fp8, fp8-w8a8, nvfp4, nvfp4-w4a4, mxfp4, mxfp4-w4a4)
+    default_candidates   every option a target runs (what auto-precision searches by default)
+    target_fp4           the FP4 option a target runs fastest (production-precision's "fp4")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.kernels.errors import KilnError
+from kiln.kernels.formats import ActivationFormat, WeightFormat, parse_weight_format
+from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE
+from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from kiln.kernels.targets import Target
+
+BF16 = "bf16"
+
+
+@dataclass(frozen=True)
+class PrecisionOption:
+    """One way to store and run a linear: its weight format and what happens to its input activations.
+
+    Attributes:
+        name: what recipes, reports and the sensitivity table call it.
+        weight: "dense" (BF16), "fp8" (E4M3, one FP32 scale per output channel), "nvfp4" or "mxfp4".
+        activations: "none" (weight-only), "dynamic" (scales computed per call) or "static" (NVFP4's
+            per-tensor activation scale calibrated on the calibration text; block scales stay dynamic).
+    """
+
+    name: str
+    weight: str
+    activations: str
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        return parse_weight_format(self.weight)
+
+    @property
+    def runtime_activation(self) -> ActivationFormat:
+        """The activation entry of the artifact's format table (runtime.weights)."""
+        if self.activations == "none":
+            return ActivationFormat.NONE
+        if self.weight_format == WeightFormat.FP8_E4M3:
+            return ActivationFormat.FP8_DYNAMIC_PER_TOKEN
+        return ActivationFormat(self.weight_format)
+
+    @property
+    def quantizes_activations(self) -> bool:
+        return self.activations != "none"
+
+    def check(self, target: Target) -> None:
+        if self.weight_format == WeightFormat.DENSE:
+            return
+        if self.quantizes_activations:
+            target.check_weight_activation(self.weight)
+        else:
+            target.check_weight_only(self.weight)
+
+    def stored_bytes(self, out_features: int, in_features: int) -> int:
+        """Bytes of one [out, in] linear in this option, scales and block padding included."""
+        n, k = out_features, in_features
+        fmt = self.weight_format
+        if fmt == WeightFormat.DENSE:
+            return 2 * n * k
+        if fmt == WeightFormat.FP8_E4M3:
+            return n * k + 4 * n
+        block = NVFP4_BLOCK_SIZE if fmt == WeightFormat.NVFP4 else MXFP4_BLOCK_SIZE
+        padded = -(-k // block) * block
+        if fmt == WeightFormat.NVFP4:
+            return n * padded // 2 + n * padded // NVFP4_BLOCK_SIZE + 4 + (4 if self.activations == "static" else 0)
+        return n * padded // 2 + n * padded // MXFP4_BLOCK_SIZE
+
+
+# fmt: off
+OPTIONS: dict[str, PrecisionOption] = {o.name: o for o in (
+    PrecisionOption(BF16, "dense", "none"),
+    PrecisionOption("fp8", "fp8", "none"),              # W8A16
+    PrecisionOption("fp8-w8a8", "fp8", "dynamic"),      # per-token activation scales
+    PrecisionOption("nvfp4", "nvfp4", "none"),          # W4A16
+    PrecisionOption("nvfp4-w4a4", "nvfp4", "static"),
+    PrecisionOption("mxfp4", "mxfp4", "none"),          # W4A16
+    PrecisionOption("mxfp4-w4a4", "mxfp4", "dynamic"),
+)}
+# fmt: on
+
+ATTENTION_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b")
+LM_HEAD_POLICIES = ("keep", "search", *OPTIONS)
+
+
+def target_fp4(target: Target) -> str:
+    """The FP4 option a target runs fastest: NVFP4 W4A4 on FP4 tensor cores, else NVFP4 weight-only."""
+    return "nvfp4-w4a4" if "nvfp4" in target.weight_activation_formats else "nvfp4"
+
+
+def default_candidates(target: Target) -> tuple[str, ...]:
+    """What `AutoPrecision` searches when `candidates` is empty: every option the target runs. FP8 W8A16 and
+    W8A8 store the same bytes (what decode reads); the table decides between them (on stories260K at 5.0 bits
+    weight-only FP8 loses less: 0.9853 recovery with it among the candidates, 0.9840 without)."""
+    return tuple(name for name, o in OPTIONS.items() if runs_on(o, target))
+
+
+def runs_on(option: PrecisionOption, target: Target) -> bool:
+    try:
+        option.check(target)
+    except KilnError:
+        return False
+    return True
+
+
+def option(name: str) -> PrecisionOption:
+    try:
+        return OPTIONS[name]
+    except KeyError:
+        raise KilnError(f"unknown precision option {name!r}; choose one of {', '.join(OPTIONS)}") from None
