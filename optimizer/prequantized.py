@@ -575,5 +575,5 @@ def dequantize_checkpoint(config: Mapping, tensors: dict[str, torch.Tensor], *, 
     if p is None:
         return dict(config), tensors, {}
     config = {k: v for k, v in config.items() if k != "quantization_config"}
-    finite = lambda t: None if bool(torch.isfinite(t).all()) else "contains NaN or Inf values"  # noqa: E731
+    finite = lambda t: None if bool(torch.isfinite(t).all()) else "contains NaN or Inf values"
     return config, dequantize(p, tensors, finite), p.provenance

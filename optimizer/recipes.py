@@ -33,11 +33,11 @@ from pathlib import Path
 import yaml
 
 from kiln.kernels.errors import KilnError
+from kiln.passes.auto_precision import AutoPrecision
 from kiln.passes.base import Pass
 from kiln.passes.kv_cache import KvCacheQuantization
-from kiln.passes.weight_quant import WeightQuantization
-from kiln.passes.auto_precision import AutoPrecision
 from kiln.passes.production_precision import ProductionPrecision
+from kiln.passes.weight_quant import WeightQuantization
 
 BUILTIN_PASSES: dict[str, type[Pass]] = {
     WeightQuantization.name: WeightQuantization,

@@ -9,9 +9,9 @@ import pytest
 from kiln import runtime
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.build import build
+from kiln.optimizer.defaults import SAMPLE_TEXT
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.spec import spec_from_json
-from kiln.optimizer.defaults import SAMPLE_TEXT
 
 
 @pytest.fixture
