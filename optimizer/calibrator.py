@@ -36,16 +36,7 @@ from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
 from kiln.passes.graph import ModelGraph
-from kiln.runtime.model import (
-    Block,
-    DenseMlp,
-    GqaAttention,
-    LayerRotaries,
-    MlaAttention,
-    MoeMlp,
-    QuantLinear,
-    Weights,
-)
+from kiln.runtime.model import Block, LayerRotaries, QuantLinear, Transformer, Weights, build_block
 
 Callback = Callable[[str, torch.Tensor], None]
 
@@ -194,12 +185,7 @@ class RuntimeCalibrationSession:
         return _RecordingWeights(tensors, formats, self.spec)
 
     def _block(self, index: int, weights: _RecordingWeights) -> Block:
-        layer = self.spec.layers[index]
-        a = layer.attention
-        attention = (MlaAttention(a, weights, layer.prefix) if a.kind == "mla"
-                     else GqaAttention(a, weights, layer.prefix))
-        mlp = DenseMlp(layer.mlp.linears, weights) if layer.mlp.kind == "dense" else MoeMlp(layer.mlp, weights)
-        return Block(attention, mlp, weights.norm(layer.norms[0]), weights.norm(layer.norms[1])).eval()
+        return build_block(self.spec.layers[index], weights).eval()
 
     @torch.inference_mode()
     def _run_block(self, index: int, linears: Sequence[str], callback: Callback | None, keep_output: bool) -> None:
@@ -282,10 +268,10 @@ class Distillation:
         self._teacher_hidden: list[torch.Tensor | None] = [None] * len(self.batches)
 
         source_tensors, source_formats = session.source
-        self.teacher = _Model(spec, _RecordingWeights(source_tensors, source_formats, spec), session)
+        self.teacher = Transformer(spec, weights=_RecordingWeights(source_tensors, source_formats, spec))
         tensors, formats = lower_tensors(session.graph)
         student_weights = _RecordingWeights(tensors, formats, spec)
-        self.student = _Model(spec, student_weights, session)
+        self.student = Transformer(spec, weights=student_weights)
         missing = sorted(set(weights) - set(student_weights.built)) + sorted(set(norms) - set(student_weights.norms))
         if missing:
             raise KilnError(f"distillation: the model has no linear or norm named {', '.join(missing[:3])}")
@@ -306,34 +292,11 @@ class Distillation:
         b = self.batches[i]
         if self._teacher_hidden[i] is None:
             with torch.inference_mode():
-                self._teacher_hidden[i] = self.teacher.hidden(b)[b.mask]
+                self._teacher_hidden[i] = self.teacher.hidden(b.tokens, b.positions)[b.mask]
         with torch.no_grad():
             target = torch.log_softmax(self.teacher.lm_head(self._teacher_hidden[i]), dim=-1)
-        logp = torch.log_softmax(self.student(b), dim=-1)[b.mask]
+        logp = torch.log_softmax(self.student(b.tokens, b.positions), dim=-1)[b.mask]
         return kl_terms(target, logp).sum(-1).mean()
-
-
-class _Model(torch.nn.Module):
-    """The runtime Transformer's forward, assembled from modules built by one Weights (so they can be found)."""
-
-    def __init__(self, spec, weights: _RecordingWeights, session: RuntimeCalibrationSession):
-        super().__init__()
-        self.session = session
-        self.embed = weights.tensors[spec.embedding].float()
-        self.blocks = torch.nn.ModuleList(session._block(i, weights) for i in range(len(spec.layers)))
-        self.norm = weights.norm(spec.final_norm)
-        self.lm_head = weights.linear(spec.lm_head)
-
-    def hidden(self, b: _Batch) -> torch.Tensor:
-        """The final norm's output [B, T, C]."""
-        x = F.embedding(b.tokens, self.embed)
-        ropes = self.session.rotary(b.positions)
-        for i, block in enumerate(self.blocks):
-            x = block(x, ropes[i], b.positions, None, i)
-        return self.norm(x)
-
-    def forward(self, b: _Batch) -> torch.Tensor:
-        return self.lm_head(self.hidden(b))
 
 
 def _replace_module(root: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:

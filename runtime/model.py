@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.runtime.spec import AttentionSpec, LinearSpec, MlpSpec, ModelSpec, RotarySpec
+from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, MlpSpec, ModelSpec, RotarySpec
 from kiln.runtime.weights import (
     check_dtype,
     check_finite,
@@ -315,31 +315,41 @@ class Block(nn.Module):
         return x + self.mlp(self.post_norm(x))
 
 
+def build_block(layer: LayerSpec, weights: Weights) -> Block:
+    """One decoder layer as its spec says (a model may mix GQA and MLA layers, dense and MoE MLPs)."""
+    a = layer.attention
+    attention = MlaAttention(a, weights, layer.prefix) if a.kind == "mla" else GqaAttention(a, weights, layer.prefix)
+    mlp = DenseMlp(layer.mlp.linears, weights) if layer.mlp.kind == "dense" else MoeMlp(layer.mlp, weights)
+    return Block(attention, mlp, weights.norm(layer.norms[0]), weights.norm(layer.norms[1]))
+
+
 class Transformer(nn.Module):
-    def __init__(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping]):
+    """The whole model. Built from the artifact's tensors and format table, or from a `Weights` the caller
+    made (the calibrator passes one that records which module each linear became)."""
+
+    def __init__(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor] | None = None,
+                 formats: Mapping[str, Mapping] | None = None, *, weights: Weights | None = None):
         super().__init__()
         self.spec = spec
-        weights = Weights(tensors, formats, spec)
+        weights = weights if weights is not None else Weights(tensors, formats, spec)
         self.embed = nn.Parameter(weights.tensor(spec.embedding, (spec.vocab_size, spec.hidden_size), "the embedding"),
                                   requires_grad=False)
         self.rotary = LayerRotaries(spec.layers)
-        blocks = []
-        for layer in spec.layers:  # each layer as its spec says: a model may mix GQA and MLA layers
-            a = layer.attention
-            attention = MlaAttention(a, weights, layer.prefix) if a.kind == "mla" else GqaAttention(a, weights, layer.prefix)
-            mlp = DenseMlp(layer.mlp.linears, weights) if layer.mlp.kind == "dense" else MoeMlp(layer.mlp, weights)
-            blocks.append(Block(attention, mlp, weights.norm(layer.norms[0]), weights.norm(layer.norms[1])))
-        self.blocks = nn.ModuleList(blocks)
+        self.blocks = nn.ModuleList(build_block(layer, weights) for layer in spec.layers)
         self.norm = weights.norm(spec.final_norm)
         self.lm_head = weights.linear(spec.lm_head)
 
     def stream_shapes(self) -> list[tuple[tuple[int, int], ...]]:
         return [b.attention.stream_shapes() for b in self.blocks]
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
-        # tokens, positions: [B, T] -> logits [B, T, V]
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        # tokens, positions: [B, T] -> the final norm's output [B, T, C]
         x = F.embedding(tokens, self.embed)
         ropes = self.rotary(positions)
         for i, block in enumerate(self.blocks):
             x = block(x, ropes[i], positions, cache, i)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        # tokens, positions: [B, T] -> logits [B, T, V]
+        return self.lm_head(self.hidden(tokens, positions, cache))
