@@ -70,9 +70,9 @@ from safetensors.torch import load_file, save_file
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
-from kiln.optimizer.export_modelopt import COPIED_FILES, NVFP4_GROUP_SIZE, kv_algo
-from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
-from kiln.runtime.artifact import MANIFEST, WEIGHTS, read_manifest
+from kiln.optimizer.export_modelopt import COPIED_FILES, NVFP4_GROUP_SIZE, kv_algo, read_for_export
+from kiln.optimizer.output_dir import atomic_directory, mark_export
+from kiln.runtime.artifact import MANIFEST, WEIGHTS
 from kiln.runtime.spec import spec_from_json
 
 QUANT_METHOD = "compressed-tensors"
@@ -287,12 +287,7 @@ def export_tensors(schemes: Mapping[str, Scheme], tensors: Mapping[str, torch.Te
 def export_compressed_tensors(artifact: Path | str, output: Path | str, overwrite: bool = False) -> Path:
     """Write `artifact` as a compressed-tensors HF checkpoint in `output` (atomically), verify it, return it."""
     artifact, output = Path(artifact), Path(output)
-    manifest = read_manifest(artifact)
-    check_output(output, overwrite, [artifact])  # before reading anything
-    tensors = load_file(str(artifact / WEIGHTS))
-    config = json.loads((artifact / "config.json").read_text())  # the export's config.json starts from it
-    spec = spec_from_json(manifest["architecture"])
-    embedding = spec.embedding.removesuffix(".weight")
+    manifest, tensors, config, spec, embedding = read_for_export(artifact, output, overwrite)
     schemes, unquantized = ct_schemes(manifest, tensors, [lin.name for lin in spec.linears()])
     quant = quantization_config(schemes, _ignored(unquantized, schemes, tensors, embedding))
     exported = export_tensors(schemes, tensors)

@@ -35,6 +35,7 @@ import json
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -45,7 +46,7 @@ from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
 from kiln.runtime.artifact import MANIFEST, WEIGHTS, read_manifest
-from kiln.runtime.spec import spec_from_json
+from kiln.runtime.spec import ModelSpec, spec_from_json
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 NVFP4_GROUP_SIZE = 16
@@ -212,15 +213,29 @@ def export_tensors(manifest: Mapping, tensors: Mapping[str, torch.Tensor]) -> di
     return out
 
 
+class ExportSource(NamedTuple):
+    """What both export layouts read from an artifact."""
+
+    manifest: dict
+    tensors: dict[str, torch.Tensor]
+    config: dict  # the source's HF config: the export's config.json starts from it
+    spec: ModelSpec
+    embedding: str  # module name of the embedding (no ".weight")
+
+
+def read_for_export(artifact: Path, output: Path, overwrite: bool) -> ExportSource:
+    """The verified artifact, after refusing an output the export may not write (before reading weights)."""
+    manifest = read_manifest(artifact)
+    check_output(output, overwrite, [artifact])
+    spec = spec_from_json(manifest["architecture"])
+    return ExportSource(manifest, load_file(str(artifact / WEIGHTS)), json.loads((artifact / "config.json").read_text()),
+                        spec, spec.embedding.removesuffix(".weight"))
+
+
 def export_hf_modelopt(artifact: Path | str, output: Path | str, overwrite: bool = False) -> Path:
     """Write `artifact` as a ModelOpt unified HF checkpoint in `output` (atomically), verify it, return it."""
     artifact, output = Path(artifact), Path(output)
-    manifest = read_manifest(artifact)
-    check_output(output, overwrite, [artifact])  # before reading anything
-    tensors = load_file(str(artifact / WEIGHTS))
-    config = json.loads((artifact / "config.json").read_text())  # the export's config.json starts from it
-    spec = spec_from_json(manifest["architecture"])
-    embedding = spec.embedding.removesuffix(".weight")
+    manifest, tensors, config, spec, embedding = read_for_export(artifact, output, overwrite)
     hf_quant = hf_quant_config(manifest, tensors, embedding, [lin.name for lin in spec.linears()])
     exported = export_tensors(manifest, tensors)
     with atomic_directory(output, overwrite, [artifact]) as tmp:

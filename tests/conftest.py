@@ -46,6 +46,22 @@ def generated_checkpoint(tmp_path_factory):
     return make(tmp_path_factory.mktemp("generated") / "ckpt")
 
 
+@pytest.fixture(scope="session")
+def plain_artifact(generated_checkpoint, tmp_path_factory):
+    """An artifact of the generated checkpoint with no passes (built once; tests tamper with copies)."""
+    from kiln.optimizer.build import build
+
+    return build(generated_checkpoint, "hopper", "none", tmp_path_factory.mktemp("plain") / "art", gate=False).path
+
+
+@pytest.fixture
+def art(plain_artifact, tmp_path):
+    """A fresh copy of `plain_artifact` to tamper with."""
+    import shutil
+
+    return shutil.copytree(plain_artifact, tmp_path / "art")
+
+
 @pytest.fixture
 def cli(capsys, monkeypatch):
     """Run `optimize ARGS...` in-process; returns (exit code, stdout, stderr)."""

@@ -1,6 +1,6 @@
 """Artifacts from hostile hands: every refusal is one bounded line, and the runtime reads only checksummed files.
 
-One tiny artifact is built per module (recipe none, no gate); each test tampers with its own copy.
+One tiny artifact (conftest `plain_artifact`: recipe none, no gate); each test tampers with its own copy.
 """
 
 from __future__ import annotations
@@ -17,20 +17,6 @@ from kiln.kernels.errors import KilnError
 from kiln.runtime.artifact import MANIFEST, artifact_file, read_json, read_manifest
 
 MAX_MESSAGE = 300
-
-
-@pytest.fixture(scope="module")
-def built(generated_checkpoint, tmp_path_factory):
-    from kiln.optimizer.build import build
-
-    return build(generated_checkpoint, "hopper", "none", tmp_path_factory.mktemp("hostile") / "art", gate=False).path
-
-
-@pytest.fixture
-def art(built, tmp_path):
-    copy = tmp_path / "art"
-    shutil.copytree(built, copy)
-    return copy
 
 
 def _manifest(art: Path) -> dict:

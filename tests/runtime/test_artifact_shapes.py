@@ -2,15 +2,14 @@
 
 The checksums are updated after each edit (the manifest's "files" and "tensors" tables), so every artifact
 here passes verification: the refusal must come from the runtime checking each tensor it uses against the
-spec, never from a matmul in the middle of `optimize generate`. One tiny artifact (recipe none, no gate)
-is built per module; each test edits its own copy. The packed formats are checked on tensors built by the
+spec, never from a matmul in the middle of `optimize generate`. One tiny artifact (conftest `plain_artifact`)
+is built per session; each test edits its own copy. The packed formats are checked on tensors built by the
 kernels' own quantizers.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,20 +27,6 @@ Q = "model.layers.0.self_attn.q_proj"
 DOWN = "model.layers.0.mlp.down_proj"
 NORM = "model.layers.1.post_attention_layernorm.weight"
 EMBED = "model.embed_tokens.weight"
-
-
-@pytest.fixture(scope="module")
-def built(generated_checkpoint, tmp_path_factory):
-    from kiln.optimizer.build import build
-
-    return build(generated_checkpoint, "hopper", "none", tmp_path_factory.mktemp("shapes") / "art", gate=False).path
-
-
-@pytest.fixture
-def art(built, tmp_path):
-    copy = tmp_path / "art"
-    shutil.copytree(built, copy)
-    return copy
 
 
 def _manifest(art: Path) -> dict:
