@@ -46,6 +46,21 @@ def generated_checkpoint(tmp_path_factory):
     return make(tmp_path_factory.mktemp("generated") / "ckpt")
 
 
+MAX_MESSAGE = 300  # the CLI's bound on an error line
+
+
+def refused(call, *args, match: str) -> str:
+    """Call `call(*args)`, expect a KilnError whose message holds `match` on one bounded line; return it."""
+    from kiln.kernels.errors import KilnError
+
+    with pytest.raises(KilnError) as info:
+        call(*args)
+    message = str(info.value)
+    assert match in message, message
+    assert "\n" not in message and len(message) <= MAX_MESSAGE, message
+    return message
+
+
 @pytest.fixture(scope="session")
 def plain_artifact(generated_checkpoint, tmp_path_factory):
     """An artifact of the generated checkpoint with no passes (built once; tests tamper with copies)."""

@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 
 from kiln import runtime
-from kiln.kernels.errors import KilnError
 from kiln.runtime.artifact import MANIFEST, artifact_file, read_json, read_manifest
-
-MAX_MESSAGE = 300
+from tests.conftest import refused
 
 
 def _manifest(art: Path) -> dict:
@@ -31,15 +29,6 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _refused(call, *args, match: str) -> str:
-    with pytest.raises(KilnError) as info:
-        call(*args)
-    message = str(info.value)
-    assert match in message, message
-    assert "\n" not in message and len(message) <= MAX_MESSAGE, message
-    return message
-
-
 def test_the_intact_copy_loads(art):
     engine = runtime.load(art)
     assert engine.tokenizer is not None
@@ -47,64 +36,64 @@ def test_the_intact_copy_loads(art):
 
 
 # --- 1. only checksummed files are read ------------------------------------------------------------------
-def test_config_dropped_from_the_table_and_edited_is_refused(art):
+def test_config_dropped_from_the_table_and_edited_isrefused(art):
     manifest = _manifest(art)
     del manifest["files"]["config.json"]
     _write_manifest(art, manifest)
     config = json.loads((art / "config.json").read_text())
     (art / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
     for call in (runtime.load, read_manifest):
-        _refused(call, art, match="'config.json' is in the artifact but not in its manifest's checksum table")
+        refused(call, art, match="'config.json' is in the artifact but not in its manifest's checksum table")
 
 
-def test_weights_dropped_from_the_table_are_refused(art):
+def test_weights_dropped_from_the_table_arerefused(art):
     manifest = _manifest(art)
     del manifest["files"]["model.safetensors"]
     _write_manifest(art, manifest)
-    _refused(runtime.load, art, match="manifest has no checksum for model.safetensors")
+    refused(runtime.load, art, match="manifest has no checksum for model.safetensors")
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json"])
-def test_a_tokenizer_file_dropped_from_the_table_is_refused(art, name):
+def test_a_tokenizer_file_dropped_from_the_table_isrefused(art, name):
     manifest = _manifest(art)
     del manifest["files"][name]
     _write_manifest(art, manifest)
     (art / name).write_text("{}")
-    _refused(runtime.load, art, match=f"'{name}' is in the artifact but not in its manifest's checksum table")
+    refused(runtime.load, art, match=f"'{name}' is in the artifact but not in its manifest's checksum table")
 
 
 @pytest.mark.parametrize("name", ["added_tokens.json", "special_tokens_map.json", "chat_template.jinja",
                                   "vocab.json", "merges.txt", "tokenizer.model", "additional_chat_templates"])
-def test_an_unlisted_file_the_tokenizer_loader_would_read_is_refused(art, name):
+def test_an_unlisted_file_the_tokenizer_loader_would_read_isrefused(art, name):
     if name == "additional_chat_templates":
         (art / name).mkdir()
         (art / name / "evil.jinja").write_text("{{ 1 }}")
     else:
         (art / name).write_text('{"<evil>": 0}')
-    _refused(runtime.load, art, match=f"'{name}' is in the artifact but not in its manifest's checksum table")
-    _refused(read_manifest, art, match="the runtime reads only checksummed files")
+    refused(runtime.load, art, match=f"'{name}' is in the artifact but not in its manifest's checksum table")
+    refused(read_manifest, art, match="the runtime reads only checksummed files")
 
 
-def test_a_listed_file_edited_is_refused(art):
+def test_a_listed_file_edited_isrefused(art):
     (art / "config.json").write_text((art / "config.json").read_text().replace("1", "2", 1))
-    _refused(runtime.load, art, match="checksum mismatch for config.json")
+    refused(runtime.load, art, match="checksum mismatch for config.json")
 
 
 def test_artifact_file_refuses_names_outside_the_table(art):
     manifest = read_manifest(art)
     for name in ("report2.md", "../manifest.json", MANIFEST):
-        _refused(artifact_file, art, manifest, name, match="not in the manifest's checksum table")
+        refused(artifact_file, art, manifest, name, match="not in the manifest's checksum table")
 
 
 @pytest.mark.parametrize("architecture, match", [
     ([1, 2], "architecture must be an object"),
     ({"model_type": "llama"}, "malformed architecture in the manifest"),
 ])
-def test_a_malformed_architecture_is_refused(art, architecture, match):
+def test_a_malformed_architecture_isrefused(art, architecture, match):
     manifest = _manifest(art)
     manifest["architecture"] = architecture
     _write_manifest(art, manifest)
-    _refused(runtime.load, art, match=match)
+    refused(runtime.load, art, match=match)
 
 
 def test_the_runtime_builds_from_the_manifest_not_from_config_json(art):
@@ -123,7 +112,7 @@ def test_a_garbage_tokenizer_is_one_line(art):
     manifest = _manifest(art)
     manifest["files"]["tokenizer.json"] = _sha(data)
     _write_manifest(art, manifest)
-    _refused(runtime.load, art, match="cannot load the tokenizer from")
+    refused(runtime.load, art, match="cannot load the tokenizer from")
 
 
 # --- 2. plain names, no symlinks -------------------------------------------------------------------------
@@ -134,16 +123,16 @@ def test_file_names_must_be_plain(art, name):
     manifest["files"][name] = "0" * 64
     _write_manifest(art, manifest)
     for call in (runtime.load, read_manifest):
-        _refused(call, art, match="file names must be plain names inside the artifact")
+        refused(call, art, match="file names must be plain names inside the artifact")
 
 
-def test_an_absolute_path_to_a_real_file_is_refused(art, tmp_path):
+def test_an_absolute_path_to_a_real_file_isrefused(art, tmp_path):
     outside = tmp_path / "secret.txt"
     outside.write_text("secret")
     manifest = _manifest(art)
     manifest["files"][str(outside)] = _sha(b"secret")
     _write_manifest(art, manifest)
-    _refused(runtime.load, art, match="file names must be plain names")
+    refused(runtime.load, art, match="file names must be plain names")
 
 
 @pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors", "report.md"])
@@ -151,14 +140,14 @@ def test_a_listed_file_that_is_a_symlink_is_refused_even_with_the_right_checksum
     outside = tmp_path / f"outside-{name}"
     shutil.move(art / name, outside)
     (art / name).symlink_to(outside)  # same bytes, so the checksum would match
-    _refused(runtime.load, art, match=f"{name} is a symlink")
+    refused(runtime.load, art, match=f"{name} is a symlink")
 
 
-def test_a_manifest_that_is_a_symlink_is_refused(art, tmp_path):
+def test_a_manifest_that_is_a_symlink_isrefused(art, tmp_path):
     outside = tmp_path / "manifest-elsewhere.json"
     shutil.move(art / MANIFEST, outside)
     (art / MANIFEST).symlink_to(outside)
-    _refused(read_manifest, art, match="manifest.json is a symlink")
+    refused(read_manifest, art, match="manifest.json is a symlink")
 
 
 def test_a_symlinked_artifact_root_is_fine(art, tmp_path):
@@ -167,10 +156,10 @@ def test_a_symlinked_artifact_root_is_fine(art, tmp_path):
     assert runtime.load(link).tokenizer is not None
 
 
-def test_a_listed_directory_is_refused(art):
+def test_a_listed_directory_isrefused(art):
     (art / "report.md").unlink()
     (art / "report.md").mkdir()
-    _refused(read_manifest, art, match="report.md listed in the manifest is not a regular file")
+    refused(read_manifest, art, match="report.md listed in the manifest is not a regular file")
 
 
 # --- 3. manifest shape -----------------------------------------------------------------------------------
@@ -246,7 +235,7 @@ def test_a_malformed_manifest_is_one_line_naming_the_key(art, kind):
     mutate, expected = MALFORMED[kind]
     _write_manifest(art, mutate(_manifest(art)))
     for call in (read_manifest, runtime.load):
-        _refused(call, art, match=expected)
+        refused(call, art, match=expected)
 
 
 @pytest.mark.parametrize("kind", ["version true", "format entry", "passes", "kv budget"])
@@ -261,7 +250,7 @@ def test_inspect_and_generate_refuse_a_malformed_manifest_without_a_traceback(cl
 
 def test_an_other_schema_version_is_named(art):
     _write_manifest(art, {**_manifest(art), "schema_version": 3})
-    _refused(read_manifest, art, match="artifact schema version 3, this runtime reads version 2")
+    refused(read_manifest, art, match="artifact schema version 3, this runtime reads version 2")
 
 
 @pytest.mark.parametrize("data, expected", [
@@ -272,29 +261,29 @@ def test_an_other_schema_version_is_named(art):
 ])
 def test_unparsable_manifests_are_one_line(art, data, expected):
     (art / MANIFEST).write_bytes(data)
-    _refused(read_manifest, art, match=expected)
+    refused(read_manifest, art, match=expected)
 
 
 def test_json_files_are_bounded_before_reading(tmp_path):
     big = tmp_path / "big.json"
     big.write_text("[" + "0," * 1000 + "0]")
-    _refused(read_json, big, 100, match="is larger than 100 bytes")
+    refused(read_json, big, 100, match="is larger than 100 bytes")
 
 
 def test_long_keys_and_values_keep_the_message_bounded(art):
     manifest = _manifest(art)
     manifest["formats"]["x" * 100_000] = "y" * 100_000
     _write_manifest(art, manifest)
-    message = _refused(read_manifest, art, match="must be an object")
+    message = refused(read_manifest, art, match="must be an object")
     assert "…" in message
     manifest = _manifest(art)
     manifest["files"]["../" + "z" * 100_000] = "0" * 64
     _write_manifest(art, manifest)
-    _refused(read_manifest, art, match="file names must be plain names")
+    refused(read_manifest, art, match="file names must be plain names")
 
 
 def test_a_long_or_odd_artifact_path_keeps_the_message_one_line(tmp_path):
     odd = tmp_path / ("line\nbreak" + "q" * 200)
     odd.mkdir()
-    message = _refused(read_manifest, odd, match="is not a Kiln artifact")
+    message = refused(read_manifest, odd, match="is not a Kiln artifact")
     assert "\\n" in message

@@ -18,11 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from kiln import runtime
 from kiln.kernels import fp8
-from kiln.kernels.errors import KilnError
 from kiln.runtime.artifact import MANIFEST, WEIGHTS, sha256_file
 from kiln.runtime.weights import dequantize_weight
+from tests.conftest import refused
 
-MAX_MESSAGE = 300
 Q = "model.layers.0.self_attn.q_proj"
 DOWN = "model.layers.0.mlp.down_proj"
 NORM = "model.layers.1.post_attention_layernorm.weight"
@@ -53,15 +52,6 @@ def _rewrite_architecture(art: Path, **changes) -> None:
     (art / MANIFEST).write_text(json.dumps(manifest))
 
 
-def _refused(call, *args, match: str) -> str:
-    with pytest.raises(KilnError) as info:
-        call(*args)
-    message = str(info.value)
-    assert match in message, message
-    assert "\n" not in message and len(message) <= MAX_MESSAGE, message
-    return message
-
-
 def test_the_intact_copy_loads_and_generates(art, cli):
     assert runtime.load(art).generate("hi", max_new_tokens=2)[0].finish_reason in ("length", "eos")
     code, _, err = cli("generate", art, "hi", "--max-new-tokens", "2")
@@ -75,77 +65,77 @@ def test_a_sliced_weight_is_refused_at_load_and_by_generate(art, cli):
 
     _rewrite_weights(art, edit)
     message = f"artifact tensor {Q}.weight has shape (64, 32), the architecture needs (64, 64)"
-    _refused(runtime.load, art, match=message)
+    refused(runtime.load, art, match=message)
     code, out, err = cli("generate", art, "hi")
     assert code == 2, err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err + out
 
 
-def test_a_reshaped_weight_of_the_same_size_is_refused(art):
+def test_a_reshaped_weight_of_the_same_size_isrefused(art):
     def edit(t):
         t[f"{DOWN}.weight"] = t[f"{DOWN}.weight"].reshape(172, 64).contiguous()
 
     _rewrite_weights(art, edit)
-    _refused(runtime.load, art, match=f"artifact tensor {DOWN}.weight has shape (172, 64), the architecture needs "
+    refused(runtime.load, art, match=f"artifact tensor {DOWN}.weight has shape (172, 64), the architecture needs "
                                       "(64, 172)")
 
 
-def test_an_architecture_vocab_size_disagreeing_with_the_embedding_is_refused(art, cli):
+def test_an_architecture_vocab_size_disagreeing_with_the_embedding_isrefused(art, cli):
     _rewrite_architecture(art, vocab_size=500)
     message = f"artifact tensor {EMBED} has shape (384, 64), the architecture needs (500, 64)"
-    _refused(runtime.load, art, match=message)
+    refused(runtime.load, art, match=message)
     code, _, err = cli("generate", art, "hi")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_a_norm_of_the_wrong_length_is_refused(art):
+def test_a_norm_of_the_wrong_length_isrefused(art):
     _rewrite_weights(art, lambda t: t.update({NORM: t[NORM][:32].contiguous()}))
-    _refused(runtime.load, art, match=f"artifact tensor {NORM} has shape (32,), the architecture needs (64,)")
+    refused(runtime.load, art, match=f"artifact tensor {NORM} has shape (32,), the architecture needs (64,)")
 
 
-def test_a_missing_tensor_is_refused(art, cli):
+def test_a_missing_tensor_isrefused(art, cli):
     _rewrite_weights(art, lambda t: t.pop(NORM))
-    _refused(runtime.load, art, match=f"artifact is missing tensor '{NORM}'")
+    refused(runtime.load, art, match=f"artifact is missing tensor '{NORM}'")
     code, _, err = cli("generate", art, "hi")
     assert code == 2 and "artifact is missing tensor" in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_a_missing_embedding_is_refused(art):
+def test_a_missing_embedding_isrefused(art):
     _rewrite_weights(art, lambda t: t.pop(EMBED))
-    _refused(runtime.load, art, match=f"artifact is missing tensor '{EMBED}'")
+    refused(runtime.load, art, match=f"artifact is missing tensor '{EMBED}'")
 
 
-def test_non_finite_dense_values_are_refused(art):
+def test_non_finite_dense_values_arerefused(art):
     def edit(t):
         t[f"{DOWN}.weight"][3, 5] = float("inf")
 
     _rewrite_weights(art, edit)
-    _refused(runtime.load, art, match=f"artifact tensor {DOWN}.weight holds non-finite values (NaN or Inf)")
+    refused(runtime.load, art, match=f"artifact tensor {DOWN}.weight holds non-finite values (NaN or Inf)")
 
 
-def test_an_integer_norm_is_refused(art):
+def test_an_integer_norm_isrefused(art):
     _rewrite_weights(art, lambda t: t.update({NORM: t[NORM].to(torch.int32)}))
-    _refused(runtime.load, art, match=f"artifact tensor {NORM} has dtype int32; a norm weight must be floating point")
+    refused(runtime.load, art, match=f"artifact tensor {NORM} has dtype int32; a norm weight must be floating point")
 
 
-def test_an_unknown_format_is_refused(art, cli):
+def test_an_unknown_format_isrefused(art, cli):
     manifest = _manifest(art)
     manifest["formats"][DOWN]["format"] = "int3"
     (art / MANIFEST).write_text(json.dumps(manifest))
     message = (f"{DOWN}: unknown weight format 'int3' in the manifest's format table; "
                "known: dense, fp8_e4m3, nvfp4, mxfp4")
-    _refused(runtime.load, art, match=message)
+    refused(runtime.load, art, match=message)
     code, _, err = cli("generate", art, "hi")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_an_unknown_format_on_the_tied_lm_head_is_refused(art):
+def test_an_unknown_format_on_the_tied_lm_head_isrefused(art):
     manifest = _manifest(art)
     assert manifest["formats"]["lm_head"].get("tied_to")
     manifest["formats"]["lm_head"]["format"] = "nvfp5"
     (art / MANIFEST).write_text(json.dumps(manifest))
-    _refused(runtime.load, art, match="lm_head: unknown weight format 'nvfp5'")
+    refused(runtime.load, art, match="lm_head: unknown weight format 'nvfp5'")
 
 
 # --- FP8 stored in the artifact ------------------------------------------------------------------------------
@@ -160,31 +150,31 @@ def test_an_fp8_artifact_edit_loads_when_consistent(art):
     assert len(runtime.load(art).generate("hi", max_new_tokens=2)[0].token_ids) >= 1
 
 
-def test_an_fp8_scale_of_the_wrong_shape_is_refused(art, cli):
+def test_an_fp8_scale_of_the_wrong_shape_isrefused(art, cli):
     _rewrite_weights(art, lambda t: _as_fp8(t, Q, (64,)), {Q: {"format": "fp8_e4m3", "activation": "none"}})
     message = (f"artifact tensor {Q}.weight_scale has shape (64,), the architecture needs () or (1,) or (64, 1)")
-    _refused(runtime.load, art, match=message)
+    refused(runtime.load, art, match=message)
     code, _, err = cli("generate", art, "hi")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_a_dense_weight_labelled_fp8_is_refused(art):
+def test_a_dense_weight_labelled_fp8_isrefused(art):
     _rewrite_weights(art, lambda t: t.update({f"{Q}.weight_scale": torch.tensor(1.0)}),
                      {Q: {"format": "fp8_e4m3", "activation": "none"}})
-    _refused(runtime.load, art, match=f"artifact tensor {Q}.weight has dtype float32; an fp8_e4m3 weight must be "
+    refused(runtime.load, art, match=f"artifact tensor {Q}.weight has dtype float32; an fp8_e4m3 weight must be "
                                       "float8_e4m3fn")
 
 
 @pytest.mark.parametrize("bad", [torch.tensor([1.0, 2.0]), torch.tensor(float("nan")), torch.tensor(-1.0)])
-def test_a_bad_static_input_scale_is_refused(art, bad):
+def test_a_bad_static_input_scale_isrefused(art, bad):
     _rewrite_weights(art, lambda t: (_as_fp8(t, Q), t.update({f"{Q}.input_scale": bad})),
                      {Q: {"format": "fp8_e4m3", "activation": "fp8_static_per_tensor"}})
-    _refused(runtime.load, art, match=f"artifact tensor {Q}.input_scale")
+    refused(runtime.load, art, match=f"artifact tensor {Q}.input_scale")
 
 
 # --- packed formats, on the kernels' own tensors ----------------------------------------------------------
 def _shape_error(module: str, entry: dict, tensors: dict, shape: tuple[int, int], match: str) -> str:
-    return _refused(dequantize_weight, module, entry, tensors, shape, match=match)
+    return refused(dequantize_weight, module, entry, tensors, shape, match=match)
 
 
 def test_fp8_layouts():
@@ -228,7 +218,7 @@ def test_nvfp4_layouts():
     del t["m.weight_scale_2"]
     _shape_error("m", entry, t, (8, 40), "artifact is missing tensor 'm.weight_scale_2'")
     # without the architecture's shape (export checks), the entry's in_features is required
-    _refused(dequantize_weight, "m", {"format": "nvfp4"}, t, match="manifest formats[m] (nvfp4) needs in_features")
+    refused(dequantize_weight, "m", {"format": "nvfp4"}, t, match="manifest formats[m] (nvfp4) needs in_features")
 
 
 def test_mxfp4_layouts():
@@ -248,7 +238,7 @@ def test_mxfp4_layouts():
 
 def test_unknown_formats_name_the_module_and_the_known_ones():
     t = {"m.weight": torch.randn(4, 4)}
-    _refused(dequantize_weight, "m", {"format": "int3"}, t,
+    refused(dequantize_weight, "m", {"format": "int3"}, t,
              match="m: unknown weight format 'int3' in the manifest's format table; known: dense, fp8_e4m3, nvfp4, "
                    "mxfp4")
-    _refused(dequantize_weight, "m", {}, t, match="m: unknown weight format None")
+    refused(dequantize_weight, "m", {}, t, match="m: unknown weight format None")
