@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +69,7 @@ from safetensors.torch import load_file, save_file
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
-from kiln.optimizer.export_modelopt import COPIED_FILES, NVFP4_GROUP_SIZE, kv_algo, read_for_export
+from kiln.optimizer.export_modelopt import NVFP4_GROUP_SIZE, copy_tokenizer_files, kv_algo, read_for_export
 from kiln.optimizer.output_dir import atomic_directory, mark_export
 from kiln.runtime.artifact import MANIFEST, WEIGHTS
 from kiln.runtime.spec import spec_from_json
@@ -298,9 +297,7 @@ def export_compressed_tensors(artifact: Path | str, output: Path | str, overwrit
         if quant is not None:
             config["quantization_config"] = quant
         (tmp / "config.json").write_text(json.dumps(config, indent=4) + "\n")
-        for name in COPIED_FILES:
-            if (artifact / name).is_file():
-                shutil.copyfile(artifact / name, tmp / name)
+        copy_tokenizer_files(artifact, tmp)
         verify_compressed_tensors(tmp, artifact)
     return output
 

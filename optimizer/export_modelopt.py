@@ -213,6 +213,13 @@ def export_tensors(manifest: Mapping, tensors: Mapping[str, torch.Tensor]) -> di
     return out
 
 
+def copy_tokenizer_files(artifact: Path, export: Path) -> None:
+    """The tokenizer and generation files a serving engine reads beside the weights."""
+    for name in COPIED_FILES:
+        if (artifact / name).is_file():
+            shutil.copyfile(artifact / name, export / name)
+
+
 class ExportSource(NamedTuple):
     """What both export layouts read from an artifact."""
 
@@ -245,9 +252,7 @@ def export_hf_modelopt(artifact: Path | str, output: Path | str, overwrite: bool
             (tmp / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
             config["quantization_config"] = quantization_config(hf_quant)
         (tmp / "config.json").write_text(json.dumps(config, indent=4) + "\n")
-        for name in COPIED_FILES:
-            if (artifact / name).is_file():
-                shutil.copyfile(artifact / name, tmp / name)
+        copy_tokenizer_files(artifact, tmp)
         verify_export(tmp, artifact)
     return output
 

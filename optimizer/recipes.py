@@ -38,6 +38,7 @@ from kiln.passes.base import Pass
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.passes.production_precision import ProductionPrecision
 from kiln.passes.weight_quant import WeightQuantization
+from kiln.runtime.artifact import read_bounded
 
 BUILTIN_PASSES: dict[str, type[Pass]] = {
     WeightQuantization.name: WeightQuantization,
@@ -145,13 +146,7 @@ class _RecipeLoader(yaml.SafeLoader):
 
 def _parse_recipe_yaml(path: Path) -> object:
     where = _clip(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_RECIPE_BYTES + 1)
-    except OSError as exc:
-        raise KilnError(f"cannot read recipe file {where}: {_clip(exc.strerror or exc, 60)}") from None
-    if len(data) > MAX_RECIPE_BYTES:
-        raise KilnError(f"recipe file {where} is larger than {MAX_RECIPE_BYTES} bytes; a recipe lists a few passes")
+    data = read_bounded(path, MAX_RECIPE_BYTES, f"recipe file {where}", "a recipe lists a few passes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

@@ -74,16 +74,23 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """A JSON file's content; a file that is unreadable, too big or not valid JSON is a one-line KilnError."""
-    path = Path(path)
+def read_bounded(path: Path, max_bytes: int, what: str, too_big: str) -> bytes:
+    """At most `max_bytes` of a file that hostile hands may have made huge: an unreadable file or a bigger one
+    is a one-line KilnError ("cannot read {what}: ...", "{what} is larger than N bytes; {too_big}")."""
     try:
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
     except OSError as exc:
-        raise KilnError(f"cannot read {clip(path)}: {clip(exc.strerror or exc, 60)}") from None
+        raise KilnError(f"cannot read {what}: {clip(exc.strerror or exc, 60)}") from None
     if len(data) > max_bytes:
-        raise KilnError(f"{clip(path)} is larger than {max_bytes} bytes; refusing to read it as JSON")
+        raise KilnError(f"{what} is larger than {max_bytes} bytes; {too_big}")
+    return data
+
+
+def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file's content; a file that is unreadable, too big or not valid JSON is a one-line KilnError."""
+    path = Path(path)
+    data = read_bounded(path, max_bytes, clip(path), "refusing to read it as JSON")
     try:
         return json.loads(data.decode("utf-8"))
     except RecursionError:
