@@ -31,15 +31,28 @@ _E4M3_MAX_CODE = 0x7E  # 448
 _E4M3_MIN_CODE = 0x01  # 2^-9
 
 
+CHUNK_ELEMENTS = 1 << 24
+"""Most candidate values [rows, blocks, C, B] materialised at once (64 MiB fp32): rows are searched in chunks,
+so an 8B model's 14336 x 4096 weight costs no more memory than a small one's."""
+
+
 def block_errors(layout: WeightLayout, w: Tensor, multipliers: Tensor, importance: Tensor | None) -> Tensor:
     """Weighted squared error of every candidate: multipliers [N, blocks, C] -> errors [N, blocks, C]."""
     blocks = layout.blocks(w).unsqueeze(2)  # [N, blocks, 1, B]
-    m = multipliers.unsqueeze(-1)  # [N, blocks, C, 1]
-    err = (layout.round(blocks / m) * m - blocks).pow(2)  # [N, blocks, C, B]
+    imp = None
     if importance is not None:
         imp = layout.padded(importance.float().reshape(1, -1)).reshape(1, blocks.shape[1], 1, -1)
-        err = err * imp
-    return err.sum(-1)
+    per_row = blocks.shape[1] * multipliers.shape[-1] * blocks.shape[-1]
+    step = max(1, CHUNK_ELEMENTS // per_row)
+    out = []
+    for r in range(0, blocks.shape[0], step):
+        b = blocks[r:r + step]
+        m = multipliers[r:r + step].unsqueeze(-1)  # [n, blocks, C, 1]
+        err = (layout.round(b / m) * m - b).pow(2)  # [n, blocks, C, B]
+        if imp is not None:
+            err = err * imp
+        out.append(err.sum(-1))
+    return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def mse_scales(layout: WeightLayout, w: Tensor, importance: Tensor | None = None,

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from kiln.calibration.grids import Scales, WeightLayout
+from kiln.kernels import progress
 
 
 def ste_round(layout: WeightLayout, v: Tensor, multiplier: Tensor) -> Tensor:
@@ -69,7 +70,7 @@ def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor], steps: int
     optimizer = torch.optim.Adam(params, lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     history: list[float] = []
-    with torch.enable_grad():
+    with torch.enable_grad(), progress.stage("tune end to end", total=steps, unit="steps") as task:
         for step in range(steps):
             value = loss(step)
             optimizer.zero_grad(set_to_none=True)
@@ -77,6 +78,7 @@ def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor], steps: int
             optimizer.step()
             schedule.step()
             history.append(float(value.detach()))
+            task.advance()
             if log is not None and (step % 50 == 0 or step == steps - 1):
                 log(f"tune step {step}/{steps}: KL {history[-1]:.5f}")
     return history

@@ -7,20 +7,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.calibration.data import DEFAULT_PARAGRAPHS, load_token_lists
+from kiln.calibration.data import (
+    DEFAULT_PARAGRAPHS,
+    load_token_lists,
+    read_paragraphs,
+    token_cap,
+    tokenize_paragraphs,
+    within_tokens,
+)
 from kiln.kernels.errors import BelowFloor, KilnError
+from kiln.kernels.progress import stage
 from kiln.kernels.targets import get_target
 from kiln.optimizer.defaults import default_data
-from kiln.optimizer.gate import AccuracyGate, check_floor, engine_from_graph
+from kiln.optimizer.gate import AccuracyGate, check_floors, check_native_text, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, write_artifact
 from kiln.optimizer.output_dir import check_output
 from kiln.optimizer.recipes import Recipe, resolve_recipe
-from kiln.optimizer.report import render_report
+from kiln.optimizer.report import calibration_summary, render_report
 from kiln.optimizer.runner import RuntimeRunner
 from kiln.optimizer.sensitivity import precision_files
 from kiln.passes.base import PassContext, PassRecord, Pipeline
 from kiln.passes.graph import ModelGraph
+from kiln.runtime.artifact import sha256_file
 from kiln.runtime.engine import load_tokenizer
 from kiln.runtime.kv_budget import kv_budget
 
@@ -38,17 +47,42 @@ class BuildResult:
     weight_bytes: int
 
 
+def data_file(path: Path | str) -> dict:
+    """Which data file a build read: its path as given (so a reproducible rebuild repeats it) and its sha256."""
+    return {"path": str(path), "sha256": sha256_file(Path(path))}
+
+
+def calibration_record(path: Path | str, observation: list[list[int]], tuning: list[list[int]],
+                       token_budget: int | None) -> dict:
+    """manifest["calibration"]: the file, the token budget (None: none), and the token lists the passes got.
+    `paragraphs` and `tokens` (every token, BOS included) count all of them: end-to-end tuning's set, whose first
+    lists are observation's (also K/V capture's and sensitivity's). Where the two differ, each is stated."""
+    def counts(lists):
+        return {"paragraphs": len(lists), "tokens": sum(map(len, lists))}
+
+    record = {**data_file(path), **counts(tuning), "token_budget": token_budget}
+    if len(observation) != len(tuning):
+        record |= {"observation": counts(observation), "tuning": counts(tuning)}
+    return record
+
+
 def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Path | None, *,
           eval_data: Path | None = None, calib_data: Path | None = None, paragraphs: int = DEFAULT_PARAGRAPHS,
-          calib_paragraphs: int = 256, min_recovery: float | None = None, strict: bool = False,
-          gate: bool = True, reproducible: bool = False, overwrite: bool = False,
+          calib_paragraphs: int = 256, calib_tokens: int | None = None, min_recovery: float | None = None,
+          strict: bool = False, gate: bool = True, reproducible: bool = False, overwrite: bool = False,
           trust_remote_code: bool = False, allow_custom_passes: bool = False,
           log: Callable[[str], None] = lambda m: None, progress_factory=None, weight_bits: float | None = None,
-          weight_bytes: int | None = None) -> BuildResult:
+          weight_bytes: int | None = None, max_kl: float | None = None, min_top1: float | None = None,
+          force: bool = False) -> BuildResult:
     """Load CHECKPOINT, run RECIPE's gated passes for TARGET and write the artifact to OUTPUT (None: don't).
 
     The CLI and this function share every default: without `eval_data` / `calib_data` the gate and the
     calibration use the embedded texts (optimizer.defaults.default_data), as `optimize build` does.
+    Observation, K/V capture and sensitivity use the first `calib_paragraphs` calibration paragraphs and
+    end-to-end tuning all of them; `calib_tokens` bounds both (whole paragraphs in file order, at least one).
+    `min_recovery`, `max_kl` and `min_top1` replace every pass's default floors. Paragraphs are cut at the
+    model's context (calibration.data.token_cap). Gate text the model cannot read (optimizer.gate.
+    check_native_text) is refused unless `force`.
     """
     tgt = get_target(target)
     if isinstance(recipe, Recipe) and (weight_bits is not None or weight_bytes is not None):
@@ -57,9 +91,11 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     rec = recipe if isinstance(recipe, Recipe) else resolve_recipe(recipe, weight_bits, weight_bytes,
                                                                     allow_custom_passes=allow_custom_passes)
     pipeline = Pipeline(rec.passes)  # ordering rules checked here, before anything loads
-    check_floor(min_recovery)
+    check_floors(min_recovery, max_kl, min_top1)
     if paragraphs <= 0 or calib_paragraphs <= 0:
         raise KilnError(f"paragraph counts must be positive, got {paragraphs} and {calib_paragraphs}")
+    if calib_tokens is not None and calib_tokens <= 0:
+        raise KilnError(f"calib_tokens (--calib-tokens) must be positive, got {calib_tokens}")
     if gate and eval_data is None:
         eval_data = default_data("evaluation")
     if calib_data is None:
@@ -67,32 +103,43 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     inputs = [checkpoint, eval_data, calib_data, recipe if isinstance(recipe, str) else None]
     if output is not None:  # refuse an output we may not write before hours of work, not after
         check_output(output, overwrite, inputs)
-    graph = load_checkpoint(checkpoint, trust_remote_code, log=log)
+    with stage("load checkpoint"):
+        graph = load_checkpoint(checkpoint, trust_remote_code, log=log)
     if output is not None:
         inputs.append(graph.source.path)  # a hub id resolves to its snapshot directory
         check_output(output, overwrite, inputs)
     pipeline.check(graph, tgt)
     tokenizer = load_tokenizer(graph.source.path, trust_remote_code)
+    cap = token_cap(graph.spec.max_position_embeddings)
 
     gate_fn = None
     eval_info = None
     if gate and pipeline.passes:
-        tokens = load_token_lists(tokenizer, eval_data, paragraphs, log=log)
+        tokens = load_token_lists(tokenizer, eval_data, paragraphs, cap, log=log)
         log(f"gate data: {len(tokens)} paragraphs of {eval_data}")
         progress = progress_factory(len(tokens)) if progress_factory else None
-        gate_fn = AccuracyGate(engine_from_graph(graph), tokens, progress)
-        eval_info = {"data": Path(eval_data).name, "paragraphs": len(tokens), "tokens": gate_fn.baseline.tokens,
+        with stage("gate baseline"):
+            gate_fn = AccuracyGate(engine_from_graph(graph), tokens, progress)
+        check_native_text(gate_fn.baseline.perplexity, graph.spec.vocab_size, f"the gate text {Path(eval_data).name}",
+                          force, log)
+        eval_info = {"data": Path(eval_data).name, **data_file(eval_data), "paragraphs": len(tokens),
+                     "paragraph_budget": paragraphs, "tokens": gate_fn.baseline.tokens,
                      "baseline_perplexity": round(gate_fn.baseline.perplexity, 6)}
-    calib_tokens = load_token_lists(tokenizer, calib_data, calib_paragraphs) if pipeline.passes else []
-    # end-to-end tuning fits far more parameters than an observation: it gets every calibration paragraph
-    calib_all = load_token_lists(tokenizer, calib_data, None) if pipeline.passes else []
+    observation, tuning, calib_info = [], [], None
     if pipeline.passes:
-        log(f"calibration data: {len(calib_tokens)} paragraphs of {calib_data}")
-    runner = RuntimeRunner(graph, calib_tokens, distillation_tokens=calib_all) if calib_tokens else None
-    ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, runner=runner, log=log)
+        texts = read_paragraphs(calib_data, None)
+        observation = within_tokens(tokenize_paragraphs(tokenizer, texts[:calib_paragraphs], cap), calib_tokens)
+        # end-to-end tuning fits far more parameters than an observation: it gets every calibration paragraph
+        tuning = within_tokens(tokenize_paragraphs(tokenizer, texts, cap), calib_tokens)
+        calib_info = calibration_record(calib_data, observation, tuning, calib_tokens)
+        log(f"calibration data: {calibration_summary(calib_info)} of {calib_data}")
+    runner = RuntimeRunner(graph, observation, distillation_tokens=tuning) if observation else None
+    ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, max_kl=max_kl, min_top1=min_top1, runner=runner,
+                      log=log)
 
     start = time.perf_counter()
-    records = pipeline.run(graph, ctx)
+    with stage("passes"):
+        records = pipeline.run(graph, ctx)
     build_seconds = time.perf_counter() - start
     reverted = [r.name for r in records if r.decision == "reverted"]
     if strict and reverted:
@@ -107,6 +154,7 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         "recipe": {"name": rec.name, "passes": [r.config for r in records] if records else []},
         "passes": [r.to_json(timings) for r in records],
         "evaluation": eval_info,
+        "calibration": calib_info,
         "build_seconds": round(build_seconds, 3) if timings else None,
         "reproducible": reproducible,
     }
@@ -123,6 +171,7 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
                         "sizes": {"weight_bytes": weight_bytes, "source_weight_bytes": graph.source.weight_bytes}}
     path = None
     if output is not None:
-        path = write_artifact(graph, Path(output), manifest, render_report(manifest_preview), overwrite,
-                              extra_files=precision_files(manifest.get("precision")), inputs=inputs)
+        with stage("write artifact"):
+            path = write_artifact(graph, Path(output), manifest, render_report(manifest_preview), overwrite,
+                                  extra_files=precision_files(manifest.get("precision")), inputs=inputs)
     return BuildResult(path, graph, records, manifest_preview, weight_bytes)

@@ -17,8 +17,10 @@ has changed (a tensor or quant annotation replaced), starts again from the embed
 
 The source for distillation is the graph as it stood when the session was created (before the pass).
 
-Memory: the hidden states of the calibration set ([tokens, hidden] fp32) plus one block's modules; the
-observers decide what they keep of each batch (Hessians, not activations). The callback sees only real
+Memory: the hidden states of the calibration set ([tokens, hidden] fp32) plus one block's modules (built from
+the graph's lazily lowered tensors, so only that block is read), and the embedding in its source dtype while
+the hidden states restart from it; the observers decide what they keep of each batch (Hessians, not
+activations). Distillation is the exception: it holds the whole model twice (below). The callback sees only real
 tokens: padding positions are dropped (3-D inputs) or zeroed before an MoE block routes them (expert inputs
 are 2-D), and observers skip all-zero rows.
 """
@@ -156,9 +158,10 @@ class RuntimeCalibrationSession:
                 self._fingerprint(i) != self._ran[i] for i in range(-1, self.position))):
             self.position = None
         if self.position is None:
-            embed = self.graph.tensors[self.graph.embedding].float()
+            embed = self.graph.tensors[self.graph.embedding]  # source dtype: rows are widened after the lookup
             for b in self.batches:
-                b.hidden = F.embedding(b.tokens, embed) * b.mask.unsqueeze(-1)
+                b.hidden = F.embedding(b.tokens, embed).float() * b.mask.unsqueeze(-1)
+            del embed
             self.position = 0
             self._ran = {-1: self._fingerprint(-1)}
         while self.position < layer:
@@ -167,20 +170,22 @@ class RuntimeCalibrationSession:
             self.position += 1
 
     def _fingerprint(self, index: int) -> tuple[_Same, ...]:
-        """What block `index` (-1: the embedding) computes with: its tensors and quant annotations."""
+        """What block `index` (-1: the embedding) computes with: its tensors' entries in the graph's store
+        (replaced, never mutated; compared without reading them) and its quant annotations."""
+        entry = self.graph.tensors.entry
         if index < 0:
-            return (_Same(self.graph.tensors[self.graph.embedding]),)
+            return (_Same(entry(self.graph.embedding)),)
         layer = self.spec.layers[index]
         names = [*layer.attention.linears.values(), *layer.mlp.linears.values(),
                  *(ls for expert in layer.mlp.experts for ls in expert.values())]
-        parts = [_Same(self.graph.tensors.get(n)) for n in layer.norms]
+        parts = [_Same(entry(n)) for n in layer.norms]
         for ls in names:
             lin = self.graph.linears[ls.name]
-            parts += [_Same(self.graph.tensors.get(lin.weight_name)), _Same(lin.quant),
-                      _Same(self.graph.tensors.get(f"{lin.name}.bias"))]
+            parts += [_Same(entry(lin.weight_name)), _Same(lin.quant), _Same(entry(f"{lin.name}.bias"))]
         return tuple(parts)
 
     def _weights(self) -> _RecordingWeights:
+        """The graph as it stands, lowered lazily: building one block reads that block's tensors only."""
         tensors, formats = lower_tensors(self.graph)
         return _RecordingWeights(tensors, formats, self.spec)
 
@@ -252,8 +257,10 @@ class Distillation:
     from the graph as it stands with tuned weights and norms swapped in. Batches are shuffled once (seeded)
     and cycled; the source's last hidden states are computed once per batch and kept.
 
-    Memory: both models whole (with the student's activations for one batch) and [tokens, hidden] for the
-    source: this is for models that fit on the machine, unlike `observe`, which needs one block at a time."""
+    Memory: both models whole in fp32 (with the student's activations for one batch) and [tokens, hidden] for
+    the source: this is for models that fit on the machine, unlike `observe`, which needs one block at a time.
+    End-to-end tuning (the FP4 recipes' tune_steps) of a model larger than RAM (an 8B model: 64 GB) is out of
+    reach; the streaming recipes (fp8-weights, fp8) do not tune."""
 
     def __init__(self, session: RuntimeCalibrationSession, weights: Mapping[str, Callable[[], torch.Tensor]],
                  norms: Mapping[str, torch.nn.Parameter], max_batch_tokens: int):

@@ -18,17 +18,19 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from kiln.kernels import progress
 from kiln.kernels.errors import BelowFloor, KilnError
+from kiln.optimizer.progress_view import reporter_for, timing_table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Kiln: optimize a Hugging Face causal LM into an engine artifact for Hopper or Blackwell.")
 # Tables stay readable when piped (rich would otherwise wrap them to 80 columns).
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 out = Console(width=None if sys.stdout.isatty() else 120)
+DATA_FORMATS = "a text file (paragraphs split at blank lines), or .jsonl/.json/.parquet (a 'text' field per record)"
 
 
 MAX_MESSAGE = 300
@@ -56,27 +58,10 @@ def _one_line(message: str) -> str:
     return line if len(line) <= MAX_MESSAGE else line[: MAX_MESSAGE - 1] + "…"
 
 
-def _progress_factory(label: str):
-    def make(total: int):
-        progress = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=console, transient=True)
-        state = {"task": None}
-
-        def advance(n: int):
-            if state["task"] is None:
-                progress.start()
-                state["task"] = progress.add_task(label, total=total)
-            progress.advance(state["task"], n)
-            if progress.tasks[0].completed >= total:
-                progress.stop()
-                progress.remove_task(state["task"])
-                state["task"] = None
-        return advance
-    return make
-
-
 def _gate_table(records_json: list[dict]) -> Table:
     """One column per pass, one row per figure: stays whole in an 80-column terminal."""
+    from kiln.optimizer.report import floor_cell
+
     table = Table(title="accuracy gate (through the runtime)")
     table.add_column("")
     for p in records_json:
@@ -87,15 +72,24 @@ def _gate_table(records_json: list[dict]) -> Table:
             ("recovery", lambda p, g: f"{g['recovery']:.4f}"),
             ("pass recovery", lambda p, g: f"{g.get('pass_recovery', g['recovery']):.4f}"),
             ("KL nats/token", lambda p, g: f"{g['kl']:.5f}"),
+            ("pass KL", lambda p, g: f"{g.get('pass_kl', g['kl']):.5f}"),
             ("top-1 agreement", lambda p, g: f"{g['top1']:.4f}"),
-            ("floor", lambda p, g: f"{g['floor']}"),
+            ("pass top-1", lambda p, g: f"{g.get('pass_top1', g['top1']):.4f}"),
+            ("recovery floor", lambda p, g: floor_cell(g, "recovery", "≥", g["floor"])),
+            ("KL ceiling", lambda p, g: floor_cell(g, "kl", "≤", g.get("max_kl"))),
+            ("top-1 floor", lambda p, g: floor_cell(g, "top1", "≥", g.get("min_top1"))),
             ("suspect", lambda p, g: g.get("suspect", ""))]
     names = sorted({m["name"] for p in records_json if p["gate"] for m in p["gate"].get("metrics", ())})
     rows += [(name, lambda p, g, name=name: next((f"{m['value']:.4g} ({'pass' if m['passed'] else 'FAIL'})"
                                                   for m in g.get("metrics", ()) if m["name"] == name), ""))
              for name in names]
+    gates = [p["gate"] for p in records_json if p["gate"]]
+    # a pass that ran first costs what it measures: its pass KL and top-1 would repeat the rows above them
+    relative = any(g.get("pass_kl", g["kl"]) != g["kl"] or g.get("pass_top1", g["top1"]) != g["top1"] for g in gates)
     for label, cell in rows:
-        if label == "suspect" and not any((p["gate"] or {}).get("suspect") for p in records_json):
+        if label == "suspect" and not any(g.get("suspect") for g in gates):
+            continue
+        if label in ("pass KL", "pass top-1") and not relative:
             continue
         table.add_row(label, *[cell(p, p["gate"]) if p["gate"] or label == "decision" else ""
                                for p in records_json])
@@ -108,10 +102,18 @@ def build(
     target: Annotated[str, typer.Option(help="hopper or blackwell")] = "hopper",
     recipe: Annotated[str, typer.Option(help="built-in name, comma-separated names, or a YAML file")] = "fp8-weights",
     output: Annotated[Path, typer.Option("-o", "--output", help="artifact directory to write")] = Path("artifacts/out"),
-    eval_data: Annotated[Path | None, typer.Option(help="held-out text for the gate")] = None,
-    calib_data: Annotated[Path | None, typer.Option(help="calibration text")] = None,
+    eval_data: Annotated[Path | None, typer.Option(help=f"held-out data for the gate: {DATA_FORMATS}")] = None,
+    calib_data: Annotated[Path | None, typer.Option(help=f"calibration data: {DATA_FORMATS}")] = None,
+    calib_tokens: Annotated[int | None, typer.Option(help="calibrate on whole paragraphs, in file order, up to "
+                                                     "this many tokens (default: 256 paragraphs to observe, all "
+                                                     "to tune)")] = None,
     paragraphs: Annotated[int, typer.Option(help="paragraphs of eval data the gate scores")] = 600,
     min_recovery: Annotated[float | None, typer.Option(help="gate floor for every pass")] = None,
+    max_kl: Annotated[float | None, typer.Option(help="gate ceiling on the mean KL (nats/token) each pass adds, "
+                                                 "for every pass")] = None,
+    min_top1: Annotated[float | None, typer.Option(help="gate floor on top-1 agreement, for every pass")] = None,
+    force: Annotated[bool, typer.Option(help="gate on text the model cannot read (baseline perplexity above "
+                                        "1/8 of the vocabulary), with a warning")] = False,
     strict: Annotated[bool, typer.Option(help="exit 1 if any pass is reverted")] = False,
     gate: Annotated[bool, typer.Option(help="run the accuracy gate after each pass")] = True,
     reproducible: Annotated[bool, typer.Option(help="leave timings out so rebuilds are byte-identical")] = False,
@@ -126,19 +128,22 @@ def build(
 ) -> None:
     """Optimize CHECKPOINT with RECIPE for TARGET and write an engine artifact."""
     from kiln.optimizer.build import build as run_build
-    from kiln.optimizer.defaults import default_checkpoint
+    from kiln.optimizer.defaults import default_checkpoint, shared_dir
     from kiln.optimizer.report import human_bytes
 
     if checkpoint is None:
         path, message = default_checkpoint()
         console.print(f"[bold]{message}[/bold]")
         checkpoint = str(path)
+        # the generated stand-in has random weights: every text is foreign to it, and its figures mean nothing
+        force = force or shared_dir() is None
     result = run_build(checkpoint, target, recipe, output, eval_data=eval_data, calib_data=calib_data,
+                       calib_tokens=calib_tokens,
                        paragraphs=paragraphs, min_recovery=min_recovery, strict=strict, gate=gate,
                        reproducible=reproducible, overwrite=overwrite, trust_remote_code=trust_remote_code,
                        allow_custom_passes=allow_custom_passes, log=_log,
-                       progress_factory=_progress_factory("scoring"), weight_bits=weight_bits,
-                       weight_bytes=weight_bytes)
+                       weight_bits=weight_bits,
+                       weight_bytes=weight_bytes, max_kl=max_kl, min_top1=min_top1, force=force)
     manifest = result.manifest
     if manifest["passes"]:
         out.print(_gate_table(manifest["passes"]))
@@ -156,6 +161,9 @@ def build(
 
     for kv_table in kv_tables(manifest["kv_budget"]):
         out.print(kv_table)
+    stages = timing_table()
+    if stages is not None:
+        console.print(stages)
     out.print(f"wrote {result.path}")
 
 
@@ -269,25 +277,31 @@ def inspect(
         out.print(kv_table)
 
 
-def _score_artifact(artifact: Path, data: Path, paragraphs: int):
+def _score_artifact(artifact: Path, data: Path, paragraphs: int, force: bool = False):
+    """Score the artifact on `data`, paragraphs cut at its context; refuse text it cannot read unless `force`."""
     from kiln import runtime
-    from kiln.calibration.data import load_token_lists
-    from kiln.optimizer.gate import score
+    from kiln.calibration.data import load_token_lists, token_cap
+    from kiln.optimizer.gate import check_native_text, score
 
     engine = runtime.load(artifact)
-    tokens = load_token_lists(engine._tokenizer(), data, paragraphs, log=_log)
-    return engine, tokens, score(engine, tokens, _progress_factory("scoring")(len(tokens)))
+    tokens = load_token_lists(engine._tokenizer(), data, paragraphs, token_cap(engine.spec.max_position_embeddings),
+                              log=_log)
+    result = score(engine, tokens)
+    check_native_text(result.perplexity, engine.spec.vocab_size, f"the text {data.name}", force, _log)
+    return engine, tokens, result
 
 
 @app.command("eval")
 def eval_(
     artifact: Annotated[Path, typer.Argument(help="artifact directory")],
-    data: Annotated[Path, typer.Option(help="text file (paragraphs separated by blank lines)")],
+    data: Annotated[Path, typer.Option(help=DATA_FORMATS)],
     paragraphs: Annotated[int, typer.Option(help="first N paragraphs")] = 600,
+    force: Annotated[bool, typer.Option(help="score text the model cannot read (perplexity above 1/8 of the "
+                                        "vocabulary), with a warning")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Perplexity of an artifact on a text file, through the runtime."""
-    _, tokens, s = _score_artifact(artifact, data, paragraphs)
+    """Perplexity of an artifact on a text file, through the runtime, within the model's context."""
+    _, tokens, s = _score_artifact(artifact, data, paragraphs, force)
     result = {"perplexity": s.perplexity, "nll_per_token": s.nll / s.tokens, "tokens": s.tokens,
               "paragraphs": len(tokens)}
     if as_json:
@@ -320,58 +334,78 @@ def generate(
 def gate(
     artifact: Annotated[Path, typer.Argument(help="artifact directory")],
     baseline: Annotated[str, typer.Option(help="the checkpoint the artifact was built from")],
-    data: Annotated[Path, typer.Option(help="held-out text")],
+    data: Annotated[Path, typer.Option(help=f"held-out data: {DATA_FORMATS}")],
     min_recovery: Annotated[float, typer.Option(help="floor: ppl_baseline / ppl_artifact, in (0, 1.5]")],
+    max_kl: Annotated[float | None, typer.Option(help="ceiling on the mean KL, nats/token (default: the sum of "
+                                                 "the ceilings the artifact's passes were built to)")] = None,
+    min_top1: Annotated[float | None, typer.Option(help="floor on top-1 agreement (default: 1 less the agreement "
+                                                   "the artifact's passes were each allowed to lose)")] = None,
     paragraphs: Annotated[int, typer.Option(help="first N paragraphs")] = 600,
     any_baseline: Annotated[bool, typer.Option(help="compare against BASELINE even when it is not the "
                                                "artifact's recorded source")] = False,
+    force: Annotated[bool, typer.Option(help="score text the baseline cannot read (perplexity above 1/8 of "
+                                        "the vocabulary), with a warning")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """CI gate: exit 1 when the artifact's recovery against BASELINE falls below --min-recovery."""
-    from kiln.optimizer.gate import check_floor
+    """CI gate: exit 1 when the artifact against BASELINE falls below --min-recovery, above --max-kl or below
+    --min-top1."""
+    from kiln.optimizer.gate import check_floors
 
-    check_floor(min_recovery)
+    check_floors(min_recovery, max_kl, min_top1)
     from kiln import runtime
-    from kiln.calibration.data import load_token_lists
-    from kiln.optimizer.gate import AccuracyGate, check_baseline, engine_from_graph
+    from kiln.calibration.data import load_token_lists, token_cap
+    from kiln.optimizer.gate import (
+        AccuracyGate,
+        artifact_floors,
+        check_baseline,
+        check_native_text,
+        engine_from_graph,
+    )
     from kiln.optimizer.loader import load_checkpoint
 
     engine = runtime.load(artifact)
     source = load_checkpoint(baseline, log=_log)
     if not any_baseline:
         check_baseline(engine.manifest, source)
-    tokens = load_token_lists(engine._tokenizer(), data, paragraphs, log=_log)
+    recorded_kl, recorded_top1 = artifact_floors(engine.manifest)
+    max_kl = recorded_kl if max_kl is None else max_kl
+    min_top1 = recorded_top1 if min_top1 is None else min_top1
     reference = engine_from_graph(source)
     if reference.spec.vocab_size != engine.spec.vocab_size:
         raise KilnError(f"baseline {baseline} has a vocabulary of {reference.spec.vocab_size} tokens, the artifact "
                         f"{engine.spec.vocab_size}: they are different models")
+    context = min(reference.spec.max_position_embeddings, engine.spec.max_position_embeddings)
+    tokens = load_token_lists(engine._tokenizer(), data, paragraphs, token_cap(context), log=_log)
     _log(f"scoring {len(tokens)} paragraphs of {data}: baseline, then artifact")
-    progress = _progress_factory("scoring")
-    checker = AccuracyGate(reference, tokens, progress(len(tokens)))
-    result = checker.compare(engine, min_recovery)
+    checker = AccuracyGate(reference, tokens)
+    check_native_text(checker.baseline.perplexity, reference.spec.vocab_size, f"the text {data.name}", force, _log)
+    result = checker.compare(engine, min_recovery, max_kl, min_top1)
     fields = {"recovery": result.recovery, "perplexity": result.perplexity,
               "baseline_perplexity": result.baseline_perplexity, "kl": result.kl, "top1": result.top1,
-              "tokens": result.tokens, "min_recovery": min_recovery, "passed": result.passed,
-              "suspect": result.suspect}
+              "tokens": result.tokens, "min_recovery": min_recovery, "max_kl": max_kl, "min_top1": min_top1,
+              "held": result.floors_held, "passed": result.passed, "suspect": result.suspect}
     if as_json:
         print(json.dumps(fields, indent=2))
     else:
+        held = result.floors_held
         table = Table(title=f"gate: {artifact} against {baseline}", show_header=False)
         table.add_column("figure")
         table.add_column("value", justify="right")
-        table.add_row("recovery (baseline ppl / artifact ppl)", f"{result.recovery:.5f}")
-        table.add_row("floor", f"{min_recovery}")
-        table.add_row("artifact perplexity", f"{result.perplexity:.5f}")
-        table.add_row("baseline perplexity", f"{result.baseline_perplexity:.5f}")
-        table.add_row("KL (nats/token)", f"{result.kl:.5f}")
-        table.add_row("top-1 agreement", f"{result.top1:.5f}")
-        table.add_row("tokens scored", str(result.tokens))
-        table.add_row("result", "passed" if result.passed else "FAILED")
+        table.add_column("floor", justify="right")
+        table.add_row("recovery (baseline ppl / artifact ppl)", f"{result.recovery:.5f}",
+                      f">= {min_recovery} ({'held' if held['recovery'] else 'FAILED'})")
+        table.add_row("KL (nats/token)", f"{result.kl:.5f}", f"<= {max_kl:g} ({'held' if held['kl'] else 'FAILED'})")
+        table.add_row("top-1 agreement", f"{result.top1:.5f}",
+                      f">= {min_top1:g} ({'held' if held['top1'] else 'FAILED'})")
+        table.add_row("artifact perplexity", f"{result.perplexity:.5f}", "")
+        table.add_row("baseline perplexity", f"{result.baseline_perplexity:.5f}", "")
+        table.add_row("tokens scored", str(result.tokens), "")
+        table.add_row("result", "passed" if result.passed else "FAILED", "")
         out.print(table)
     if result.suspect:
         raise BelowFloor(f"implausible result, not a pass: {result.suspect}")
     if not result.passed:
-        raise BelowFloor(f"recovery {result.recovery:.4f} is below the floor {min_recovery}")
+        raise BelowFloor("; ".join(result.failures))
 
 
 @app.command("export")
@@ -413,7 +447,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     try:
-        code = app(standalone_mode=False)  # --help returns 0; a KeyboardInterrupt typer saw returns 130
+        with progress.reporting(reporter_for(console)):  # bars on a terminal, a line per stage otherwise
+            code = app(standalone_mode=False)  # --help returns 0; a KeyboardInterrupt typer saw returns 130
     except Interrupted as exc:
         _fail(130 if exc.signum == signal.SIGINT else 143,
               f"{'interrupted' if exc.signum == signal.SIGINT else 'terminated'}: nothing was written")

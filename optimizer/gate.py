@@ -4,6 +4,13 @@ The candidate graph is lowered to the artifact's tensors, round-tripped through 
 `runtime.Engine` exactly as `runtime.load` would; no fake-quant stand-in. Metrics per the fixed protocol
 (calibration.data): perplexity, mean per-token KL(baseline || candidate), top-1 agreement.
 Recovery = ppl_baseline / ppl_candidate.
+
+Sizes: full-vocabulary logits never exist for more than HEAD_CHUNK positions at once. The baseline keeps its
+final hidden states ([tokens, hidden] fp32, exact: its logits are one lm_head away) and its lm_head; a
+candidate's hidden states are computed a batch at a time, and both heads are applied side by side to the same
+HEAD_CHUNK positions, where NLL, KL and top-1 are reduced. Per scored token the baseline costs hidden x 4 bytes
+(16 KiB at hidden 4096) instead of vocabulary x 4 (512 KiB at 128K): the figures are the same, up to the order
+of float summation.
 """
 
 from __future__ import annotations
@@ -19,18 +26,25 @@ import torch
 from kiln.calibration.data import length_batches
 from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
+from kiln.kernels.progress import stage
 from kiln.optimizer.lower import kv_cache_table, lower_tensors, roundtrip
-from kiln.passes.base import GateResult, MetricResult, PassMetric
+from kiln.passes.base import GateResult, MetricResult, Pass, PassMetric
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.engine import Engine
 
 MAX_FLOOR = 1.5
 
 
-def check_floor(floor: float | None, name: str = "--min-recovery") -> None:
-    """A recovery floor is a fraction of the baseline: in (0, MAX_FLOOR]. None means the pass's default."""
-    if floor is not None and not 0 < floor <= MAX_FLOOR:
-        raise KilnError(f"{name} must be in (0, {MAX_FLOOR}], got {floor}")
+def check_floors(min_recovery: float | None = None, max_kl: float | None = None,
+                 min_top1: float | None = None) -> None:
+    """Floors a user sets; None means each pass's default. A recovery floor is a fraction of the baseline, in
+    (0, MAX_FLOOR]; a KL ceiling is nats per token, >= 0; a top-1 floor is a fraction of positions, in [0, 1]."""
+    if min_recovery is not None and not 0 < min_recovery <= MAX_FLOOR:
+        raise KilnError(f"--min-recovery must be in (0, {MAX_FLOOR}], got {min_recovery}")
+    if max_kl is not None and not 0 <= max_kl < math.inf:
+        raise KilnError(f"--max-kl must be a finite number of nats per token >= 0, got {max_kl}")
+    if min_top1 is not None and not 0 <= min_top1 <= 1:
+        raise KilnError(f"--min-top1 must be in [0, 1], got {min_top1}")
 
 
 def check_baseline(manifest: dict, baseline: ModelGraph) -> None:
@@ -46,10 +60,40 @@ def check_baseline(manifest: dict, baseline: ModelGraph) -> None:
                         "checkpoint the artifact was built from, or --any-baseline to compare anyway")
 
 
+def artifact_floors(manifest: dict) -> tuple[float, float]:
+    """(KL ceiling, top-1 floor) for an artifact against its source: the floors its passes were held to, added
+    up as the gate adds them (KL adds; so does the top-1 agreement each pass may lose). A pass that changed the
+    model without a recorded gate counts with the defaults of a pass that declares none."""
+    max_kl, lost_top1 = 0.0, 0.0
+    for record in manifest.get("passes") or []:
+        if record.get("decision") == "reverted":
+            continue
+        gate = record.get("gate") or {}
+        kl, top1 = gate.get("max_kl"), gate.get("min_top1")
+        max_kl += float(kl) if isinstance(kl, int | float) else Pass.default_max_kl
+        lost_top1 += 1.0 - (float(top1) if isinstance(top1, int | float) else Pass.default_min_top1)
+    return round(max_kl, 9), round(max(0.0, 1.0 - lost_top1), 9)  # 0.06 + 0.09 is 0.15, not 0.15000000000000002
+
+
 def engine_from_graph(graph: ModelGraph, tokenizer=None) -> Engine:
     tensors, formats = lower_tensors(graph)
     return Engine(graph.spec, roundtrip(tensors), formats, tokenizer,
                                kv_cache=kv_cache_table(graph))
+
+
+HEAD_CHUNK = 1024
+"""Most positions whose full-vocabulary logits (and log-softmax) exist at once: [HEAD_CHUNK, V] fp32 is 512 MiB
+at a 128K vocabulary, whatever the amount of text scored."""
+BATCH_TOKENS = 8192
+"""Tokens (padding included) per forward batch; the batch's hidden states are [BATCH_TOKENS, hidden]."""
+
+FOREIGN_PERPLEXITY_FRACTION = 1 / 8
+"""A text is foreign to a model whose perplexity on it exceeds this fraction of the vocabulary size. Perplexity P
+means the model is as unsure as a uniform choice among P tokens; above V/8 it knows less than 3 bits per token
+more than a uniform guess over its V-token vocabulary (random tokens score about V or worse). On such text
+recovery, KL and top-1 compare near-uniform guesses and can pass anything (MXFP4 scored "recovery" 1.07 on
+one). For scale: stories260K on TinyStories ~5 of 512 (limit 64), on this repository's README ~430; SmolLM2
+~15 of 49152 (limit 6144)."""
 
 
 @dataclass
@@ -62,51 +106,88 @@ class Score:
         return math.exp(self.nll / self.tokens)
 
 
-def log_probs(engine: Engine, token_lists: Sequence[Sequence[int]], progress: Callable[[int], None] | None = None):
-    """Yield (index, log-probs [n-1, V] for next tokens, targets [n-1]) per token list."""
-    for batch in length_batches(token_lists, 8192):
-        logits = engine.logits([token_lists[i] for i in batch])
-        for i, lg in zip(batch, logits, strict=True):
-            targets = torch.as_tensor(token_lists[i][1:], dtype=torch.long)
-            yield i, torch.log_softmax(lg[:-1].float(), dim=-1), targets
-        if progress is not None:
-            progress(len(batch))
+def check_native_text(perplexity: float, vocab_size: int, what: str, force: bool = False,
+                      log: Callable[[str], None] = lambda message: None) -> None:
+    """Refuse to gate or score on text the model cannot read: `perplexity` (the model's own, on `what`) above
+    FOREIGN_PERPLEXITY_FRACTION of `vocab_size`. With `force`, only warn."""
+    limit = vocab_size * FOREIGN_PERPLEXITY_FRACTION
+    if perplexity <= limit:
+        return
+    message = (f"{what} is foreign to the model: its perplexity {perplexity:.4g} is above {limit:g} (1/8 of the "
+               f"vocabulary of {vocab_size} tokens), where accuracy figures mean nothing")
+    if not force:
+        raise KilnError(f"{message}; give text like the model's training data, or --force to score it anyway")
+    log(f"warning: {message}; scoring it anyway (--force)")
+
+
+def next_token_states(engine: Engine, token_lists: Sequence[Sequence[int]],
+                      progress: Callable[[int], None] | None = None):
+    """Per forward batch: (indices of its lists, final hidden states [N, C] of every position that predicts a
+    next token, their targets [N]); rows are the lists' positions, list after list in `indices` order."""
+    with stage("score", total=len(token_lists), unit="paragraphs") as task:
+        for batch in length_batches(token_lists, BATCH_TOKENS):
+            hidden = engine.hidden_states([token_lists[i] for i in batch])
+            yield (batch, torch.cat([h[:-1] for h in hidden]),
+                   torch.cat([torch.as_tensor(token_lists[i][1:], dtype=torch.long) for i in batch]))
+            task.advance(len(batch))
+            if progress is not None:
+                progress(len(batch))
+
+
+@torch.inference_mode()
+def head_log_probs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor):
+    """Yield (rows, log-probs [<= HEAD_CHUNK, V]) of `head` applied to `hidden` [N, C], chunk by chunk."""
+    for start in range(0, hidden.shape[0], HEAD_CHUNK):
+        rows = slice(start, start + HEAD_CHUNK)
+        yield rows, torch.log_softmax(head(hidden[rows]).float(), dim=-1)
 
 
 def score(engine: Engine, token_lists: Sequence[Sequence[int]], progress=None) -> Score:
     nll, count = 0.0, 0
-    for _, lp, targets in log_probs(engine, token_lists, progress):
-        nll -= float(lp.gather(1, targets[:, None]).sum())
+    for _, hidden, targets in next_token_states(engine, token_lists, progress):
+        for rows, lp in head_log_probs(engine.head_logits, hidden):
+            nll -= float(lp.gather(1, targets[rows, None]).sum())
         count += len(targets)
     return Score(nll, count)
 
 
 class AccuracyGate:
-    """Callable gate: holds the baseline's log-probs once, scores each candidate graph against them."""
+    """Callable gate: holds the baseline's final hidden states and lm_head once, and scores each candidate graph
+    against them, baseline and candidate logits side by side a HEAD_CHUNK of positions at a time.
+
+    Only the baseline's lm_head is kept, not its model, so a build holds one model beside the candidate's."""
 
     def __init__(self, baseline: Engine, token_lists: Sequence[Sequence[int]], progress=None):
         self.token_lists = list(token_lists)
         self.progress = progress
-        self.baseline_lp: list[torch.Tensor | None] = [None] * len(self.token_lists)
+        self.baseline_head = baseline.model.lm_head
+        self.baseline_hidden: list[torch.Tensor | None] = [None] * len(self.token_lists)  # [n-1, C] per list
         nll, count = 0.0, 0
-        for i, lp, targets in log_probs(baseline, self.token_lists, progress):
-            self.baseline_lp[i] = lp
-            nll -= float(lp.gather(1, targets[:, None]).sum())
+        for batch, hidden, targets in next_token_states(baseline, self.token_lists, progress):
+            start = 0
+            for i in batch:
+                self.baseline_hidden[i] = hidden[start:start + len(self.token_lists[i]) - 1]
+                start += len(self.token_lists[i]) - 1
+            for rows, lp in head_log_probs(self.baseline_head, hidden):
+                nll -= float(lp.gather(1, targets[rows, None]).sum())
             count += len(targets)
         self.baseline = Score(nll, count)
 
-    def compare(self, candidate: Engine, floor: float) -> GateResult:
+    def compare(self, candidate: Engine, floor: float, max_kl: float | None = None,
+                min_top1: float | None = None) -> GateResult:
         start = time.perf_counter()
         nll, kl, agree, count = 0.0, 0.0, 0, 0
-        for i, lp, targets in log_probs(candidate, self.token_lists, self.progress):
-            base = self.baseline_lp[i]
-            nll -= float(lp.gather(1, targets[:, None]).sum())
-            kl += float(kl_terms(base, lp).sum())
-            agree += int((base.argmax(-1) == lp.argmax(-1)).sum())
+        for batch, hidden, targets in next_token_states(candidate, self.token_lists, self.progress):
+            base_hidden = torch.cat([self.baseline_hidden[i] for i in batch])
+            for (rows, lp), (_, base) in zip(head_log_probs(candidate.head_logits, hidden),
+                                             head_log_probs(self.baseline_head, base_hidden), strict=True):
+                nll -= float(lp.gather(1, targets[rows, None]).sum())
+                kl += float(kl_terms(base, lp).sum())
+                agree += int((base.argmax(-1) == lp.argmax(-1)).sum())
             count += len(targets)
         return GateResult(
             perplexity=math.exp(nll / count), baseline_perplexity=self.baseline.perplexity,
-            kl=kl / count, top1=agree / count, tokens=count, floor=floor,
+            kl=kl / count, top1=agree / count, tokens=count, floor=floor, max_kl=max_kl, min_top1=min_top1,
             seconds=time.perf_counter() - start,
         )
 

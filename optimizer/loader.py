@@ -2,20 +2,29 @@
 
 Accepts a local Hugging Face directory (config.json + model.safetensors, or a sharded
 model.safetensors.index.json) or a hub id when the network allows. Safetensors only: pickle weights
-(*.bin, *.pt, *.pth) are refused, never unpickled. Tensors are read one at a time, so the model is held once.
+(*.bin, *.pt, *.pth) are refused, never unpickled.
+
+The graph holds no tensor data: its tensors (`CheckpointTensors`) are read from the safetensors files when a
+pass or the lowering asks for them, one at a time, and what passes replace is spilled to a temporary file
+(passes.tensor_store), so a checkpoint larger than RAM builds. The files must stay as they are while the graph
+is in use (their sha256 is recorded at load).
 
 Bad input is a one-line KilnError, found as early and as cheaply as possible: config.json's fields first
 (types, ranges, consistency), then the shard index and the safetensors headers (layer count, every tensor
-the model uses: present, shape, floating dtype), and only then the data, in one reduction per tensor
-(NaN/Inf, overflow, absurd norm gains).
+the model uses: present, shape, floating dtype), and only then the data, in one streaming pass that reads
+one tensor at a time and keeps none: one reduction per tensor (NaN/Inf, overflow, absurd norm gains).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import platform
 import re
-from collections.abc import Callable
+import struct
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
@@ -24,7 +33,9 @@ import torch
 from kiln.kernels.errors import KilnError
 from kiln.optimizer import prequantized
 from kiln.optimizer.loader_config import build_spec, check_config
+from kiln.passes import tensor_store
 from kiln.passes.graph import ModelGraph, Source
+from kiln.passes.tensor_store import SAFETENSORS_DTYPES, SpillFile, TensorStore, read_tensor
 from kiln.runtime.artifact import MANIFEST, read_json, sha256_file
 from kiln.runtime.spec import ModelSpec
 
@@ -210,28 +221,90 @@ def _bad_values(t: torch.Tensor, limit: float | None = VALUE_LIMIT) -> str | Non
     return None
 
 
-def _read_tensors(files: list[Path], norms: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
+def _data_offsets(file: Path) -> tuple[int, dict[str, list[int]]]:
+    """Where a safetensors file's data starts, and each tensor's [start, end) within it (its JSON header; the
+    header was validated by safetensors when `_read_header` opened the file)."""
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as exc:
+        raise _corrupt(file, exc) from None
+    return 8 + length, {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
 
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                    tensors[key] = f.get_tensor(key)
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise _corrupt(file, exc) from None
-    for key, t in tensors.items():
+
+class CheckpointTensors(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors by name, each read from its safetensors file when asked: straight into memory of
+    its own (the file is not mapped, so the process holds exactly what it reads), the same tensor again while
+    anyone holds it, never all at once. Iterates in the headers' order."""
+
+    def __init__(self, header: Mapping[str, TensorInfo]):
+        self._where: dict[str, tuple[Path, int, tensor_store.TensorInfo]] = {}
+        offsets = {file: _data_offsets(file) for file in dict.fromkeys(info.file for info in header.values())}
+        for name, info in header.items():
+            dtype = SAFETENSORS_DTYPES.get(info.dtype)
+            if dtype is None:
+                raise KilnError(f"tensor {name:.80} has dtype {info.dtype:.20}, which Kiln does not read "
+                                f"(known: {', '.join(SAFETENSORS_DTYPES)})")
+            start, data = offsets[info.file]
+            self._where[name] = (info.file, start + data[name][0], tensor_store.TensorInfo(dtype, info.shape))
+        self._held: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._held.get(name)
+        if t is None:
+            file, offset, info = self._where[name]
+            try:
+                with open(file, "rb") as f:
+                    t = read_tensor(f.fileno(), offset, info)
+            except OSError as exc:
+                raise _corrupt(file, exc) from None
+            self._held[name] = t
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def info(self, name: str) -> tensor_store.TensorInfo:
+        return self._where[name][2]
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD = 1 << 20
+
+
+def _return_freed_memory() -> None:
+    """Have glibc serve every allocation of MMAP_THRESHOLD or more from its own mapping, returned to the system
+    when freed. By default the threshold rises to the largest buffer freed so far (up to 32 MB), after which
+    tensors of up to that size come from the heap, whose freed holes the process keeps: a streaming build
+    of an 8B model, which allocates and frees such tensors block after block, grew from 1.5 to 4.6 GB that
+    way. A fixed threshold also turns that rise off. Elsewhere than glibc, nothing to do."""
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
+def _check_values(tensors: CheckpointTensors, norms: set[str]) -> None:
+    """Every stored tensor's values, in one streaming pass: one tensor in memory at a time."""
+    peaks = {}
+    for key in tensors:
+        t = tensors[key]
         # norms get their own, tighter bound below, with its own message
         problem = _bad_values(t, None if key in norms else VALUE_LIMIT) if t.is_floating_point() and t.numel() else None
         if problem:
             raise KilnError(f"tensor {key} {problem}; refusing to optimize a broken checkpoint")
+        if key in norms:
+            peaks[key] = float(t.float().abs().max())
+        del t
     for key in norms:
-        peak = float(tensors[key].float().abs().max())
-        if peak > NORM_LIMIT:
-            raise KilnError(f"norm weight {key} holds a value of magnitude {peak:.3g} (more than {NORM_LIMIT:g}); "
-                            "activations would overflow: refusing a broken checkpoint")
-    return tensors
+        if peaks[key] > NORM_LIMIT:
+            raise KilnError(f"norm weight {key} holds a value of magnitude {peaks[key]:.3g} (more than "
+                            f"{NORM_LIMIT:g}); activations would overflow: refusing a broken checkpoint")
 
 
 def _refuse_artifact(root: Path) -> None:
@@ -261,7 +334,7 @@ def read_config(root: Path) -> dict:
     return config
 
 
-def graph_from_spec(spec: ModelSpec, config: dict, source: Source, tensors: dict[str, torch.Tensor]) -> ModelGraph:
+def graph_from_spec(spec: ModelSpec, config: dict, source: Source, tensors: Mapping[str, torch.Tensor]) -> ModelGraph:
     """The graph of a spec whose tensors `_check_tensors` has checked."""
     graph = ModelGraph(spec=spec, hf_config=config, source=source, tensors=tensors)
     if spec.lm_head_tied(tensors):
@@ -281,7 +354,7 @@ def load_checkpoint(ref: str | Path, trust_remote_code: bool = False, *,
     config = read_config(root)
     check_config(config)  # types and ranges first: the layer count below sizes everything after it
     files, weight_map = _weight_files(root)
-    header = _read_header(root, files, weight_map)
+    header = raw_header = _read_header(root, files, weight_map)
     _check_layer_count(config, header)
     spec = build_spec(config, trust_remote_code, tensor_names=header)
     expected = _expected_tensors(spec)
@@ -290,14 +363,17 @@ def load_checkpoint(ref: str | Path, trust_remote_code: bool = False, *,
     if unused:
         log(f"{len(unused)} checkpoint tensor(s) are not used by the {spec.model_type} model and are copied to "
             f"the artifact unchanged: {', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}")
-    tensors = _read_tensors(files, {name for name, e in expected.items() if e.what == NORM})
+    stored = CheckpointTensors(raw_header)
+    _return_freed_memory()
+    _check_values(stored, {name for name, e in expected.items() if e.what == NORM})
     source = Source(
         path=root.resolve(),
         name=str(ref),
         weight_files={f.name: sha256_file(f) for f in files},
-        weight_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        weight_bytes=sum(stored.info(name).nbytes for name in stored),
         tokenizer_files=tuple(root / n for n in TOKENIZER_FILES if (root / n).is_file()),
     )
+    tensors = TensorStore(stored, spill=SpillFile())
     tensors = prequantized.dequantize(quantized, tensors, _bad_values)  # float32; source keeps the stored bytes
     graph = graph_from_spec(spec, config, source, tensors)
     graph.metadata["loader"] = {"unused_tensors": unused}

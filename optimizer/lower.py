@@ -1,30 +1,76 @@
 """ModelGraph -> engine artifact (the contract in `runtime.artifact`).
 
 `lower_tensors` produces exactly the tensors and format table the artifact stores; the gate builds its
-engine from the same pair (after a safetensors round trip), so the gate measures what ships.
-`write_artifact` writes into a temporary sibling directory and renames it into place (optimizer.output_dir).
+engine from the same pair (after a safetensors round trip), so the gate measures what ships. The tensors are a
+`LoweredTensors` mapping: each is read on access from where the graph keeps it (the checkpoint, the spill
+file, memory), as the graph stood when it was lowered, so lowering costs no memory and building one block of
+the runtime's model reads only that block's tensors.
+`write_artifact` writes into a temporary sibling directory and renames it into place (optimizer.output_dir);
+`write_safetensors` writes model.safetensors one tensor at a time, byte for byte what safetensors' own
+`save_file` writes for the same tensors.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable
+import struct
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save, save_file
+from safetensors.torch import save
 
 from kiln.kernels.errors import KilnError
 from kiln.optimizer import __version__
 from kiln.optimizer.output_dir import atomic_directory
 from kiln.passes.graph import ModelGraph
+from kiln.passes.tensor_store import SAFETENSORS_DTYPES, TensorInfo, tensor_bytes_view, tensor_info
 from kiln.runtime.artifact import MANIFEST, SCHEMA_VERSION, WEIGHTS, sha256_file, validate_manifest
 
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
-def lower_tensors(graph: ModelGraph) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """(tensors to store, per-module format table). Quantized linears replace their source weight."""
-    tensors: dict[str, torch.Tensor] = {}
+
+class LoweredTensors(MutableMapping[str, torch.Tensor]):
+    """The artifact's tensors by name, each taken (contiguous) from the mapping that holds it when asked.
+    Entries set on it directly are kept as given (tests and tools rewrite a lowered model this way)."""
+
+    def __init__(self):
+        self._where: dict[str, tuple[Mapping[str, torch.Tensor] | None, str | torch.Tensor]] = {}
+
+    def add(self, name: str, source: Mapping[str, torch.Tensor], key: str) -> None:
+        self._where[name] = (source, key)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        source, key = self._where[name]
+        return key if source is None else source[key].contiguous()
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._where[name] = (None, value)
+
+    def __delitem__(self, name: str) -> None:
+        del self._where[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def info(self, name: str) -> TensorInfo:
+        source, key = self._where[name]
+        return TensorInfo.of(key) if source is None else tensor_info(source, key)
+
+
+def lower_tensors(graph: ModelGraph) -> tuple[LoweredTensors, dict[str, dict]]:
+    """(tensors to store, per-module format table). Quantized linears replace their source weight.
+
+    The tensors are those of the graph as it stands now, read on access (the graph's tensor store is copied,
+    which copies references only; quantized weights are immutable)."""
+    tensors = LoweredTensors()
     formats: dict[str, dict] = {}
     replaced = set()
     for lin in graph.linears.values():
@@ -40,14 +86,17 @@ def lower_tensors(graph: ModelGraph) -> tuple[dict[str, torch.Tensor], dict[str,
         if q.rotation_block:
             entry["input_rotation"] = {"kind": "block_hadamard", "block_size": int(q.rotation_block)}
         formats[lin.name] = entry
-        for key, value in q.tensors.items():
-            tensors[f"{lin.name}.{key}"] = value.contiguous()
+        for key in q.tensors:
+            tensors.add(f"{lin.name}.{key}", q.tensors, key)
         if lin.tied_to is None:
             replaced.add(lin.weight_name)
-    for name, value in graph.tensors.items():
+    stored = graph.tensors.copy()
+    for name in stored:
         if name not in replaced:
-            tensors[name] = value.contiguous()
-    tensors.update(kv_scale_tensors(graph))
+            tensors.add(name, stored, name)
+    kv_scales = kv_scale_tensors(graph)
+    for name in kv_scales:
+        tensors.add(name, kv_scales, name)
     return tensors, formats
 
 
@@ -78,15 +127,59 @@ def kv_cache_table(graph: ModelGraph) -> dict[str, dict]:
     return table
 
 
-def roundtrip(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors as the runtime will read them back from model.safetensors."""
+def roundtrip(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as the runtime will read them back from model.safetensors (all of them in memory)."""
     from safetensors.torch import load
 
-    return load(save(tensors))
+    return load(save(dict(tensors)))
 
 
-def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(tensor_info(tensors, name).nbytes for name in tensors)
+
+
+def _safetensors_order(infos: Mapping[str, TensorInfo], metadata: Mapping[str, str] | None) -> list[str]:
+    """The order in which safetensors lays tensors out (today: by dtype, widest first, then by name), taken
+    from safetensors itself on one-element stand-ins, so that a change in its rule cannot go unnoticed."""
+    standins = {name: torch.zeros(1, dtype=info.dtype) for name, info in infos.items()}
+    data = save(standins, metadata=None if metadata is None else dict(metadata))
+    (length,) = struct.unpack("<Q", data[:8])
+    return [name for name in json.loads(data[8: 8 + length]) if name != "__metadata__"]
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+                      ) -> None:
+    """Write `tensors` as a safetensors file, reading and writing one tensor at a time: the header (an 8-byte
+    little-endian length, then JSON: "__metadata__" first, then every tensor's dtype, shape and data offsets,
+    padded with spaces to a multiple of 8 bytes) from dtypes and shapes alone, then each tensor's bytes.
+    The bytes equal safetensors' `save_file` of the same tensors and metadata (tests/test_streaming.py)."""
+    infos = {name: tensor_info(tensors, name) for name in tensors}
+    unknown = sorted({str(i.dtype) for i in infos.values() if i.dtype not in SAFETENSORS_NAMES})
+    if unknown:
+        raise KilnError(f"cannot store dtype(s) {', '.join(unknown)} in safetensors")
+    order = _safetensors_order(infos, metadata)
+    header: dict[str, object] = {} if metadata is None else {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in order:
+        info = infos[name]
+        header[name] = {"dtype": SAFETENSORS_NAMES[info.dtype], "shape": list(info.shape),
+                        "data_offsets": [offset, offset + info.nbytes]}
+        offset += info.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name in order:
+            t = tensors[name]
+            if TensorInfo.of(t) != infos[name]:
+                raise KilnError(f"tensor {name} changed while it was written: {TensorInfo.of(t)} != {infos[name]}")
+            f.write(tensor_bytes_view(t))
+            del t
+
+
+def _manifest_entry(info: TensorInfo) -> dict:
+    return {"dtype": str(info.dtype).removeprefix("torch."), "shape": list(info.shape)}
 
 
 def _json(obj) -> str:
@@ -106,7 +199,7 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
     tensors, formats = lower_tensors(graph)
     with atomic_directory(out, overwrite, inputs) as tmp:
         # one metadata key only: safetensors writes metadata in a nondeterministic order
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        write_safetensors(tmp / WEIGHTS, tensors, {"format": "pt"})
         # the source's config, for provenance and export; the runtime builds from "architecture" instead
         (tmp / "config.json").write_text(_json(graph.hf_config))
         for f in graph.source.tokenizer_files:
@@ -123,8 +216,7 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
             "formats": formats,
             "kv_cache": kv_cache_table(graph),
             "sizes": {"weight_bytes": tensor_bytes(tensors), "source_weight_bytes": graph.source.weight_bytes},
-            "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                        for name, t in sorted(tensors.items())},
+            "tensors": {name: _manifest_entry(tensors.info(name)) for name in sorted(tensors)},
             "files": files,
         }
         validate_manifest(manifest, out)  # never write what the runtime would refuse to read

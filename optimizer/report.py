@@ -1,4 +1,4 @@
-"""report.md: a readable summary of an artifact's manifest (sizes, gate table, formats)."""
+"""report.md: a readable summary of an artifact's manifest (sizes, data, gate table, formats)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,41 @@ def human_bytes(n: int) -> str:
 def format_counts(formats: dict) -> Counter:
     return Counter(f"{e['format']}" + (f"+{e['activation']}" if e.get("activation", "none") != "none" else "")
                    for e in formats.values())
+
+
+def calibration_summary(cal: dict) -> str:
+    """What a build calibrated on (manifest["calibration"]), in one sentence for the report and the build log."""
+    budget = f"a budget of {cal['token_budget']} tokens" if cal["token_budget"] is not None else "no token budget"
+    text = f"{cal['paragraphs']} paragraphs, {cal['tokens']} tokens ({budget}; whole paragraphs in file order)"
+    if "observation" in cal:
+        obs = cal["observation"]
+        text += (f"; observation, K/V capture and sensitivity use the first {obs['paragraphs']} paragraphs "
+                 f"({obs['tokens']} tokens), end-to-end tuning all")
+    return text
+
+
+def data_lines(manifest: dict) -> list[str]:
+    """The report's Data section: each data file's path and sha256, what the build used of it, and the budgets."""
+    cal, ev = manifest.get("calibration"), manifest.get("evaluation")
+    if not cal and not ev:
+        return []
+    lines = ["## Data", ""]
+    if cal:
+        lines.append(f"- calibration: `{cal['path']}` (sha256 `{cal['sha256']}`): {calibration_summary(cal)}")
+    if ev:
+        lines.append(f"- held-out (the gate): `{ev['path']}` (sha256 `{ev['sha256']}`): {ev['paragraphs']} paragraphs "
+                     f"(budget {ev['paragraph_budget']}), {ev['tokens']} scored tokens; baseline perplexity "
+                     f"{ev['baseline_perplexity']:.4f}")
+    return [*lines, ""]
+
+
+def floor_cell(gate: dict, key: str, relation: str, floor: float | None) -> str:
+    """A gate floor and whether it held (`gate["held"][key]`), e.g. "≥ 0.99 held"; blank for a manifest that
+    records no such floor."""
+    if floor is None:
+        return ""
+    held = (gate.get("held") or {}).get(key)
+    return f"{relation} {floor:g}" + ("" if held is None else " held" if held else " FAILED")
 
 
 def render_report(manifest: dict) -> str:
@@ -36,27 +71,27 @@ def render_report(manifest: dict) -> str:
         f"| artifact weights | {now} | {human_bytes(now)} |",
         f"| ratio | {now / src:.3f} | |",
         "",
+        *data_lines(manifest),
         "## Gate",
         "",
     ]
-    ev = manifest.get("evaluation")
-    if ev:
-        lines += [f"Held-out data: {ev['paragraphs']} paragraphs of `{ev['data']}`, {ev['tokens']} tokens; "
-                  f"baseline perplexity {ev['baseline_perplexity']:.4f}.", ""]
-    lines += ["Recovery is against the source; the floor applies to each pass's own recovery (against the graph "
-              "it started from).", "",
-              "| pass | decision | baseline ppl | ppl | recovery | pass recovery | KL | top-1 | floor |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [("Recovery, KL and top-1 are against the source; the floors apply to what each pass costs itself "
+               "(its figures against the graph it started from: the pass columns)."), "",
+              ("| pass | decision | baseline ppl | ppl | recovery | pass recovery | KL | pass KL | top-1 | pass top-1 "
+               "| recovery floor | KL ceiling | top-1 floor |"),
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in manifest["passes"]:
         g = p["gate"]
         if g is None:
-            lines.append(f"| {p['name']} | {p['decision']} | | | | | | | |")
+            lines.append(f"| {p['name']} | {p['decision']} |" + " |" * 11)
         else:
             lines.append(f"| {p['name']} | {p['decision']} | {g['baseline_perplexity']:.4f} | {g['perplexity']:.4f} | "
                          f"{g['recovery']:.4f} | {g.get('pass_recovery', g['recovery']):.4f} | {g['kl']:.5f} | "
-                         f"{g['top1']:.4f} | {g['floor']} |")
+                         f"{g.get('pass_kl', g['kl']):.5f} | {g['top1']:.4f} | {g.get('pass_top1', g['top1']):.4f} | "
+                         f"{floor_cell(g, 'recovery', '≥', g['floor'])} | {floor_cell(g, 'kl', '≤', g.get('max_kl'))} | "
+                         f"{floor_cell(g, 'top1', '≥', g.get('min_top1'))} |")
     if not manifest["passes"]:
-        lines.append("| (no passes) | | | | | | | | |")
+        lines.append("| (no passes) |" + " |" * 12)
     checks = [(p["name"], m) for p in manifest["passes"] if p["gate"] for m in p["gate"].get("metrics", ())]
     if checks:
         lines += ["", "Each pass's own gate metrics (measured through the runtime against the graph before it):", "",

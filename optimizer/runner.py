@@ -4,7 +4,8 @@ modules on the calibration tokens.
     runner = RuntimeRunner(source_graph, calibration_tokens)
     runner.session(graph)            observe linears' inputs block by block; distillation (optimizer.calibrator)
     runner.capture_kv(graph)         K/V cache activations (optimizer.calibrate.KvCapture)
-    runner.logit_kl(graph, n)        KL(source || graph) of the final logits on n paragraphs (optimizer.sensitivity)
+    runner.logit_kl(graph, n)        KL(source || graph) of the final logits on n paragraphs (optimizer.sensitivity:
+                                     one kept model; a probe rebuilds and reruns only what it changed)
     runner.logits(graph, lists)      full-sequence logits through the runtime (optimizer.gate.engine_from_graph)
 
 The source is the graph as it stands when the runner is made (before any pass): passes replace tensors, never

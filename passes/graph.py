@@ -4,13 +4,19 @@
                 rotary and softmax scale, dense or MoE MLP, norms) plus extra modules. A structural pass
                 (MLA conversion, draft heads, fusion) rewrites it with `set_spec`; the artifact's manifest
                 carries it and the runtime executes it
-    tensors     the checkpoint's tensors (Hugging Face names, source dtype), as the passes left them
+    tensors     the checkpoint's tensors (Hugging Face names, source dtype), as the passes left them: a
+                `TensorStore` (passes.tensor_store) that reads the checkpoint's from disk on access and keeps
+                replaced entries in an overlay, large ones spilled to a temporary file when the loader gave it one
     linears     every linear of the spec by module name, with its role and its precision annotation: `quant`
                 is None while it stays in source precision and a `QuantizedWeight` (packed tensors + format)
                 once a pass quantized it
     kv_cache    per-layer KV-cache format annotations;  metadata: what passes record for the artifact
 Passes never mutate a tensor or a spec in place; they replace entries, so `snapshot()`/`restore()` are
 shallow copies that cover everything a pass may change, and reverting a pass costs nothing.
+
+Memory: a graph loaded from disk holds no tensor data itself. What a pass replaces goes to the overlay, and
+with a spill file (the loader's) every large replaced tensor and every large packed tensor of a `quant`
+annotation is written there as it is assigned, so a build holds what it is working on, never the model.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 import torch
 
 from kiln.kernels.dequantize import dequantize
+from kiln.passes.tensor_store import SpilledTensors, SpillFile, TensorStore, tensor_info
 from kiln.runtime.spec import LayerSpec, ModelSpec
 
 ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "k_down", "k_up", "v_down", "v_up", "gate", "up", "down",
@@ -42,7 +49,7 @@ class QuantizedWeight:
     rotation_block: int = 0  # > 0: `tensors` hold W R and the input is rotated by R (kernels.rotation) first
 
     def stored_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(tensor_info(self.tensors, name).nbytes for name in self.tensors)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 values (the runtime's arithmetic: kernels.dequantize)."""
@@ -61,6 +68,15 @@ class Linear:
     bias: bool = False
     quant: QuantizedWeight | None = None
     tied_to: str | None = None  # lm_head tied to the embedding: its weight is that tensor
+    spill: SpillFile | None = field(default=None, repr=False, compare=False)  # the graph's, for `quant`
+
+    def __setattr__(self, name, value):
+        # a quant annotation's large packed tensors leave memory as soon as a pass assigns it (same values)
+        if name == "quant" and value is not None and self.spill is not None:
+            tensors = SpilledTensors.keep(value.tensors, self.spill)
+            if tensors is not value.tensors:
+                value = dataclasses.replace(value, tensors=tensors)
+        object.__setattr__(self, name, value)
 
     @property
     def weight_name(self) -> str:
@@ -100,14 +116,16 @@ class ModelGraph:
     spec: ModelSpec
     hf_config: dict  # the source checkpoint's HF config: provenance and export only, never read for structure
     source: Source
-    tensors: dict[str, torch.Tensor]
+    tensors: TensorStore  # a plain dict is wrapped (as the overlay of an empty base)
     linears: dict[str, Linear] = field(default_factory=dict)
     kv_cache: dict[int, dict] = field(default_factory=dict)  # layer -> KV format annotation
     metadata: dict = field(default_factory=dict)  # what passes record for the artifact (e.g. sensitivity)
 
     def __post_init__(self):
+        if not isinstance(self.tensors, TensorStore):
+            self.tensors = TensorStore(overlay=self.tensors)
         if not self.linears:
-            self.linears = {ls.name: _linear(ls) for ls in self.spec.linears()}
+            self.linears = {ls.name: _linear(ls, self.tensors.spill) for ls in self.spec.linears()}
 
     # --- views ----------------------------------------------------------------------------------------------
     @property
@@ -159,7 +177,7 @@ class ModelGraph:
             old = self.linears.get(ls.name)
             same = old is not None and (old.role, old.in_features, old.out_features) == (ls.role, ls.in_features,
                                                                                            ls.out_features)
-            linears[ls.name] = old if same else _linear(ls)
+            linears[ls.name] = old if same else _linear(ls, self.tensors.spill)
         missing = sorted(n for n in spec.tensor_names() if n not in self.tensors and not (
             n == "lm_head.weight" and linears["lm_head"].tied_to))
         if missing:
@@ -179,7 +197,7 @@ class ModelGraph:
         return {
             "spec": self.spec,
             "linears": {name: copy.copy(lin) for name, lin in self.linears.items()},
-            "tensors": dict(self.tensors),
+            "tensors": self.tensors.copy(),
             "kv_cache": copy.deepcopy(self.kv_cache),
             "metadata": copy.copy(self.metadata),
         }
@@ -193,10 +211,11 @@ class ModelGraph:
     def restore(self, state: dict) -> None:
         self.spec = state["spec"]
         self.linears = {name: copy.copy(lin) for name, lin in state["linears"].items()}
-        self.tensors = dict(state["tensors"])
+        self.tensors = state["tensors"].copy()
         self.kv_cache = copy.deepcopy(state["kv_cache"])
         self.metadata = copy.copy(state["metadata"])
 
 
-def _linear(ls) -> Linear:
-    return Linear(ls.name, ls.role, ls.in_features, ls.out_features, ls.layer, ls.expert, ls.proj, ls.bias)
+def _linear(ls, spill: SpillFile | None) -> Linear:
+    return Linear(ls.name, ls.role, ls.in_features, ls.out_features, ls.layer, ls.expert, ls.proj, ls.bias,
+                  spill=spill)

@@ -58,6 +58,7 @@ from kiln.calibration.metrics import relative_error
 from kiln.calibration.observers import InputObserver
 from kiln.calibration.quantize import METHODS, calibrated_weight, shared_global_scales
 from kiln.calibration.sensitivity import SensitivityTable
+from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import WeightFormat, parse_weight_format
 from kiln.kernels.nvfp4 import E2M1_MAX, E4M3_MAX
@@ -364,24 +365,27 @@ class PrecisionPass(Pass):
         offset = ctx.runner.logit_kl(graph, paragraphs)
         losses: dict[str, dict[str, float]] = {}
         measured = 0
-        for group, p in plan.items():
-            losses[group] = {}
-            for name in p.candidates:
-                if name == BF16:
-                    losses[group][name] = 0.0
-                    continue
-                quantized = self._quantize_group(graph, p, OPTIONS[name], stats)
-                cache[(group, name)] = quantized
-                before = {n: graph.linears[n].quant for n in p.linears}
-                try:
-                    for n in p.linears:
-                        graph.linears[n].quant = quantized.get(n)
-                    kl = ctx.runner.logit_kl(graph, paragraphs)
-                finally:
-                    for n, q in before.items():
-                        graph.linears[n].quant = q
-                losses[group][name] = max(kl - offset, 0.0)
-                measured += 1
+        probes = sum(name != BF16 for p in plan.values() for name in p.candidates)
+        with progress.stage(f"{self.name}: sensitivity probes", total=probes, unit="probes") as task:
+            for group, p in plan.items():
+                losses[group] = {}
+                for name in p.candidates:
+                    if name == BF16:
+                        losses[group][name] = 0.0
+                        continue
+                    quantized = self._quantize_group(graph, p, OPTIONS[name], stats)
+                    cache[(group, name)] = quantized
+                    before = {n: graph.linears[n].quant for n in p.linears}
+                    try:
+                        for n in p.linears:
+                            graph.linears[n].quant = quantized.get(n)
+                        kl = ctx.runner.logit_kl(graph, paragraphs)
+                    finally:
+                        for n, q in before.items():
+                            graph.linears[n].quant = q
+                    losses[group][name] = max(kl - offset, 0.0)
+                    measured += 1
+                    task.advance()
         ctx.log(f"{self.name}: sensitivity of {len(plan)} groups measured ({measured} KL evaluations, "
                 f"{paragraphs} calibration paragraphs)")
         return SensitivityTable(losses, "kl-logits", tokens, offset)

@@ -96,9 +96,37 @@ class Engine:
         """Full-sequence logits for each token list ([len, V] each), batched with right padding.
 
         Attention reads K/V back from a paged cache in the artifact's KV format (a scratch pool sized to the
-        batch), so scoring sees the same cached values as token-by-token decoding.
+        batch), so scoring sees the same cached values as token-by-token decoding. A list longer than the
+        model's context is refused, as `generate_ids` refuses one.
         """
+        return self._score_forward(token_lists, self.model)
+
+    @torch.inference_mode()
+    def hidden_states(self, token_lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The final norm's output for each token list ([len, C] each, fp32): `logits` without the lm_head.
+
+        Scorers keep these ([tokens, C]) instead of logits ([tokens, V], which at a 128K vocabulary is a
+        hundred times larger) and apply `head_logits` a chunk of positions at a time."""
+        return self._score_forward(token_lists, self.model.hidden)
+
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head applied to final hidden states: [..., C] -> [..., V]. Per position, so a chunk of the
+        positions of `hidden_states` gives exactly those positions' rows of `logits`."""
+        return self.model.lm_head(hidden)
+
+    def _check_context(self, lengths: Sequence[int]) -> None:
+        """Refuse sequences longer than the model's context (positions past it were never trained)."""
+        longest = max(lengths, default=0)
+        if longest > self.spec.max_position_embeddings:
+            raise KilnError(f"a token list of {longest} tokens exceeds the model's context "
+                            f"{self.spec.max_position_embeddings}; cut it to the context first")
+
+    def _score_forward(self, token_lists: Sequence[Sequence[int]], forward) -> list[torch.Tensor]:
+        """`forward(tokens, positions, cache)` ([B, T, ...]) over the lists right-padded into one batch, cut
+        back to each list's length."""
         lengths = [len(t) for t in token_lists]
+        self._check_context(lengths)
         T = max(lengths)
         tokens = torch.zeros(len(token_lists), T, dtype=torch.long)
         for row, ids in enumerate(token_lists):
@@ -109,8 +137,8 @@ class Engine:
         for row in rows:
             cache.add_sequence(row)
         cache.prepare(rows, positions, positions < torch.tensor(lengths).unsqueeze(1))
-        logits = self.model(tokens, positions, cache)
-        return [logits[row, :n] for row, n in enumerate(lengths)]
+        out = forward(tokens, positions, cache)
+        return [out[row, :n] for row, n in enumerate(lengths)]
 
     # --- generation ----------------------------------------------------------------------------------------
     def _tokenizer(self):

@@ -75,7 +75,8 @@ def test_sigint_during_build_exits_130_and_leaves_nothing(generated_checkpoint, 
     outdir = tmp_path / "outs"
     outdir.mkdir()
     proc = subprocess.Popen([OPTIMIZE, "build", str(generated_checkpoint), "--recipe", str(recipe),
-                             "--allow-custom-passes", "-o", str(outdir / "art"), "--eval-data", str(SAMPLE_TEXT)],
+                             "--allow-custom-passes", "-o", str(outdir / "art"), "--eval-data", str(SAMPLE_TEXT),
+                             "--force"],  # a model of random weights reads no text
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
     code, stderr = _interrupt(proc, marker.exists)
     assert code == 130

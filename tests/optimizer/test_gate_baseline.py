@@ -63,7 +63,10 @@ def test_the_artifact_itself_is_refused_as_baseline(cli, artifact):
 
 @needs_stories
 def test_any_baseline_compares_but_an_implausible_result_fails(cli, artifact, tmp_path):
-    code, stdout, stderr = gate(cli, artifact, scrambled_copy(tmp_path), "--any-baseline", "--json")
+    other = scrambled_copy(tmp_path)
+    code, _, stderr = gate(cli, artifact, other, "--any-baseline")  # it cannot read the text: refused first
+    assert code == 2 and "foreign to the model" in stderr
+    code, stdout, stderr = gate(cli, artifact, other, "--any-baseline", "--force", "--json")
     result = json.loads(stdout)
     assert code == 1 and "implausible" in stderr
     assert result["recovery"] > 1.25 and not result["passed"] and "far above 1" in result["suspect"]

@@ -254,7 +254,7 @@ def test_cli_auto_build_inspect_and_report(tmp_path, cli):
     out = tmp_path / "auto"
     code, stdout, stderr = cli("build", checkpoint, "--target", "blackwell", "--recipe", "auto", "--weight-bits",
                                "5.0", "--eval-data", SAMPLE_TEXT, "--calib-data", SAMPLE_TEXT, "--paragraphs", "5",
-                               "--min-recovery", "0.5", "-o", out)
+                               "--min-recovery", "0.5", "--force", "-o", out)  # random weights read no text
     assert code == 0, stderr
     assert "auto-precision" in stdout and "effective bits" in stdout
     manifest = json.loads((out / "manifest.json").read_text())
@@ -267,7 +267,7 @@ def test_cli_auto_build_inspect_and_report(tmp_path, cli):
     layers = json.loads(stdout)["precision"]
     assert set(layers) == set(manifest["precision"]["linears"])
     code, _, stderr = cli("build", checkpoint, "--target", "hopper", "--recipe", "auto", "--weight-bits", "3",
-                          "--eval-data", SAMPLE_TEXT, "-o", tmp_path / "never")
+                          "--eval-data", SAMPLE_TEXT, "--force", "-o", tmp_path / "never")
     assert code == 2 and stderr.count("\n") == 1 and "impossible" in stderr
     code, _, stderr = cli("build", checkpoint, "--target", "hopper", "--recipe", "nvfp4",
                           "--eval-data", SAMPLE_TEXT, "-o", tmp_path / "never")
