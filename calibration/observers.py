@@ -49,7 +49,7 @@ class InputObserver:
             return
         # each batch's product in fp32 (float64 matmuls are several times slower on CPU, and one batch's
         # rounding, ~1e-6 relative, is far below GPTQ's damping), accumulated across batches in float64
-        self._h += (x.T @ x).double()
+        self._h += x.T @ x  # upcast as it is added: no float64 temporary
         self._abs_sum += x.abs().sum(0, dtype=torch.float64)
         self._absmax = torch.maximum(self._absmax, x.abs().amax())
         if self.max_samples:

@@ -14,8 +14,8 @@ Reading returns a new tensor, but the same one again while anyone holds it (a we
 (`store[n] is t`) hold as they do for a dict, and memory is only what callers keep. Entries are never changed in
 place: a spilled tensor's bytes are written once and read back bit for bit.
 
-The spill file is an anonymous temporary file (TMPDIR), so the operating system frees its disk space when the
-last store using it is gone, even if the process dies.
+The spill file is an anonymous temporary file in TMPDIR, so the operating system frees its disk space when the
+last store using it is gone, even if the process dies. TMPDIR must be on disk: on a tmpfs the spill is RAM.
 """
 
 from __future__ import annotations
