@@ -40,6 +40,7 @@ from kiln.calibration.metrics import kl_terms
 from kiln.calibration.sensitivity import SensitivityTable
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import KvFormat
+from kiln.optimizer.gate import BATCH_TOKENS
 from kiln.optimizer.lower import kv_cache_table, lower_tensors
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.kv_format import KvStream, resolve_kv_streams
@@ -47,7 +48,7 @@ from kiln.runtime.model import LayerRotaries, Weights, build_block
 from kiln.runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from kiln.runtime.spec import ModelSpec
 
-MAX_BATCH_TOKENS = 8192  # the gate's batches (optimizer.gate.log_probs), so a probe sees the same padding
+MAX_BATCH_TOKENS = BATCH_TOKENS  # the gate's batches, so a probe sees the same padding
 MAX_PREFIX_BYTES = 256 * 2**20
 MAX_LOGITS = 2**25  # logits per chunk: 128 MiB fp32
 EMBEDDING, HEAD = "embedding", "head"
