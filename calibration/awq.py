@@ -54,7 +54,8 @@ def awq_search(weights: Sequence[Tensor], quantize: WeightQuantizer, abs_mean: T
                tie: Tensor | None = None) -> AwqResult:
     """The per-channel scale (from the alpha grid) that minimizes the group's output error.
 
-    Give `hessian` (weight-only), or `sample` [S, K] with `act_quantize` (the input is quantized too).
+    Give `hessian` (weight-only), or `sample` [S, K]: with `act_quantize` the input is quantized too; without
+    it the loss is the weight-only one on those rows (every row: tr(D H D^T), cheaper when S < K).
     """
     if (hessian is None) == (sample is None):
         raise ValueError("awq_search needs exactly one of hessian (weight-only) or sample (quantized input)")
@@ -83,7 +84,7 @@ def awq_search(weights: Sequence[Tensor], quantize: WeightQuantizer, abs_mean: T
             else:
                 xs = x / s
                 xs = act_quantize(xs) if act_quantize is not None else xs
-                loss += float((xs @ q.T - targets[j]).double().pow(2).sum() / x.shape[0])
+                loss += float((xs @ q.T - targets[j]).pow(2).sum(dtype=torch.float64) / x.shape[0])
         if i == 0:
             unscaled = loss
         if best is None or loss < best[0]:

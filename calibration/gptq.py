@@ -20,6 +20,7 @@ The returned values lie exactly on the grid of the returned scales (`WeightLayou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +40,15 @@ class GptqResult:
     loss: float  # tr((W - Q) H (W - Q)^T) with the undamped H: the summed squared output error on X
 
 
-def output_error(w: Tensor, q: Tensor, hessian: Tensor) -> float:
-    """||X W^T - X Q^T||_F^2 from H = X^T X."""
-    d = (w.double() - q.double())
-    return float(torch.einsum("nk,kl,nl->", d, hessian.double(), d))
+def output_error(w: Tensor, q: Tensor, hessian: Tensor, rows: int = 1024) -> float:
+    """||X W^T - X Q^T||_F^2 from H = X^T X: fp32 products over `rows` rows at a time, summed in float64
+    (no [N, K] or [K, K] float64 copy: an 8B model's down_proj has K = 14336)."""
+    h = hessian.float()
+    total = 0.0
+    for r in range(0, w.shape[0], rows):
+        d = w[r:r + rows].float() - q[r:r + rows].float()
+        total += float(((d @ h) * d).sum(dtype=torch.float64))
+    return total
 
 
 def choose_scales(layout: WeightLayout, w: Tensor, method: str, importance: Tensor | None,
@@ -79,10 +85,10 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
     w = w.float()
     n_rows, k = w.shape
     bs = layout.block_size(k)
-    h = hessian.double().clone()
-    dead = torch.diagonal(h) <= 0
-    h[dead, dead] = 1.0  # an input that is never active: nothing to compensate
-    importance = torch.diagonal(h).float().clone()
+    diag = torch.diagonal(hessian).float().clone()
+    dead = diag <= 0
+    diag[dead] = 1.0  # an input that is never active: nothing to compensate
+    importance = diag
     if layout.format == WeightFormat.NVFP4 and global_scale is None:  # one per-tensor scale, from the source
         global_scale = choose_scales(layout, w, scales, importance).stored["weight_scale_2"]
     elif layout.format == WeightFormat.NVFP4:
@@ -98,10 +104,19 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
         multiplier = torch.zeros(n_rows, layout.num_blocks(k))
         chosen_stored: list[dict[str, Tensor]] = []
 
-    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(k)
-    h = h[perm][:, perm]
-    h += damping * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype)
-    upper = _inverse_cholesky_upper(h).float()
+    perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(k)
+    damp = damping * float(diag.mean())
+
+    def damped(extra: float) -> Tensor:
+        """H in the chosen order, fp32, with damping + extra on the diagonal: one [K, K] copy."""
+        h = hessian.float()
+        h = h[perm.unsqueeze(1), perm.unsqueeze(0)] if act_order else (h.clone() if h is hessian else h)
+        d = torch.diagonal(h)
+        d[dead[perm]] = 1.0
+        d += damp + extra
+        return h
+
+    upper = _inverse_cholesky_upper(damped, float(diag.mean()))
     work = w[:, perm].clone()
     out = torch.zeros_like(work)
     block_of = perm // bs  # each permuted column's scale block
@@ -127,6 +142,7 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
             w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
             err1[:, i] = e
         work[:, i2:] -= err1 @ upper[i1:i2, i2:]
+    del upper, work
 
     inverse = torch.argsort(perm)
     values = out[:, inverse].contiguous()
@@ -146,18 +162,20 @@ def rtn_quantize(w: Tensor, layout: WeightLayout, hessian: Tensor | None = None,
     return GptqResult(values, chosen, loss)
 
 
-def _inverse_cholesky_upper(h: Tensor) -> Tensor:
-    """Upper Cholesky factor of H^-1, raising the damping until H is positive definite."""
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
+def _inverse_cholesky_upper(damped: Callable[[float], Tensor], diag_mean: float) -> Tensor:
+    """Upper Cholesky factor of H^-1 in fp32 (as reference GPTQ implementations compute it), H = damped(extra),
+    raising `extra` until H is positive definite. At most two [K, K] matrices are alive at once."""
     extra = 0.0
     for _ in range(8):
-        chol, info = torch.linalg.cholesky_ex(h + extra * eye)
+        chol, info = torch.linalg.cholesky_ex(damped(extra))  # the damped copy is freed here
         if int(info) == 0:
             inverse = torch.cholesky_inverse(chol)
+            del chol
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            del inverse
             if int(info) == 0:
                 return upper
-        extra = max(extra * 10, 1e-6 * float(torch.diagonal(h).mean()))
+        extra = max(extra * 10, 1e-6 * diag_mean)
     raise ValueError("gptq: the Hessian is not positive definite even with extra damping")
 
 

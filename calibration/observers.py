@@ -1,12 +1,15 @@
 """Observers: running statistics of a linear's inputs, accumulated batch by batch so memory stays bounded.
 
     InputObserver(K).update(x [..., K])   for every calibration batch, then read:
-        hessian      X^T X / tokens                      [K, K]  (GPTQ, and every output-error proxy); float64,
-                                                         summed over batches of fp32 products
+        hessian      X^T X / tokens                      [K, K]  (GPTQ, and every output-error proxy); fp32, a
+                                                         running mean updated in place (no [K, K] temporary:
+                                                         an 8B down_proj has K = 14336, 0.8 GB); read-only
         abs_mean     mean |x| per input channel          [K]     (AWQ)
-        absmax       max |x| over everything seen        0-dim   (static activation scales)
+        absmax       max |x| over everything seen        0-dim   (static activation scales; kept per channel)
         sample       up to `max_samples` input rows      [S, K]  (searches that must see activation
                      kept at random (reservoir sampling)         quantization, which H cannot express)
+`observer.scaled(s)` is what observing x / s instead would have given (exact up to rounding): an AWQ scale
+folded into a norm divides that norm's output by s, and the linears after it need not be observed again.
 Rows that are all zero (padding) are skipped. Bad input is a one-line KilnError, never a traceback:
     - a batch holding NaN or Inf (a checkpoint whose activations overflow float32) is refused as it arrives,
       naming the linear (`name`); the check reuses the per-row maximum the padding test computes anyway;
@@ -28,9 +31,9 @@ class InputObserver:
         self.name = name  # the linear whose inputs these are, for messages
         self.tokens = 0  # non-zero rows: the statistics' denominator
         self.rows = 0  # every row seen, padding included
-        self._h = torch.zeros(in_features, in_features, dtype=torch.float64)
+        self._h = torch.zeros(in_features, in_features)  # running mean of x^T x
         self._abs_sum = torch.zeros(in_features, dtype=torch.float64)
-        self._absmax = torch.zeros((), dtype=torch.float32)
+        self._absmax = torch.zeros(in_features, dtype=torch.float32)  # per input channel
         self.max_samples = max_samples
         self._sample: Tensor | None = None
         self._generator = torch.Generator().manual_seed(seed)
@@ -47,11 +50,12 @@ class InputObserver:
         x = x[row_max > 0]  # padding rows
         if x.shape[0] == 0:
             return
-        # each batch's product in fp32 (float64 matmuls are several times slower on CPU, and one batch's
-        # rounding, ~1e-6 relative, is far below GPTQ's damping), accumulated across batches in float64
-        self._h += x.T @ x  # upcast as it is added: no float64 temporary
+        # fp32 throughout, as GPTQ implementations keep H (float64 matmuls are several times slower on CPU, and
+        # the rounding, ~1e-6 relative, is far below GPTQ's damping); the mean is rescaled in place
+        seen = self.tokens + x.shape[0]
+        self._h.mul_(self.tokens / seen).addmm_(x.T, x, alpha=1.0 / seen)
         self._abs_sum += x.abs().sum(0, dtype=torch.float64)
-        self._absmax = torch.maximum(self._absmax, x.abs().amax())
+        self._absmax = torch.maximum(self._absmax, x.abs().amax(0))
         if self.max_samples:
             self._reservoir(x)
         self.tokens += x.shape[0]
@@ -80,6 +84,20 @@ class InputObserver:
             last[:-1] = slots[1:] != slots[:-1]
             self._sample[slots[last]] = x[rows[last]]
 
+    def scaled(self, s: Tensor) -> InputObserver:
+        """The statistics of x / s (s [K], positive) from those of x, without observing again."""
+        s = s.float().reshape(-1)
+        if s.shape[0] != self.in_features:
+            raise ValueError(f"scale has {s.shape[0]} channels, the observer {self.in_features}")
+        out = InputObserver(self.in_features, self.max_samples, name=self.name)
+        out.tokens, out.rows = self.tokens, self.rows
+        inv = 1.0 / s
+        out._h = self._h * inv.unsqueeze(1) * inv.unsqueeze(0)
+        out._abs_sum = self._abs_sum * inv.double()
+        out._absmax = self._absmax / s
+        out._sample = None if self._sample is None else self._sample / s
+        return out
+
     def _what(self) -> str:
         return f"linear {self.name}" if self.name else "a linear"
 
@@ -97,7 +115,10 @@ class InputObserver:
 
     @property
     def hessian(self) -> Tensor:
-        return self._mean(self._h)
+        """E[x^T x] (fp32, the observer's own tensor: read it, do not change it)."""
+        if self.tokens == 0:
+            raise self._no_tokens()
+        return self._h
 
     @property
     def abs_mean(self) -> Tensor:
@@ -105,7 +126,7 @@ class InputObserver:
 
     @property
     def absmax(self) -> Tensor:
-        return self._absmax.clone()
+        return self._absmax.amax()
 
     @property
     def sample(self) -> Tensor:

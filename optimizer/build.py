@@ -128,9 +128,11 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     observation, tuning, calib_info = [], [], None
     if pipeline.passes:
         texts = read_paragraphs(calib_data, None)
-        observation = within_tokens(tokenize_paragraphs(tokenizer, texts[:calib_paragraphs], cap), calib_tokens)
+        head = tokenize_paragraphs(tokenizer, texts[:calib_paragraphs], cap)
+        rest = tokenize_paragraphs(tokenizer, texts[calib_paragraphs:], cap, required=False)
+        observation = within_tokens(head, calib_tokens)
         # end-to-end tuning fits far more parameters than an observation: it gets every calibration paragraph
-        tuning = within_tokens(tokenize_paragraphs(tokenizer, texts, cap), calib_tokens)
+        tuning = within_tokens(head + rest, calib_tokens)
         calib_info = calibration_record(calib_data, observation, tuning, calib_tokens)
         log(f"calibration data: {calibration_summary(calib_info)} of {calib_data}")
     runner = RuntimeRunner(graph, observation, distillation_tokens=tuning) if observation else None

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from kiln.calibration.data import length_batches
+from kiln.calibration.data import FORWARD_BATCH_TOKENS, length_batches
 from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
@@ -50,7 +50,7 @@ class RuntimeCalibrator:
     within a few hundred paragraphs. Distillation, which fits many more parameters, uses every token list.
     """
 
-    def __init__(self, token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 8192,
+    def __init__(self, token_lists: Sequence[Sequence[int]], max_batch_tokens: int = FORWARD_BATCH_TOKENS,
                  observe_sequences: int | None = None):
         self.token_lists = [list(t) for t in token_lists if len(t) > 0]
         if not self.token_lists:
@@ -196,14 +196,21 @@ class RuntimeCalibrationSession:
     def _run_block(self, index: int, linears: Sequence[str], callback: Callback | None, keep_output: bool) -> None:
         weights = self._weights()
         block = self._block(index, weights)
-        current: dict[str, torch.Tensor] = {}
-        handles = [self._hook(weights.built[n], n, current, callback) for n in linears]
+        current: dict = {}
+        # Without an output to keep, a batch's forward stops once every observed linear has had its input
+        # (q/k/v: right after the norm; o_proj: before the MLP); an MoE expert no token reached never stops it.
+        stop_after = None if keep_output else set(linears)
+        handles = [self._hook(weights.built[n], n, current, callback, stop_after) for n in linears]
         mask_handle = block.mlp.register_forward_pre_hook(lambda m, args: (args[0] * current["mask"],))
         try:
             for b in self.batches:
                 current["mask"] = b.mask.unsqueeze(-1).to(b.hidden.dtype)
                 current["bool_mask"] = b.mask
-                out = block(b.hidden, self.rotary(b.positions)[index], b.positions, None, index)
+                current["seen"] = set()
+                try:
+                    out = block(b.hidden, self.rotary(b.positions)[index], b.positions, None, index)
+                except _Observed:
+                    continue
                 if keep_output:
                     b.hidden = out * current["mask"]
         finally:
@@ -221,13 +228,21 @@ class RuntimeCalibrationSession:
         del head
 
     @staticmethod
-    def _hook(module: QuantLinear, name: str, current: dict, callback: Callback):
+    def _hook(module: QuantLinear, name: str, current: dict, callback: Callback, stop_after: set[str] | None):
         def pre_hook(_module, args):
             x = args[0]
             x = x[current["bool_mask"]] if x.dim() == 3 else x.reshape(-1, x.shape[-1])
             callback(name, x)
+            if stop_after is not None:
+                current["seen"].add(name)
+                if current["seen"] >= stop_after:
+                    raise _Observed
 
         return module.register_forward_pre_hook(pre_hook)
+
+
+class _Observed(Exception):
+    """Raised by the last observation hook of a batch: the rest of the block's forward is not needed."""
 
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.calibration.data import length_batches
+from kiln.calibration.data import FORWARD_BATCH_TOKENS, length_batches
 from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.kernels.progress import stage
@@ -81,10 +81,11 @@ def engine_from_graph(graph: ModelGraph, tokenizer=None) -> Engine:
                                kv_cache=kv_cache_table(graph))
 
 
-HEAD_CHUNK = 1024
-"""Most positions whose full-vocabulary logits (and log-softmax) exist at once: [HEAD_CHUNK, V] fp32 is 512 MiB
-at a 128K vocabulary, whatever the amount of text scored."""
-BATCH_TOKENS = 8192
+HEAD_CHUNK = 128
+"""Most positions whose full-vocabulary logits (and log-softmax) exist at once: [HEAD_CHUNK, V] fp32 is 24 MiB
+at SmolLM2's 49K vocabulary and 64 MiB at 128K, whatever the amount of text scored (small enough to be reused
+from the heap: see calibration.data.FORWARD_BATCH_TOKENS)."""
+BATCH_TOKENS = FORWARD_BATCH_TOKENS
 """Tokens (padding included) per forward batch; the batch's hidden states are [BATCH_TOKENS, hidden]."""
 
 FOREIGN_PERPLEXITY_FRACTION = 1 / 8

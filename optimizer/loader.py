@@ -35,7 +35,7 @@ from kiln.optimizer import prequantized
 from kiln.optimizer.loader_config import build_spec, check_config
 from kiln.passes import tensor_store
 from kiln.passes.graph import ModelGraph, Source
-from kiln.passes.tensor_store import SAFETENSORS_DTYPES, SpillFile, TensorStore, read_tensor
+from kiln.passes.tensor_store import SAFETENSORS_DTYPES, SpillFile, TensorStore, read_tensor, releasing
 from kiln.runtime.artifact import MANIFEST, read_json, sha256_file
 from kiln.runtime.spec import ModelSpec
 
@@ -276,15 +276,16 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD = 1 << 20
+MMAP_THRESHOLD = 32 << 20  # glibc's largest
 
 
 def _return_freed_memory() -> None:
-    """Have glibc serve every allocation of MMAP_THRESHOLD or more from its own mapping, returned to the system
-    when freed. By default the threshold rises to the largest buffer freed so far (up to 32 MB), after which
-    tensors of up to that size come from the heap, whose freed holes the process keeps: a streaming build
-    of an 8B model, which allocates and frees such tensors block after block, grew from 1.5 to 4.6 GB that
-    way. A fixed threshold also turns that rise off. Elsewhere than glibc, nothing to do."""
+    """Fix glibc's mmap threshold at its largest, 32 MiB: buffers below it come from the heap and are reused
+    (a fresh mapping is zero-filled page by page on every use: with a 1 MiB threshold a SmolLM2 build spent a
+    third of its CPU time in page faults), larger ones from their own mapping, returned when freed. Freed heap
+    memory is given back between blocks (tensor_store.release_freed_memory), which keeps a streaming build of
+    an 8B model at about one block: the heap's kept holes once grew it from 1.5 to 4.6 GB. Elsewhere than
+    glibc, nothing to do."""
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
@@ -292,7 +293,7 @@ def _return_freed_memory() -> None:
 def _check_values(tensors: CheckpointTensors, norms: set[str]) -> None:
     """Every stored tensor's values, in one streaming pass: one tensor in memory at a time."""
     peaks = {}
-    for key in tensors:
+    for key in releasing(list(tensors), lambda k: tensors.info(k).nbytes):
         t = tensors[key]
         # norms get their own, tighter bound below, with its own message
         problem = _bad_values(t, None if key in norms else VALUE_LIMIT) if t.is_floating_point() and t.numel() else None

@@ -25,7 +25,7 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer import __version__
 from kiln.optimizer.output_dir import atomic_directory
 from kiln.passes.graph import ModelGraph
-from kiln.passes.tensor_store import SAFETENSORS_DTYPES, TensorInfo, tensor_bytes_view, tensor_info
+from kiln.passes.tensor_store import SAFETENSORS_DTYPES, TensorInfo, releasing, tensor_bytes_view, tensor_info
 from kiln.runtime.artifact import MANIFEST, SCHEMA_VERSION, WEIGHTS, sha256_file, validate_manifest
 
 SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -170,7 +170,7 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for name in order:
+        for name in releasing(order, lambda n: infos[n].nbytes):
             t = tensors[name]
             if TensorInfo.of(t) != infos[name]:
                 raise KilnError(f"tensor {name} changed while it was written: {TensorInfo.of(t)} != {infos[name]}")

@@ -56,7 +56,9 @@ BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
     # recipe file with `method: rtn` rounds to nearest): AWQ scales folded into norms / linears and GPTQ values
     # (FP8 W8A8: MSE scales, which measured better there), block by block; FP4 then tunes its grid points end
     # to end; MXFP4 W4A4 rotates each linear's input by a 16-wide block Hadamard transform (online).
-    "fp8-weights": lambda: [WeightQuantization(format="fp8", method="gptq", awq=True)],
+    # fp8-weights observes each block once (true_sequential=False): stories260K KL 0.00481 against 0.00465 with
+    # every stage observed through the ones quantized before it, at half the block forwards
+    "fp8-weights": lambda: [WeightQuantization(format="fp8", method="gptq", awq=True, true_sequential=False)],
     "fp8": lambda: [WeightQuantization(format="fp8", activations="dynamic", method="mse", awq=True)],
     "nvfp4-w4a16": lambda: [WeightQuantization(format="nvfp4", method="gptq", act_order=False,
                                                tune_steps=BEST_TUNE_STEPS)],

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kiln.calibration.data import FORWARD_BATCH_TOKENS
 from kiln.optimizer.calibrate import KvCapture
 from kiln.optimizer.calibrator import RuntimeCalibrationSession, RuntimeCalibrator
 from kiln.optimizer.gate import engine_from_graph
@@ -34,7 +35,8 @@ class RuntimeRunner:
     len(calibration_tokens), whose Hessians and ranges settle within a few hundred paragraphs)."""
 
     def __init__(self, source: ModelGraph, calibration_tokens: Sequence[Sequence[int]], *,
-                 distillation_tokens: Sequence[Sequence[int]] | None = None, max_batch_tokens: int = 8192):
+                 distillation_tokens: Sequence[Sequence[int]] | None = None,
+                 max_batch_tokens: int = FORWARD_BATCH_TOKENS):
         self.calibration_tokens = [list(t) for t in calibration_tokens]
         if distillation_tokens is None:
             self._calibrator = RuntimeCalibrator(self.calibration_tokens, max_batch_tokens)

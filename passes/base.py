@@ -202,6 +202,8 @@ class CalibrationSession(Protocol):
     """Per-linear inputs on the calibration tokens, one block at a time, through the graph as it stands; its
     source (for distillation) is the graph as it stood when the session was opened."""
 
+    tokens: int  # the real (non-padding) tokens an observation sees
+
     def observe(self, linears: Sequence[str], callback: Callable[[str, Any], None]) -> None:
         """Call callback(name, x [tokens, in_features]) with the inputs of `linears` (all in one block, or the
         lm_head), batch by batch; the blocks before theirs run as the graph is now (sequential calibration:

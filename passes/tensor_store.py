@@ -20,14 +20,39 @@ last store using it is gone, even if the process dies. TMPDIR must be on disk: o
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import platform
 import tempfile
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import NamedTuple
 
 import torch
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim): called between blocks of a streaming
+    build, so memory freed by one block is not kept beside the next one's. Elsewhere than glibc: nothing."""
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+RELEASE_EVERY = 256 << 20
+
+
+def releasing(names: list[str], nbytes: Callable[[str], int], every: int = RELEASE_EVERY) -> Iterator[str]:
+    """`names` in order, releasing freed memory after every `every` bytes' worth of them (a tensor-by-tensor
+    pass over a whole checkpoint: validation, writing)."""
+    done = 0
+    for name in names:
+        yield name
+        done += nbytes(name)
+        if done >= every:
+            release_freed_memory()
+            done = 0
+
 
 SPILL_BYTES = 1 << 20  # smaller replaced tensors stay in memory: norms, biases, scales (their sum is small)
 # safetensors' dtype names (its header's "dtype") and the torch dtypes they hold

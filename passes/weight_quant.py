@@ -24,8 +24,11 @@ are chosen:
                    outliers spread over each block before the activations are quantized (MR-GPTQ, QuaRot)
 
 Calibration is sequential (`sequential=True`): block i is calibrated on the outputs of blocks 0..i-1 as
-already quantized, and within a block q/k/v, o, gate/up and down are quantized in that order, each observed
-through the quantized ones before it. `activations="static"` stores calibrated input scales: FP8 per tensor
+already quantized, and within a block q/k/v, o, gate/up and down are quantized in that order; with
+`true_sequential=True` (AutoGPTQ's name) each is observed through the quantized ones before it, with False
+every linear of the block is observed in one forward before any is quantized (llm-compressor's layer-wise
+pipeline; half the block forwards). AWQ's observation serves the stages it can: its statistics divided by the
+folded scale are exactly those of the folded block (q/k/v always; every group when not true_sequential). `activations="static"` stores calibrated input scales: FP8 per tensor
 (input maximum / 448), NVFP4's per-tensor activation scale (maximum / (6 * 448)).
 What it does not handle: routers and norms (always kept: tiny and sensitive); embeddings. AWQ skips the
 lm_head (tied to the embedding in many models) and blocks other than GQA/MHA attention with a dense MLP,
@@ -64,6 +67,7 @@ from kiln.kernels.rotation import block_hadamard
 from kiln.kernels.targets import Target
 from kiln.passes.base import CalibrationSession, Pass, PassContext, PassResult
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
+from kiln.passes.tensor_store import release_freed_memory
 
 ACTIVATION_MODES = ("none", "dynamic", "static")
 GRANULARITIES = ("per_channel", "per_tensor")
@@ -104,10 +108,36 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
     tensors = quantize_weight(w, fmt, granularity, method=method, hessian=hessian, act_order=act_order,
                               damping=damping, global_scale=global_scale)
     if input_scale is not None:
-        tensors = {**tensors, "input_scale": input_scale.float().reshape(())}
+        tensors = {**tensors, "input_scale": input_scale.float().reshape(()).clone()}  # its own (siblings share a value)
     stored = parse_weight_format(fmt, WEIGHT_FORMATS)
     return QuantizedWeight(stored, tensors, activation,
                            in_features=w.shape[1] if stored != WeightFormat.FP8_E4M3 else None, method=method)
+
+
+def quantize_sibling_weights(ws: list[torch.Tensor], fmt: str, granularity: str = "per_channel",
+                             activation: str = "none", *, method: str, hessian: torch.Tensor, act_order: bool = True,
+                             damping: float = 0.01, input_scale: torch.Tensor | None = None,
+                             global_scale: torch.Tensor | None = None) -> list[QuantizedWeight]:
+    """`quantize_linear_weight` of linears that read one input (one Hessian; fused siblings share the NVFP4
+    per-tensor scale): rows are quantized independently of each other (per-row or per-block scales; GPTQ
+    pushes errors along a row), so the weights are stacked and quantized once, one GPTQ instead of three for
+    q/k/v, and split again. FP8 per-tensor scales span the rows: quantized one by one."""
+    if len(ws) == 1 or (parse_weight_format(fmt, WEIGHT_FORMATS) == WeightFormat.FP8_E4M3
+                        and granularity != "per_channel"):
+        return [quantize_linear_weight(w, fmt, granularity, activation, method=method, hessian=hessian,
+                                       act_order=act_order, damping=damping, input_scale=input_scale,
+                                       global_scale=global_scale) for w in ws]
+    stacked = quantize_linear_weight(torch.cat([w.float() for w in ws]), fmt, granularity, activation,
+                                     method=method, hessian=hessian, act_order=act_order, damping=damping,
+                                     input_scale=input_scale, global_scale=global_scale)
+    rows = sum(w.shape[0] for w in ws)
+    out, start = [], 0
+    for w in ws:
+        part = {k: v[start:start + w.shape[0]].clone() if v.ndim and v.shape[0] == rows else v.clone()
+                for k, v in stacked.tensors.items()}
+        out.append(replace(stacked, tensors=part))
+        start += w.shape[0]
+    return out
 
 
 @dataclass
@@ -220,6 +250,8 @@ class WeightQuantization(Pass):
         act_order     GPTQ: quantize the most active input channels first (scales chosen up front)
         damping       GPTQ: added to the Hessian's diagonal, as a fraction of its mean
         sequential    calibrate each block on the outputs of the already-quantized blocks before it
+        true_sequential  within a block, observe each stage through the stages quantized before it (False: one
+                      observation per block)
         tune_steps    steps of end-to-end tuning of the grid points and norms on the calibration text (0: none)
         tune_lr       the tuning's Adam learning rate (cosine decay to 0)
         tune_batch_tokens  calibration tokens per tuning step (whole paragraphs, padded)
@@ -238,6 +270,7 @@ class WeightQuantization(Pass):
     act_order: bool = True
     damping: float = 0.01
     sequential: bool = True
+    true_sequential: bool = True
     tune_steps: int = 0
     tune_lr: float = 5e-4
     tune_batch_tokens: int = 2048
@@ -260,7 +293,7 @@ class WeightQuantization(Pass):
         if self.activations == "static" and self.weight_format == WeightFormat.MXFP4:
             raise KilnError("activations='static' is not allowed for mxfp4 (its E8M0 block scales are always "
                             "dynamic); use 'dynamic' or 'none', or format fp8 / nvfp4")
-        for flag in ("awq", "act_order", "sequential"):
+        for flag in ("awq", "act_order", "sequential", "true_sequential"):
             if not isinstance(getattr(self, flag), bool):
                 raise KilnError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if isinstance(self.damping, bool) or not isinstance(self.damping, int | float) or not 0 <= self.damping <= 1:
@@ -346,6 +379,7 @@ class WeightQuantization(Pass):
             for lin in chosen:
                 layers.setdefault(lin.layer, []).append(lin)
             for members in layers.values():  # one layer's fp32 weights at a time (fused siblings share a layer)
+                release_freed_memory()
                 weights = {lin.name: self._rotate(graph.weight(lin).float()) for lin in members}
                 shared = self._global_scales(members, weights)
                 for lin in members:
@@ -362,39 +396,50 @@ class WeightQuantization(Pass):
         idle: list[str] = []
         for layer in progress.track(sorted(by_layer, key=lambda i: (i is None, i or 0)),
                                     f"{self.name}: calibrate {self.format}", unit="blocks"):
+            release_freed_memory()  # what the block before freed
             lins = by_layer[layer]
-            if self.awq:
-                self._awq(graph, observe, layer, lins, result)
+            derived = self._awq(graph, observe, layer, lins, result) if self.awq else {}
+            if not self.true_sequential:  # the whole block in one observation, before anything in it changes
+                unseen = [lin for lin in lins if lin.name not in derived]
+                derived.update(self._observe(observe, unseen) if unseen else {})
             for stage in sorted({stage_of(lin) for lin in lins}):
                 members = [lin for lin in lins if stage_of(lin) == stage]
-                stats = self._observe(observe, members)
+                if all(lin.name in derived for lin in members):
+                    stats = {lin.name: derived[lin.name] for lin in members}  # observed already (AWQ: scaled)
+                else:
+                    stats = self._observe(observe, members)
                 # an MoE expert the router never picked on the calibration text has no statistics: data-free
                 # MSE scales, and (static activations) the largest input range its stage did see
                 seen = [float(o.absmax) for o in stats.values() if o.tokens]
                 weights = {lin.name: self._rotate(graph.weight(lin).float()) for lin in members}
                 shared = self._global_scales(members, weights)
+                siblings: dict[int, list[Linear]] = {}  # linears sharing one observer (and one global scale)
                 for lin in members:
-                    w = weights[lin.name]
-                    obs = stats[lin.name]
+                    siblings.setdefault(id(stats[lin.name]), []).append(lin)
+                for group in siblings.values():
+                    obs = stats[group[0].name]
                     input_scale = None
                     if self.activations == "static":
                         if not seen:
-                            raise KilnError(f"{self.name}: no calibration token reached {lin.name} or the linears "
-                                            "beside it, so there is no input range for a static scale")
+                            raise KilnError(f"{self.name}: no calibration token reached {group[0].name} or the "
+                                            "linears beside it, so there is no input range for a static scale")
                         absmax = obs.absmax if obs.tokens else torch.tensor(max(seen))
                         input_scale = static_input_scale(self.format, absmax)
                     if obs.tokens:
-                        qw = quantize_linear_weight(w, self.format, self.granularity, self._act(),
-                                                    method=self.method, hessian=obs.hessian,
-                                                    act_order=self.act_order, damping=self.damping,
-                                                    input_scale=input_scale, global_scale=shared.get(lin.name))
-                        qw = replace(qw, method=self._method_label(tuned=False))
+                        found = quantize_sibling_weights([weights[lin.name] for lin in group], self.format,
+                                                         self.granularity, self._act(), method=self.method,
+                                                         hessian=obs.hessian, act_order=self.act_order,
+                                                         damping=self.damping, input_scale=input_scale,
+                                                         global_scale=shared.get(group[0].name))
+                        found = [replace(qw, method=self._method_label(tuned=False)) for qw in found]
                     else:
-                        idle.append(lin.name)
-                        qw = quantize_linear_weight(w, self.format, self.granularity, self._act(),
-                                                    method="rtn" if self.method == "rtn" else "mse",
-                                                    input_scale=input_scale, global_scale=shared.get(lin.name))
-                    self._store(lin, w, replace(qw, rotation_block=self.rotation_block), result)
+                        idle += [lin.name for lin in group]
+                        found = [quantize_linear_weight(weights[lin.name], self.format, self.granularity,
+                                                        self._act(), method="rtn" if self.method == "rtn" else "mse",
+                                                        input_scale=input_scale,
+                                                        global_scale=shared.get(lin.name)) for lin in group]
+                    for lin, qw in zip(group, found, strict=True):
+                        self._store(lin, weights[lin.name], replace(qw, rotation_block=self.rotation_block), result)
         if idle:
             result.notes.append(f"{len(idle)} linear(s) saw no calibration token (experts never routed to), "
                                 f"data-free MSE scales: {', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''}")
@@ -446,41 +491,66 @@ class WeightQuantization(Pass):
         return {lin.name: stats[first[fusion_key(lin)].name] for lin in lins}
 
     def _awq(self, graph: ModelGraph, session: CalibrationSession, layer: int | None, lins: list[Linear],
-             result: PassResult) -> None:
+             result: PassResult) -> dict[str, InputObserver]:
+        """Search and fold the block's AWQ scales. Returns the input statistics of the groups whose inputs do not
+        change before they are quantized, as they are after folding (the observation divided by the folded
+        scale): the first stage (q/k/v: nothing before them changes), and every group when not true_sequential;
+        empty when the pass rotates inputs (R mixes the channels)."""
         if layer is None:
             result.notes.append("awq: the lm_head is not scaled (its input norm feeds a tied embedding in many models)")
-            return
+            return {}
         groups, why_not = _awq_groups(graph, layer)
         if why_not:
             result.notes.append(f"awq: layer {layer} skipped: {why_not}")
-            return
+            return {}
         chosen = {lin.name for lin in lins}
         groups = [g for g in groups if chosen & set(g.consumers)]
         act_quantizer = activation_fake_quantizer(self.format, self.activations)
         samples = 2048 if act_quantizer is not None else 0
+        # weight-only: the loss is tr(D H D^T), 2 N K^2 per candidate; from the input rows themselves it is
+        # 2 N K T, cheaper when there are fewer tokens T than input channels K (an 8B model's down_proj reads
+        # K = 14336, and --calib-tokens 2048 gives T = 2048). Then every row is kept (T rows: 117 MB there).
+        widest = max(graph.linears[g.consumers[0]].in_features for g in groups) if groups else 0
+        rows = getattr(session, "tokens", 0)
+        if act_quantizer is None and 0 < rows < widest:
+            samples = rows
         # every group's input, observed once with the block still in source precision (earlier blocks quantized)
         keys = [graph.linears[g.consumers[0]] for g in groups]
         stats = self._observe(session, keys, max_samples=samples, rotate=False)
         layout = WeightLayout(self.format, self.granularity)
         rotate = self._rotate  # R is symmetric and orthogonal: rotating back is rotating again
 
+        # FP8 weight-only: inside the alpha search (21 candidates per group) absmax scales rank the alphas as
+        # the MSE scale search (16 candidates per row, each a full rounding of the weight) does, at 1/16 of the
+        # cost (stories260K FP8 W8A16: recovery 0.9954 vs 0.9957); AutoAWQ searches with its plain quantizer
+        # too. With quantized activations (FP8 W8A8: 0.9895 vs 0.9928) and FP4's block scales they matter.
+        fp8_search = self.weight_format == WeightFormat.FP8_E4M3 and act_quantizer is None
+
         def fake_quantize(w: torch.Tensor) -> torch.Tensor:
             w = rotate(w)
-            return rotate(layout.quantize(w, mse_scales(layout, w)))
+            scales = layout.absmax_scales(w) if fp8_search else mse_scales(layout, w)
+            return rotate(layout.quantize(w, scales))
 
         if act_quantizer is not None and self.rotation_block:
             quantize_input = act_quantizer
             act_quantizer = lambda x: rotate(quantize_input(rotate(x)))
 
         picked = []
+        derived: dict[str, InputObserver] = {}
         for g in groups:
+            first_stage = g.producer_is_norm and all(stage_of(graph.linears[n]) == 0 for n in g.consumers)
+            reusable = (first_stage or not self.true_sequential) and not self.rotation_block
+            if reusable:
+                derived.update({n: stats[g.consumers[0]] for n in g.consumers if n in chosen})
             touched = [*g.consumers, *([] if g.producer_is_norm else [g.producer])]
             if any(graph.linears[n].quant is not None for n in touched):
                 picked.append(f"{g.consumers[0].rsplit('.', 1)[-1]} skipped (a linear it scales is already quantized)")
                 continue
             obs = stats[g.consumers[0]]
             weights = [graph.weight(n).float() for n in g.consumers if n in chosen]
-            if act_quantizer is None:
+            if act_quantizer is None and samples and obs.tokens <= samples and obs.tokens < obs.in_features:
+                found = awq_search(weights, fake_quantize, obs.abs_mean, sample=obs.sample, tie=g.tie)  # every row
+            elif act_quantizer is None:
                 found = awq_search(weights, fake_quantize, obs.abs_mean, hessian=obs.hessian, tie=g.tie)
             else:
                 found = awq_search(weights, fake_quantize, obs.abs_mean, sample=obs.sample,
@@ -489,7 +559,11 @@ class WeightQuantization(Pass):
             if found.alpha == 0:
                 continue
             _fold_input_scale(graph, g, found.scale)
+            if reusable:
+                scaled = obs.scaled(found.scale)
+                derived.update({n: scaled for n in g.consumers if n in chosen})
         result.notes.append(f"awq: layer {layer}: " + ", ".join(picked))
+        return derived
 
     def _tune(self, graph: ModelGraph, session, chosen: list[Linear], result: PassResult,
               log: Callable[[str], None]) -> None:

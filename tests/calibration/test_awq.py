@@ -35,6 +35,22 @@ def test_search_beats_or_matches_plain_quantization_and_reports_the_output_error
     assert abs(plain - found.loss_unscaled) <= 1e-3 * plain
 
 
+def test_weight_only_search_on_every_input_row_equals_the_hessian_search():
+    """Fewer tokens than channels: the weight-only loss from the rows themselves is tr(D H D^T)."""
+    weights, x = layer(2)
+    x = x[:48]  # 48 rows, 64 channels
+    layout = WeightLayout("fp8")
+
+    def quantize(w):
+        return layout.quantize(w, layout.absmax_scales(w))
+
+    by_h = awq_search(weights, quantize, x.abs().mean(0), hessian=x.T @ x / x.shape[0])
+    by_rows = awq_search(weights, quantize, x.abs().mean(0), sample=x)
+    assert by_rows.alpha == by_h.alpha and by_h.alpha > 0
+    assert by_rows.loss == pytest.approx(by_h.loss, rel=1e-4)
+    assert by_rows.loss_unscaled == pytest.approx(by_h.loss_unscaled, rel=1e-4)
+
+
 def test_search_with_quantized_inputs_uses_the_sample():
     weights, x = layer(1)
     layout = WeightLayout("fp8")

@@ -86,3 +86,23 @@ def test_bad_inputs_raise_with_the_values():
         gptq_quantize(w, x.T @ x, WeightLayout("nvfp4"), act_order=True, static_scales=False)
     with pytest.raises(ValueError, match="scales='max'"):
         gptq_quantize(w, x.T @ x, WeightLayout("nvfp4"), scales="max")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_siblings_quantized_together_equal_one_by_one(fmt):
+    """q/k/v (one Hessian) go through one stacked GPTQ: rows are independent, so the stored tensors are the
+    ones each weight gets alone (NVFP4 with the siblings' shared per-tensor scale)."""
+    from kiln.calibration.quantize import shared_global_scales
+    from kiln.passes.weight_quant import quantize_sibling_weights
+
+    w, x = correlated_layer(n_out=80, k=64)
+    parts = list(w.split([32, 16, 32]))
+    h = x.T @ x / x.shape[0]
+    g = shared_global_scales(dict(enumerate(parts)), dict.fromkeys(range(3), "qkv")).get(0)
+    together = quantize_sibling_weights(parts, fmt, method="gptq", hessian=h, global_scale=g)
+    for part, qw in zip(parts, together, strict=True):
+        alone = quantize_linear_weight(part, fmt, method="gptq", hessian=h, global_scale=g)
+        assert qw.tensors.keys() == alone.tensors.keys()
+        for key, value in alone.tensors.items():
+            assert torch.equal(qw.tensors[key].view(torch.uint8) if value.dtype.itemsize == 1 else qw.tensors[key],
+                               value.view(torch.uint8) if value.dtype.itemsize == 1 else value), key

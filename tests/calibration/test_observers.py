@@ -16,7 +16,8 @@ def test_statistics_match_the_whole_batch():
     for chunk in x.split(37):
         obs.update(torch.cat([chunk, torch.zeros(5, 24)]).unsqueeze(0))  # [1, T, K]; zero rows: padding
     assert obs.tokens == 300
-    torch.testing.assert_close(obs.hessian, (x.double().T @ x.double()) / 300)
+    assert obs.hessian.dtype == torch.float32  # a running mean, rescaled in place batch by batch
+    torch.testing.assert_close(obs.hessian.double(), (x.double().T @ x.double()) / 300, rtol=2e-6, atol=1e-6)
     torch.testing.assert_close(obs.abs_mean, x.abs().mean(0))
     assert float(obs.absmax) == float(x.abs().max())
     sample = obs.sample
@@ -85,3 +86,22 @@ def test_weight_quantization_names_the_linear_its_observers_watch():
              "calibration inputs of linear model.layers.0.mlp.down_proj are not finite")
     stats = WeightQuantization()._observe(type("Quiet", (), {"observe": lambda self, names, cb: None})(), [lin])
     _refused(lambda: stats[lin.name].abs_mean, "the calibration text produced no tokens for this layer")
+
+
+def test_scaled_statistics_are_those_of_the_scaled_inputs():
+    """observer.scaled(s) equals observing x / s (what an AWQ scale folded into a norm feeds the linears)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 16, generator=g) * torch.linspace(0.2, 4, 16)
+    s = torch.rand(16, generator=g) + 0.5
+    direct, derived = InputObserver(16, max_samples=40), InputObserver(16, max_samples=40)
+    for chunk in x.split(64):
+        direct.update(chunk / s)
+        derived.update(chunk)
+    derived = derived.scaled(s)
+    assert derived.tokens == direct.tokens == 200
+    torch.testing.assert_close(derived.hessian, direct.hessian, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(derived.abs_mean, direct.abs_mean, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(derived.absmax, direct.absmax, rtol=1e-6, atol=0)
+    torch.testing.assert_close(derived.sample, direct.sample, rtol=1e-6, atol=0)  # same rows kept (same seed)
+    with pytest.raises(ValueError, match="channels"):
+        derived.scaled(torch.ones(3))

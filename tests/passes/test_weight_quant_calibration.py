@@ -267,3 +267,64 @@ def test_nvfp4_fused_siblings_share_one_global_scale(tiny_checkpoints, method):
             assert torch.equal(graph.linears[n].quant.tensors["weight_scale_2"], expected), n
     assert not torch.equal(graph.linears[a + "o_proj"].quant.tensors["weight_scale_2"],
                            graph.linears[a + "q_proj"].quant.tensors["weight_scale_2"])
+
+
+def test_awq_hands_the_first_stage_its_folded_statistics(tiny_checkpoints, monkeypatch):
+    """q/k/v are not observed again after AWQ: their statistics are AWQ's observation divided by the folded
+    scale, which is what observing the folded model gives (checked against a fresh observation), and the
+    forward of every other stage stops once its linears have their inputs."""
+    from kiln.calibration.observers import InputObserver
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = token_lists(graph.spec.vocab_size)
+    runner = RuntimeRunner(graph, tokens)
+    handed: dict[str, InputObserver] = {}
+    original = WeightQuantization._awq
+
+    def spy(self, graph_, session, layer, lins, result):
+        derived = original(self, graph_, session, layer, lins, result)
+        if layer == 1:
+            handed.update(derived)
+            fresh = {}
+            session.observe(["model.layers.1.self_attn.q_proj"], lambda n, x: fresh.setdefault(n, []).append(x))
+            x = torch.cat(fresh["model.layers.1.self_attn.q_proj"]).double()
+            handed["fresh"] = (x.T @ x / x.shape[0]).float()
+        return derived
+
+    monkeypatch.setattr(WeightQuantization, "_awq", spy)
+    (record,) = Pipeline([WeightQuantization(format="fp8", method="gptq", awq=True)]).run(
+        graph, PassContext(get_target("hopper"), runner=runner))
+    names = {f"model.layers.1.self_attn.{p}_proj" for p in "qkv"}
+    assert set(handed) == names | {"fresh"}
+    (note,) = [n for n in record.result.notes if n.startswith("awq: layer 1:")]
+    assert "q_proj alpha 0.00" not in note  # a scale was folded: the statistics really were rescaled
+    torch.testing.assert_close(handed["model.layers.1.self_attn.q_proj"].hessian, handed["fresh"],
+                               rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("true_sequential, awq, observations", [
+    (True, True, 4),  # AWQ's observation serves q/k/v; o, gate/up and down each through the quantized stages
+    (True, False, 4),
+    (False, True, 1),  # one observation per block: AWQ's, every group divided by its folded scale
+    (False, False, 1),
+])
+def test_observations_per_block(tiny_checkpoints, monkeypatch, true_sequential, awq, observations):
+    from kiln.optimizer.calibrator import RuntimeCalibrationSession
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = token_lists(graph.spec.vocab_size)
+    calls: list[int] = []
+    original = RuntimeCalibrationSession.observe
+
+    def count(self, linears, callback):
+        calls.append(graph.linears[linears[0]].layer)
+        return original(self, linears, callback)
+
+    monkeypatch.setattr(RuntimeCalibrationSession, "observe", count)
+    source = engine_from_graph(graph)
+    Pipeline([WeightQuantization(format="fp8", method="gptq", awq=awq, true_sequential=true_sequential)]).run(
+        graph, PassContext(get_target("hopper"), runner=RuntimeRunner(graph, tokens)))
+    assert calls.count(1) == observations
+    base = torch.log_softmax(torch.cat(source.logits(tokens)), -1)
+    cand = torch.log_softmax(torch.cat(engine_from_graph(graph).logits(tokens)), -1)
+    assert float((base.exp() * (base - cand)).sum(-1).mean()) < 0.01  # still a close FP8 model
