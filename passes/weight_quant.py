@@ -559,9 +559,8 @@ class WeightQuantization(Pass):
             if found.alpha == 0:
                 continue
             _fold_input_scale(graph, g, found.scale)
-            if reusable:
-                scaled = obs.scaled(found.scale)
-                derived.update({n: scaled for n in g.consumers if n in chosen})
+            if reusable:  # the observation is not needed any more as it was: rescaled once, in place
+                obs.rescale_(found.scale)
         result.notes.append(f"awq: layer {layer}: " + ", ".join(picked))
         return derived
 
