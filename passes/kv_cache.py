@@ -31,6 +31,7 @@ from typing import ClassVar
 import torch
 
 from kiln.calibration.metrics import relative_error
+from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import KvFormat, parse_kv_format
 from kiln.kernels.fp8 import E4M3_MAX
@@ -180,7 +181,7 @@ class KvCacheQuantization(Pass):
         """Per layer: logit KL against the source with only that layer's new cache format applied."""
         annotated = graph.kv_cache
         try:
-            for layer in layers:
+            for layer in progress.track(layers, f"{self.name}: sensitivity probes", unit="layers"):
                 graph.kv_cache = {**previous, layer: annotated[layer]}
                 result.metrics[layer_key(layer)] = ctx.runner.logit_kl(graph, self.sensitivity_paragraphs)
         finally:
