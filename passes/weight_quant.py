@@ -28,8 +28,9 @@ already quantized, and within a block q/k/v, o, gate/up and down are quantized i
 `true_sequential=True` (AutoGPTQ's name) each is observed through the quantized ones before it, with False
 every linear of the block is observed in one forward before any is quantized (llm-compressor's layer-wise
 pipeline; half the block forwards). AWQ's observation serves the stages it can: its statistics divided by the
-folded scale are exactly those of the folded block (q/k/v always; every group when not true_sequential). `activations="static"` stores calibrated input scales: FP8 per tensor
-(input maximum / 448), NVFP4's per-tensor activation scale (maximum / (6 * 448)).
+folded scale are exactly those of the folded block (q/k/v always; every group when not true_sequential).
+`activations="static"` stores calibrated input scales: FP8 per tensor (input maximum / 448), NVFP4's
+per-tensor activation scale (maximum / (6 * 448)).
 What it does not handle: routers and norms (always kept: tiny and sensitive); embeddings. AWQ skips the
 lm_head (tied to the embedding in many models) and blocks other than GQA/MHA attention with a dense MLP,
 and says so in the result.
