@@ -115,6 +115,9 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
                            in_features=w.shape[1] if stored != WeightFormat.FP8_E4M3 else None, method=method)
 
 
+STACK_BYTES = 128 << 20  # fp32 bytes of siblings quantized as one stack (SmolLM2's gate/up: 7 MB; 8B q/k/v: 100 MB)
+
+
 def quantize_sibling_weights(ws: list[torch.Tensor], fmt: str, granularity: str = "per_channel",
                              activation: str = "none", *, method: str, hessian: torch.Tensor, act_order: bool = True,
                              damping: float = 0.01, input_scale: torch.Tensor | None = None,
@@ -122,9 +125,10 @@ def quantize_sibling_weights(ws: list[torch.Tensor], fmt: str, granularity: str 
     """`quantize_linear_weight` of linears that read one input (one Hessian; fused siblings share the NVFP4
     per-tensor scale): rows are quantized independently of each other (per-row or per-block scales; GPTQ
     pushes errors along a row), so the weights are stacked and quantized once, one GPTQ instead of three for
-    q/k/v, and split again. FP8 per-tensor scales span the rows: quantized one by one."""
+    q/k/v, and split again. FP8 per-tensor scales span the rows, and stacks over STACK_BYTES would hold GPTQ's
+    working copies of every sibling at once (an 8B model's gate/up: 0.47 GB each): quantized one by one."""
     if len(ws) == 1 or (parse_weight_format(fmt, WEIGHT_FORMATS) == WeightFormat.FP8_E4M3
-                        and granularity != "per_channel"):
+                        and granularity != "per_channel") or sum(4 * w.numel() for w in ws) > STACK_BYTES:
         return [quantize_linear_weight(w, fmt, granularity, activation, method=method, hessian=hessian,
                                        act_order=act_order, damping=damping, input_scale=input_scale,
                                        global_scale=global_scale) for w in ws]

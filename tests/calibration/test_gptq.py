@@ -106,3 +106,20 @@ def test_siblings_quantized_together_equal_one_by_one(fmt):
         for key, value in alone.tensors.items():
             assert torch.equal(qw.tensors[key].view(torch.uint8) if value.dtype.itemsize == 1 else qw.tensors[key],
                                value.view(torch.uint8) if value.dtype.itemsize == 1 else value), key
+
+
+def test_large_siblings_are_quantized_one_by_one(monkeypatch):
+    """Above STACK_BYTES the siblings are not stacked (memory), with the same stored values."""
+    import kiln.passes.weight_quant as wq
+
+    w, x = correlated_layer(n_out=64, k=64)
+    parts, h = list(w.split([32, 32])), x.T @ x / x.shape[0]
+    stacked = wq.quantize_sibling_weights(parts, "fp8", method="gptq", hessian=h)
+    calls = []
+    original = wq.quantize_linear_weight
+    monkeypatch.setattr(wq, "quantize_linear_weight", lambda w_, *a, **k: calls.append(w_.shape) or original(w_, *a, **k))
+    monkeypatch.setattr(wq, "STACK_BYTES", 4 * w.numel() - 1)
+    alone = wq.quantize_sibling_weights(parts, "fp8", method="gptq", hessian=h)
+    assert calls == [(32, 64), (32, 64)]
+    for a, b in zip(stacked, alone, strict=True):
+        assert torch.equal(a.dequantize(), b.dequantize())
