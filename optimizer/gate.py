@@ -83,8 +83,8 @@ def engine_from_graph(graph: ModelGraph, tokenizer=None) -> Engine:
 
 HEAD_CHUNK = 128
 """Most positions whose full-vocabulary logits (and log-softmax) exist at once: [HEAD_CHUNK, V] fp32 is 24 MiB
-at SmolLM2's 49K vocabulary and 64 MiB at 128K, whatever the amount of text scored (small enough to be reused
-from the heap: see calibration.data.FORWARD_BATCH_TOKENS)."""
+at SmolLM2's 49K vocabulary (under glibc's 32 MiB, so reused from the heap: see calibration.data.
+FORWARD_BATCH_TOKENS) and 64 MiB at 128K, whatever the amount of text scored."""
 BATCH_TOKENS = FORWARD_BATCH_TOKENS
 """Tokens (padding included) per forward batch; the batch's hidden states are [BATCH_TOKENS, hidden]."""
 
