@@ -24,7 +24,7 @@ import platform
 import re
 import struct
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
@@ -35,7 +35,14 @@ from kiln.optimizer import prequantized
 from kiln.optimizer.loader_config import build_spec, check_config
 from kiln.passes import tensor_store
 from kiln.passes.graph import ModelGraph, Source
-from kiln.passes.tensor_store import SAFETENSORS_DTYPES, SpillFile, TensorStore, read_tensor, releasing
+from kiln.passes.tensor_store import (
+    SAFETENSORS_DTYPES,
+    IndexedTensors,
+    SpillFile,
+    TensorStore,
+    read_tensor,
+    releasing,
+)
 from kiln.runtime.artifact import MANIFEST, read_json, sha256_file
 from kiln.runtime.spec import ModelSpec
 
@@ -233,7 +240,7 @@ def _data_offsets(file: Path) -> tuple[int, dict[str, list[int]]]:
     return 8 + length, {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
 
 
-class CheckpointTensors(Mapping[str, torch.Tensor]):
+class CheckpointTensors(IndexedTensors, Mapping[str, torch.Tensor]):
     """A checkpoint's tensors by name, each read from its safetensors file when asked: straight into memory of
     its own (the file is not mapped, so the process holds exactly what it reads), the same tensor again while
     anyone holds it, never all at once. Iterates in the headers' order."""
@@ -261,15 +268,6 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
                 raise _corrupt(file, exc) from None
             self._held[name] = t
         return t
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._where
 
     def info(self, name: str) -> tensor_store.TensorInfo:
         return self._where[name][2]

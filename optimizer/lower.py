@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
 
 import torch
@@ -25,13 +25,20 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer import __version__
 from kiln.optimizer.output_dir import atomic_directory
 from kiln.passes.graph import ModelGraph
-from kiln.passes.tensor_store import SAFETENSORS_DTYPES, TensorInfo, releasing, tensor_bytes_view, tensor_info
+from kiln.passes.tensor_store import (
+    SAFETENSORS_DTYPES,
+    IndexedTensors,
+    TensorInfo,
+    releasing,
+    tensor_bytes_view,
+    tensor_info,
+)
 from kiln.runtime.artifact import MANIFEST, SCHEMA_VERSION, WEIGHTS, sha256_file, validate_manifest
 
 SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
-class LoweredTensors(MutableMapping[str, torch.Tensor]):
+class LoweredTensors(IndexedTensors, MutableMapping[str, torch.Tensor]):
     """The artifact's tensors by name, each taken (contiguous) from the mapping that holds it when asked.
     Entries set on it directly are kept as given (tests and tools rewrite a lowered model this way)."""
 
@@ -50,15 +57,6 @@ class LoweredTensors(MutableMapping[str, torch.Tensor]):
 
     def __delitem__(self, name: str) -> None:
         del self._where[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._where
 
     def info(self, name: str) -> TensorInfo:
         source, key = self._where[name]

@@ -181,12 +181,28 @@ def _info(entry: torch.Tensor | Spilled) -> TensorInfo:
     return entry.info if isinstance(entry, Spilled) else TensorInfo.of(entry)
 
 
-class SpilledTensors(Mapping[str, torch.Tensor]):
+class IndexedTensors:
+    """The name side of a lazy tensor mapping: `_where` (name -> where that tensor is) gives membership, order
+    and length; the mapping that mixes this in first reads tensors and their info from it."""
+
+    _where: dict
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+class SpilledTensors(IndexedTensors, Mapping[str, torch.Tensor]):
     """A read-only mapping of tensors some of which live in a SpillFile (e.g. a quantized weight's packed
     tensors), each read back on access."""
 
     def __init__(self, entries: Mapping[str, torch.Tensor | Spilled]):
-        self._entries = dict(entries)
+        self._where = dict(entries)
 
     @classmethod
     def keep(cls, tensors: Mapping[str, torch.Tensor], spill: SpillFile) -> Mapping[str, torch.Tensor]:
@@ -199,19 +215,10 @@ class SpilledTensors(Mapping[str, torch.Tensor]):
         return cls(entries)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return _value(self._entries[name])
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        return _value(self._where[name])
 
     def info(self, name: str) -> TensorInfo:
-        return _info(self._entries[name])
+        return _info(self._where[name])
 
 
 class TensorStore(MutableMapping[str, torch.Tensor]):
