@@ -59,9 +59,10 @@ class FakeQuantWeight(nn.Module):
             return self.layout.quantize(self.latent.detach(), self.scales)
 
 
-def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor], steps: int, lr: float,
+def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], steps: int, lr: float,
          log: Callable[[str], None] | None = None) -> list[float]:
-    """Adam with a cosine decay over `steps`; loss(step) returns the loss of that step's batch."""
+    """Adam with a cosine decay over `steps`; loss(step) returns the loss of that step's batch: a tensor to
+    differentiate, or a float when it ran backward itself (gradients accumulated over micro-batches)."""
     if steps <= 0:
         return []
     if lr <= 0:
@@ -72,12 +73,14 @@ def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor], steps: int
     history: list[float] = []
     with torch.enable_grad(), progress.stage("tune end to end", total=steps, unit="steps") as task:
         for step in range(steps):
-            value = loss(step)
             optimizer.zero_grad(set_to_none=True)
-            value.backward()
+            value = loss(step)
+            if isinstance(value, Tensor):
+                value.backward()
+                value = float(value.detach())
             optimizer.step()
             schedule.step()
-            history.append(float(value.detach()))
+            history.append(value)
             task.advance()
             if log is not None and (step % 50 == 0 or step == steps - 1):
                 log(f"tune step {step}/{steps}: KL {history[-1]:.5f}")

@@ -13,7 +13,7 @@ Observing an earlier block than the session's position, or after a block the hid
 has changed (a tensor or quant annotation replaced), starts again from the embeddings.
 
     objective = session.distillation(weights, norms)   # end-to-end tuning (calibration.tuning)
-    objective.loss(step)  # KL(source || graph with `weights`/`norms` swapped in) on one batch, differentiable
+    objective.loss(step)  # KL(source || graph with `weights`/`norms` swapped in) on one batch; runs backward
 
 The source for distillation is the graph as it stood when the session was created (before the pass).
 
@@ -41,6 +41,7 @@ from kiln.passes.graph import ModelGraph
 from kiln.runtime.model import Block, LayerRotaries, QuantLinear, Transformer, Weights, build_block
 
 Callback = Callable[[str, torch.Tensor], None]
+MICRO_BATCH_TOKENS = 512  # distillation's autograd batch: SmolLM2's activations for 512 tokens are ~1 GB
 
 
 class RuntimeCalibrator:
@@ -284,10 +285,16 @@ class Distillation:
         tokens = session.all_token_lists
         groups = length_batches(tokens, max_batch_tokens)
         random.Random(0).shuffle(groups)
-        self.batches = [_Batch([tokens[i] for i in g]) for g in groups]
+        # a step's batch runs as micro-batches of at most MICRO_BATCH_TOKENS padded tokens (gradients add up),
+        # so the autograd activations stay small whatever the step's batch
+        self.batches = []
+        for g in groups:
+            rows = max(1, MICRO_BATCH_TOKENS // max(len(tokens[i]) for i in g))
+            self.batches.append([_Batch([tokens[i] for i in g[k: k + rows]]) for k in range(0, len(g), rows)])
+        self._tokens = [sum(int(m.mask.sum()) for m in micro) for micro in self.batches]
         # the source's last hidden states, not its log-probabilities: [tokens, hidden] is vocab/hidden times
         # smaller, and the lm_head product is cheap to redo
-        self._teacher_hidden: list[torch.Tensor | None] = [None] * len(self.batches)
+        self._teacher_hidden: list[list[torch.Tensor] | None] = [None] * len(self.batches)
 
         source_tensors, source_formats = session.source
         self.teacher = Transformer(spec, weights=_RecordingWeights(source_tensors, source_formats, spec))
@@ -309,16 +316,24 @@ class Distillation:
     def __len__(self) -> int:
         return len(self.batches)
 
-    def loss(self, step: int) -> torch.Tensor:
+    def loss(self, step: int) -> float:
+        """The mean per-token KL of this step's batch; its gradient is accumulated (backward is run here,
+        micro-batch by micro-batch), so the caller zeroes gradients before and steps after."""
         i = step % len(self.batches)
-        b = self.batches[i]
+        micro = self.batches[i]
         if self._teacher_hidden[i] is None:
             with torch.inference_mode():
-                self._teacher_hidden[i] = self.teacher.hidden(b.tokens, b.positions)[b.mask]
-        with torch.no_grad():
-            target = torch.log_softmax(self.teacher.lm_head(self._teacher_hidden[i]), dim=-1)
-        logp = torch.log_softmax(self.student(b.tokens, b.positions), dim=-1)[b.mask]
-        return kl_terms(target, logp).sum(-1).mean()
+                self._teacher_hidden[i] = [self.teacher.hidden(b.tokens, b.positions)[b.mask] for b in micro]
+        total = 0.0
+        for b, hidden in zip(micro, self._teacher_hidden[i], strict=True):
+            with torch.no_grad():
+                target = torch.log_softmax(self.teacher.lm_head(hidden), dim=-1)
+            logp = torch.log_softmax(self.student(b.tokens, b.positions), dim=-1)[b.mask]
+            value = kl_terms(target, logp).sum() / self._tokens[i]
+            if value.requires_grad:  # (nothing to tune: a plain measurement)
+                value.backward()
+            total += float(value.detach())
+        return total
 
 
 def _replace_module(root: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> None:

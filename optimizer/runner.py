@@ -6,6 +6,8 @@ modules on the calibration tokens.
     runner.capture_kv(graph)         K/V cache activations (optimizer.calibrate.KvCapture)
     runner.logit_kl(graph, n)        KL(source || graph) of the final logits on n paragraphs (optimizer.sensitivity:
                                      one kept model; a probe rebuilds and reruns only what it changed)
+    runner.estimated_kl(graph, candidates, n)   each candidate's KL from one gradient pass (optimizer.fisher):
+                                     what precision passes use where measuring every probe costs too much
     runner.logits(graph, lists)      full-sequence logits through the runtime (optimizer.gate.engine_from_graph)
 
 The source is the graph as it stands when the runner is made (before any pass): passes replace tensors, never
@@ -21,6 +23,7 @@ import torch
 from kiln.calibration.data import FORWARD_BATCH_TOKENS
 from kiln.optimizer.calibrate import KvCapture
 from kiln.optimizer.calibrator import RuntimeCalibrationSession, RuntimeCalibrator
+from kiln.optimizer.fisher import Candidates, FisherKl
 from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.sensitivity import LogitKl
 from kiln.passes.graph import ModelGraph
@@ -45,6 +48,7 @@ class RuntimeRunner:
                                                  observe_sequences=len(self.calibration_tokens))
         self._kv = KvCapture(self.calibration_tokens, max_batch_tokens)
         self._kl = LogitKl(source, self.calibration_tokens)
+        self._fisher = FisherKl(self.calibration_tokens)
 
     def session(self, graph: ModelGraph) -> RuntimeCalibrationSession:
         return self._calibrator.session(graph)
@@ -54,6 +58,9 @@ class RuntimeRunner:
 
     def logit_kl(self, graph: ModelGraph, paragraphs: int) -> float:
         return self._kl(graph, paragraphs)
+
+    def estimated_kl(self, graph: ModelGraph, candidates: Candidates, paragraphs: int) -> dict:
+        return self._fisher(graph, candidates, paragraphs)
 
     @torch.inference_mode()
     def logits(self, graph: ModelGraph, token_lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Protocol
 from kiln.kernels import progress
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import Target
-from kiln.passes.graph import ModelGraph
+from kiln.passes.graph import ModelGraph, QuantizedWeight
 
 
 @dataclass
@@ -231,6 +231,12 @@ class ModelRunner(Protocol):
     def logit_kl(self, graph: ModelGraph, paragraphs: int) -> float:
         """Mean per-token KL(source model || graph as it stands) of the final logits on the first
         `paragraphs` calibration paragraphs: what precision passes rank groups by."""
+
+    def estimated_kl(self, graph: ModelGraph, candidates: Mapping[Any, Mapping[str, QuantizedWeight | None]],
+                     paragraphs: int) -> dict[Any, float]:
+        """Per candidate key (a set of linears with the quantized weight each would take), the KL(graph as it
+        stands || graph with that candidate) estimated to second order from one gradient pass on the first
+        `paragraphs` calibration paragraphs: a cheaper, noisier stand-in for one logit_kl probe per key."""
 
     def logits(self, graph: ModelGraph, token_lists: Sequence[Sequence[int]]) -> list[Any]:
         """Full-sequence logits [len, vocab] of the graph as it stands, per token list."""

@@ -25,8 +25,8 @@ class ProductionPrecision(PrecisionPass):
                             fastest FP4 (`target_fp4`: NVFP4 W4A4 on Blackwell, NVFP4 W4A16 on Hopper)
         attention           option for attention groups (q/k/v, o; MLA projections)
         keep_most_sensitive how many groups (the ones that lose most at their policy option) stay BF16
-        lm_head, method, sensitivity_paragraphs, sensitivity, promote, max_back_offs, tune_steps, tune_lr,
-        tune_batch_tokens, sequential, act_order: as AutoPrecision
+        lm_head, method, sensitivity_paragraphs, sensitivity_method, sensitivity, promote, max_back_offs,
+        tune_steps, tune_lr, tune_batch_tokens, sequential, act_order: as AutoPrecision
     Back-off ladder of a group: its policy option, then (for W4A4) the same format weight-only, FP8 W8A8, BF16.
     """
 

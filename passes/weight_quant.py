@@ -115,6 +115,11 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
                            in_features=w.shape[1] if stored != WeightFormat.FP8_E4M3 else None, method=method)
 
 
+# End-to-end tuning spends at most this many steps x tokens per step x model linear weights: 400 steps of 4096
+# tokens on stories260K (0.26M weights, 4e11) are far inside; SmolLM2-135M (134M weights, a step of 4096 tokens
+# about 20 s on 2 cores) gets 64 steps, about 20 minutes; an 8B model 1 (its distillation, two fp32 copies of
+# the model, is out of reach on such a machine anyway)
+TUNE_BUDGET = 2**45
 STACK_BYTES = 128 << 20  # fp32 bytes of siblings quantized as one stack (SmolLM2's gate/up: 7 MB; 8B q/k/v: 100 MB)
 
 
@@ -156,7 +161,19 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
                     log: Callable[[str], None]) -> TunedWeights:
     """Tune the grid points (scales fixed) of the quantized linears `names`, each on its own format's grid,
     and the norms of their blocks and the final norm, by KL to the source model on the calibration text
-    (`session.distillation`, calibration.tuning). The graph is not changed: the caller stores the result."""
+    (`session.distillation`, calibration.tuning). The graph is not changed: the caller stores the result.
+
+    At most TUNE_BUDGET steps x batch tokens x the model's linear weights are spent (see there): a larger
+    model tunes fewer steps, with the cosine schedule over those, and the note says so."""
+    weights = sum(lin.out_features * lin.in_features for lin in graph.linears.values())
+    affordable = TUNE_BUDGET // max(batch_tokens * weights, 1)
+    asked = steps
+    steps = min(steps, affordable)
+    if steps < asked:
+        log(f"tuning: {steps} of {asked} steps ({batch_tokens} tokens each) fit the budget of "
+            f"{TUNE_BUDGET:.2g} token-weights for {weights / 1e6:.1f}M weights")
+    if steps == 0:
+        return TunedWeights({}, {}, f"not tuned: one step of {batch_tokens} tokens exceeds the tuning budget")
     latents: dict[str, FakeQuantWeight] = {}
     for name in names:
         qw = graph.linears[name].quant
@@ -173,8 +190,8 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
     for name, fq in latents.items():
         extra = {k: v for k, v in graph.linears[name].quant.tensors.items() if k == "input_scale"}
         tensors[name] = {**fq.layout.pack(fq.values(), fq.scales), **extra}
-    note = (f"tuned {steps} steps on {len(objective)} calibration batches: KL {history[0]:.5f} -> "
-            f"{history[-1]:.5f} (last step)")
+    note = (f"tuned {steps}{f' of {asked} (budget)' if steps < asked else ''} steps on {len(objective)} "
+            f"calibration batches: KL {history[0]:.5f} -> {history[-1]:.5f} (last step)")
     return TunedWeights(tensors, {n: p.detach().clone() for n, p in norms.items()}, note)
 
 
@@ -573,12 +590,14 @@ class WeightQuantization(Pass):
               log: Callable[[str], None]) -> None:
         tuned = tune_end_to_end(graph, session, [lin.name for lin in chosen], self.tune_steps, self.tune_lr,
                                 self.tune_batch_tokens, log)
+        result.notes.append(tuned.note)
+        if not tuned.tensors:
+            return
         for lin in chosen:
             w = self._rotate(graph.weight(lin).float())
             qw = replace(lin.quant, tensors=tuned.tensors[lin.name], method=self._method_label(tuned=True))
             self._store(lin, w, qw, result)
         graph.tensors.update(tuned.norms)  # fp32, like the tuning
-        result.notes.append(tuned.note)
 
     def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
         worst = sorted(result.metrics, key=lambda name: -result.metrics[name])

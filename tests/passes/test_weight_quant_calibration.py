@@ -11,6 +11,7 @@ from kiln.calibration.quantize import static_input_scale
 from kiln.kernels.errors import KilnError
 from kiln.kernels.rotation import block_hadamard
 from kiln.kernels.targets import get_target
+from kiln.optimizer import calibrator as calibrator_module
 from kiln.optimizer.calibrator import RuntimeCalibrator
 from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
@@ -225,10 +226,38 @@ def test_distillation_objective_is_the_runtimes_kl(tiny_checkpoints):
     base = torch.log_softmax(torch.cat(source.logits(tokens)), -1)
     cand = torch.log_softmax(torch.cat(engine_from_graph(graph).logits(tokens)), -1)
     expected = float((base.exp() * (base - cand)).sum(-1).mean())
-    loss = objective.loss(0)
-    assert abs(float(loss.detach()) - expected) < 1e-6 + 1e-4 * expected and expected > 1e-5
-    loss.backward()  # straight-through: every latent weight gets a gradient
+    loss = objective.loss(0)  # runs backward itself
+    assert abs(loss - expected) < 1e-6 + 1e-4 * expected and expected > 1e-5
+    # straight-through: every latent weight gets a gradient
     assert all(fq.latent.grad is not None and fq.latent.grad.abs().sum() > 0 for fq in latents.values())
+
+
+def test_distillation_micro_batches_add_up_to_the_batch(tiny_checkpoints, monkeypatch):
+    """A step's batch run as micro-batches gives the same loss and accumulated gradient as in one piece
+    (weight-only: dynamic FP4 activation scales depend on the batch, as in the runtime)."""
+    from kiln.calibration.grids import WeightLayout
+    from kiln.calibration.tuning import FakeQuantWeight
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = token_lists(graph.spec.vocab_size, count=6)
+    session = RuntimeCalibrator(tokens, max_batch_tokens=10_000).session(graph)
+    Pipeline([WeightQuantization(format="nvfp4")]).run(graph, PassContext(get_target("hopper")))
+    layout = WeightLayout("nvfp4")
+    latents = {lin.name: FakeQuantWeight(layout, lin.quant.dequantize(),
+                                         layout.scales_from_stored(dict(lin.quant.tensors), lin.out_features))
+               for lin in graph.linears.values() if lin.quant is not None}
+    results = []
+    for micro_tokens in (10_000, 60):
+        monkeypatch.setattr(calibrator_module, "MICRO_BATCH_TOKENS", micro_tokens)
+        for fq in latents.values():
+            fq.latent.grad = None
+        objective = session.distillation(latents, {}, max_batch_tokens=10_000)
+        assert len(objective) == 1 and len(objective.batches[0]) == (1 if micro_tokens > 1000 else 6)
+        results.append((objective.loss(0), {n: fq.latent.grad.clone() for n, fq in latents.items()}))
+    (whole, whole_grads), (micro, micro_grads) = results
+    assert micro == pytest.approx(whole, rel=1e-4) and whole > 1e-6  # fp32 sums over other paddings
+    for n in latents:
+        assert torch.allclose(micro_grads[n], whole_grads[n], rtol=1e-3, atol=1e-9)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "mixtral", "qwen3_moe", "deepseek_v3"])
