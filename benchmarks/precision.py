@@ -1,13 +1,18 @@
-"""Weight precision on stories260K: recovery vs effective bits for every format, auto and production, and ModelOpt.
+"""Weight precision: recovery, KL and top-1 vs effective bits of every format, auto, production and ModelOpt.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/precision.py [--out artifacts/bench-precision] [--methods rtn,best]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/precision.py [--checkpoint DIR] [--ood-data FILE]
+        [--target blackwell] [--out artifacts/bench-precision] [--methods rtn,best] [--paragraphs 600]
     (run it with a Python that has nvidia-modelopt, e.g. the `anchors` extra, to add ModelOpt's rows)
 
 Protocol (the gate's): calibrate on calibration.txt (observations on its first 256 paragraphs, end-to-end
-tuning on all of it); score the first 600 paragraphs of evaluation.txt through Kiln's runtime (ModelOpt rows:
-its fake-quantized Hugging Face model on the same token lists); recovery = ppl_fp32 / ppl. Every row is built
-for Blackwell with the gate's floor set near 0, so nothing backs off or reverts: the row is what the recipe
-itself reaches.
+tuning on all of it); score the first --paragraphs of evaluation.txt through Kiln's runtime (ModelOpt rows:
+its fake-quantized Hugging Face model beside the unquantized one, on the same token lists). Each row reports,
+against the fp32 source: recovery = ppl_fp32 / ppl, the mean per-token KL(fp32 || quantized) in nats over the
+full vocabulary, and top-1 agreement (the fraction of positions whose argmax is the source's). With
+--ood-data, every row is also scored the same way on all the paragraphs of that file (out of domain:
+benchmarks/ood_text.py writes one). The checkpoint is stories260K unless --checkpoint names another. Every
+row is built for --target (Blackwell) with the gate's floor set near 0, so nothing backs off or reverts: the
+row is what the recipe itself reaches.
 Effective bits = 8 x stored bytes (weights + scales, block padding included; BF16 = 16) / weights over the
 decoder linears (the tied lm_head/embedding stays unquantized in every row and is left out). ModelOpt rows are
 counted the same way from their formats (FP8: per-tensor scales; INT4 AWQ: 4 bits + an FP16 scale per 128
@@ -17,8 +22,9 @@ BF16); its NVFP4 export is compared with Kiln's in tests/optimizer/test_export.p
 Each Kiln row is the built-in recipe of the row (`optimize build --recipe R`, "best": its calibration, e.g.
 AWQ + GPTQ + end-to-end tuning; see optimizer/recipes.py) and the same recipe rounding to nearest ("rtn": no
 GPTQ, AWQ or tuning; rotations and activation modes kept).
-Each row runs in its own process: build seconds include the gate's two scorings; peak RAM is that process's
-max RSS.
+Each row runs in its own process: build seconds include the gate's two scorings (ModelOpt rows: quantization
+only); peak RAM is that process's max RSS through the build and the in-domain scoring (ModelOpt rows: both
+Hugging Face models), before any OOD scoring, so it is the same with or without --ood-data.
 """
 
 from __future__ import annotations
@@ -89,7 +95,18 @@ def rtn_version(p):
     return replace(p, method="rtn", tune_steps=0)
 
 
-def kiln_row(label: str, method: str, paragraphs: int) -> dict:
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def figures(gate, prefix: str = "") -> dict:
+    """A GateResult's figures against the source, keys prefixed (`ood_` for the out-of-domain text)."""
+    return {f"{prefix}recovery": gate.recovery, f"{prefix}kl": gate.kl, f"{prefix}top1": gate.top1,
+            f"{prefix}ppl": gate.perplexity, f"{prefix}baseline_ppl": gate.baseline_perplexity}
+
+
+def kiln_row(label: str, method: str, paragraphs: int, checkpoint: Path, target: str,
+             ood_data: Path | None) -> dict:
     import torch
 
     from kiln.optimizer.build import build
@@ -101,14 +118,28 @@ def kiln_row(label: str, method: str, paragraphs: int) -> dict:
     if method == "rtn":
         recipe = Recipe(f"{name} (rtn)", tuple(rtn_version(p) for p in recipe.passes))
     start = time.perf_counter()
-    result = build(STORIES, "blackwell", recipe, None, eval_data=EVAL, calib_data=CALIB, paragraphs=paragraphs,
+    result = build(checkpoint, target, recipe, None, eval_data=EVAL, calib_data=CALIB, paragraphs=paragraphs,
                    gate=True, min_recovery=1e-6)
     seconds = time.perf_counter() - start
+    peak = peak_rss_mib()
     record = result.records[0]
     bits, formats = effective_bits(result.graph)
-    return {"label": label, "method": method, "recipe": name, "recovery": record.gate.recovery,
-            "kl": record.gate.kl, "ppl": record.gate.perplexity, "baseline_ppl": record.gate.baseline_perplexity,
-            "bits": bits, "seconds": seconds, "decision": record.decision, "formats": formats}
+    row = {"label": label, "method": method, "recipe": name, **figures(record.gate), "bits": bits,
+           "seconds": seconds, "peak_rss_mib": peak, "decision": record.decision, "formats": formats}
+    if ood_data is not None:
+        row.update(figures(kiln_ood(result.graph, checkpoint, ood_data), "ood_"))
+    return row
+
+
+def kiln_ood(graph, checkpoint: Path, path: Path):
+    """The built graph against its fp32 source on all the paragraphs of `path`, through Kiln's runtime."""
+    from kiln.optimizer.gate import AccuracyGate, engine_from_graph
+    from kiln.optimizer.loader import load_checkpoint
+    from kiln.runtime.engine import load_tokenizer
+
+    source = load_checkpoint(checkpoint)
+    lists = token_lists(load_tokenizer(source.source.path), path, None)
+    return AccuracyGate(engine_from_graph(source), lists).compare(engine_from_graph(graph), 0.0)
 
 
 def effective_bits(graph) -> tuple[float, dict[str, int]]:
@@ -138,19 +169,18 @@ def _count(values) -> dict[str, int]:
     return out
 
 
-def modelopt_row(label: str, paragraphs: int) -> dict:
+def modelopt_row(label: str, paragraphs: int, checkpoint: Path, ood_data: Path | None) -> dict:
     import modelopt.torch.quantization as mtq
     import torch
-    from transformers import AutoModelForCausalLM
 
     from kiln.runtime.engine import load_tokenizer
 
     torch.set_num_threads(1)
-    tokenizer = load_tokenizer(STORIES)
+    tokenizer = load_tokenizer(checkpoint)
     calib = token_lists(tokenizer, CALIB, 256)
     evaluation = token_lists(tokenizer, EVAL, paragraphs)
-    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
-    baseline = hf_score(model, evaluation)
+    baseline = hf_model(checkpoint)  # the fp32 source, kept beside the model ModelOpt quantizes in place
+    model = hf_model(checkpoint)
 
     def forward(m):
         with torch.no_grad():
@@ -172,26 +202,42 @@ def modelopt_row(label: str, paragraphs: int) -> dict:
     else:
         model = mtq.quantize(model, getattr(mtq, kind[0]), forward)
     seconds = time.perf_counter() - start
-    score = hf_score(model, evaluation)
-    return {"label": label, "method": "modelopt", "recovery": baseline.perplexity / score.perplexity,
-            "ppl": score.perplexity, "baseline_ppl": baseline.perplexity, "bits": modelopt_bits(model),
-            "seconds": seconds, "decision": "", "formats": {}}
+    row = {"label": label, "method": "modelopt", **figures(hf_compare(baseline, model, evaluation)),
+           "bits": modelopt_bits(model), "seconds": seconds, "peak_rss_mib": peak_rss_mib(), "decision": "",
+           "formats": {}}
+    if ood_data is not None:
+        row.update(figures(hf_compare(baseline, model, token_lists(tokenizer, ood_data, None)), "ood_"))
+    return row
 
 
-def hf_score(model, lists):
+def hf_model(checkpoint: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+def hf_compare(baseline, model, lists):
+    """`model` against `baseline` as the gate compares them: NLL of both, KL(baseline || model) over the full
+    vocabulary and top-1 agreement at every position, one paragraph's logits at a time."""
     import torch
 
-    from kiln.optimizer.gate import Score
+    from kiln.calibration.metrics import kl_terms
+    from kiln.passes.base import GateResult
 
-    nll, count = 0.0, 0
+    nll, base_nll, kl, agree, count = 0.0, 0.0, 0.0, 0, 0
     with torch.no_grad():
         for ids in lists:
-            logits = model(torch.tensor([ids])).logits[0, :-1].float()
-            lp = torch.log_softmax(logits, dim=-1)
-            targets = torch.tensor(ids[1:])
+            inputs, targets = torch.tensor([ids]), torch.tensor(ids[1:])
+            lp = torch.log_softmax(model(inputs).logits[0, :-1].float(), dim=-1)
+            base = torch.log_softmax(baseline(inputs).logits[0, :-1].float(), dim=-1)
             nll -= float(lp.gather(1, targets[:, None]).sum())
+            base_nll -= float(base.gather(1, targets[:, None]).sum())
+            kl += float(kl_terms(base, lp).sum())
+            agree += int((base.argmax(-1) == lp.argmax(-1)).sum())
             count += len(targets)
-    return Score(nll, count)
+    return GateResult(perplexity=math.exp(nll / count), baseline_perplexity=math.exp(base_nll / count),
+                      kl=kl / count, top1=agree / count, tokens=count, floor=0.0)
 
 
 def modelopt_bits(model) -> float:
@@ -225,30 +271,40 @@ def modelopt_bits(model) -> float:
 
 def run_row(args) -> None:
     if args.row in MODELOPT_ROWS:
-        row = modelopt_row(args.row, args.paragraphs)
+        row = modelopt_row(args.row, args.paragraphs, args.checkpoint, args.ood_data)
     else:
-        row = kiln_row(args.row, args.method, args.paragraphs)
-    row["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        row = kiln_row(args.row, args.method, args.paragraphs, args.checkpoint, args.target, args.ood_data)
     Path(args.json).write_text(json.dumps(row))
 
 
 # --- the table and the plot ----------------------------------------------------------------------------------
 
 
+ACCURACY = (("recovery", "recovery", ".4f"), ("KL", "kl", ".5f"), ("top-1", "top1", ".4f"))
+"""(column, row key, format) of each accuracy figure; the OOD columns prefix both."""
+COST = (("eff. bits", "bits", ".3f"), ("build s", "seconds", ".1f"), ("peak RAM MiB", "peak_rss_mib", ".0f"))
+
+
 def table(rows: list[dict]) -> str:
-    head = (f"| {'row':27s} | {'method':8s} | {'recovery':>8s} | {'eff. bits':>9s} | {'build s':>7s} | "
-            f"{'peak RAM MiB':>12s} | notes |")
+    columns = list(ACCURACY)
+    if any("ood_recovery" in r for r in rows):
+        columns += [(f"OOD {name}", f"ood_{key}", spec) for name, key, spec in ACCURACY]
+    columns += COST
+    widths = [max(8, len(name)) for name, _, _ in columns]
+    names = " | ".join(f"{name:>{w}s}" for (name, _, _), w in zip(columns, widths, strict=True))
+    head = f"| {'row':27s} | {'method':8s} | {names} | notes |"
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
         notes = ", ".join(f"{n}x {o}" for o, n in sorted(r.get("formats", {}).items()))
         if r.get("recipe"):
             notes = f"--recipe {r['recipe']}: {notes}"
-        lines.append(f"| {r['label']:27s} | {r['method']:8s} | {r['recovery']:8.4f} | {r['bits']:9.3f} | "
-                     f"{r['seconds']:7.1f} | {r['peak_rss_mib']:12.0f} | {notes} |")
+        cells = [f"{r[key]:{w}{spec}}" if key in r else f"{'-':>{w}s}" for (_, key, spec), w in
+                 zip(columns, widths, strict=True)]
+        lines.append(f"| {r['label']:27s} | {r['method']:8s} | " + " | ".join(cells) + f" | {notes} |")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, model: str, target: str, paragraphs: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -268,8 +324,8 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.axhline(0.985, color="grey", lw=0.8, ls="--")
     ax.axvline(5.0, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("effective bits per weight (scales included)")
-    ax.set_ylabel("recovery = ppl_fp32 / ppl (600 paragraphs of evaluation.txt)")
-    ax.set_title("stories260K: accuracy vs bits (Blackwell formats)")
+    ax.set_ylabel(f"recovery = ppl_fp32 / ppl ({paragraphs} paragraphs of evaluation.txt)")
+    ax.set_title(f"{model}: accuracy vs bits ({target} formats)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -279,6 +335,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=Path, default=STORIES, help="the fp32 source of every row")
+    parser.add_argument("--target", default="blackwell", help="the target Kiln's rows are built for")
+    parser.add_argument("--ood-data", type=Path, help="also score every row on all of this file's paragraphs")
     parser.add_argument("--out", type=Path, default=ROOT / "artifacts" / "bench-precision")
     parser.add_argument("--methods", default="rtn,best", help=f"Kiln calibration, comma-separated: {', '.join(METHODS)}")
     parser.add_argument("--rows", default="", help="only these rows (comma-separated labels)")
@@ -305,14 +364,20 @@ def main() -> None:
         label, method = jobs[index]
         out = args.out / f"row-{index}.json"
         cmd = [sys.executable, __file__, "--row", label, "--method", method, "--json", str(out),
-               "--paragraphs", str(args.paragraphs)]
+               "--paragraphs", str(args.paragraphs), "--checkpoint", str(args.checkpoint),
+               "--target", args.target]
+        if args.ood_data is not None:
+            cmd += ["--ood-data", str(args.ood_data)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             print(f"{label} [{method}] failed:\n{done.stderr[-2000:]}", flush=True)
             return None
         r = json.loads(out.read_text())
-        print(f"{label:27s} {method:8s} recovery {r['recovery']:.4f}  bits {r['bits']:.3f}  "
-              f"{r['seconds']:.1f} s  {r['peak_rss_mib']:.0f} MiB", flush=True)
+        ood = (f"  OOD {r['ood_recovery']:.4f} KL {r['ood_kl']:.5f} top-1 {r['ood_top1']:.4f}"
+               if "ood_kl" in r else "")
+        print(f"{label:27s} {method:8s} recovery {r['recovery']:.4f} KL {r['kl']:.5f} "
+              f"top-1 {r['top1']:.4f}{ood}  "
+              f"bits {r['bits']:.3f}  {r['seconds']:.1f} s  {r['peak_rss_mib']:.0f} MiB", flush=True)
         return r
 
     from concurrent.futures import ThreadPoolExecutor
@@ -323,7 +388,7 @@ def main() -> None:
     print("\n" + text)
     (args.out / "precision.md").write_text(text + "\n")
     (args.out / "precision.json").write_text(json.dumps(rows, indent=2) + "\n")
-    plot(rows, args.out / "precision.png")
+    plot(rows, args.out / "precision.png", args.checkpoint.name, args.target, args.paragraphs)
     print(f"\nwrote {args.out / 'precision.md'}, {args.out / 'precision.png'}")
 
 

@@ -1,7 +1,7 @@
 """Does end-to-end tuning generalise? In-domain and out-of-domain KL against the number of tuning steps.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tuning.py [--checkpoint DIR] [--recipes nvfp4-w4a16,fp8]
-        [--steps 0,50,100,200,400] [--ood-data FILE] [--paragraphs 600]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/tuning.py [--checkpoint DIR] [--recipes nvfp4-w4a16,fp8,auto]
+        [--steps 0,50,100,200,400] [--ood-data FILE] [--paragraphs 600] [--weight-bits 5.0]
 
 For each recipe and step count, the recipe is built exactly as `optimize build --recipe R` builds it, with
 its `tune_steps` replaced, then scored through Kiln's runtime against the fp32 source on evaluation.txt
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--ood-data", type=Path, required=True)
     ap.add_argument("--paragraphs", type=int, default=600)
     ap.add_argument("--target", default="blackwell")
+    ap.add_argument("--weight-bits", type=float, default=5.0, help="the budget of the auto recipe")
     args = ap.parse_args()
 
     import torch
@@ -40,7 +41,7 @@ def main() -> None:
     from kiln.optimizer.build import build
     from kiln.optimizer.gate import AccuracyGate, engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
-    from kiln.optimizer.recipes import Recipe, resolve_recipe
+    from kiln.optimizer.recipes import BUDGET_RECIPES, Recipe, resolve_recipe
     from kiln.runtime.engine import load_tokenizer
 
     torch.set_num_threads(1)
@@ -53,8 +54,14 @@ def main() -> None:
     print("| recipe | calibration | in-domain recovery | in-domain KL | OOD recovery | OOD KL | build s |")
     print("|---|---|---|---|---|---|---|")
     for name in args.recipes.split(","):
-        passes = resolve_recipe(name).passes
-        variants = [("rtn", tuple(dataclasses.replace(p, method="rtn", awq=False, tune_steps=0) for p in passes))]
+        passes = resolve_recipe(name, args.weight_bits if name in BUDGET_RECIPES else None).passes
+
+        def rtn(p):
+            fields = {f.name for f in dataclasses.fields(p)}
+            return dataclasses.replace(p, **{k: v for k, v in (("method", "rtn"), ("awq", False), ("tune_steps", 0))
+                                             if k in fields})
+
+        variants = [("rtn", tuple(rtn(p) for p in passes))]
         variants += [(f"{passes[0].method} + {s} steps", tuple(dataclasses.replace(p, tune_steps=s) for p in passes))
                      for s in (int(x) for x in args.steps.split(","))]
         for label, variant in variants:

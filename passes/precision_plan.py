@@ -349,11 +349,15 @@ class PrecisionPass(Pass):
             return {}
         stats: dict[str, InputRange] = {}
         by_layer: dict[int | None, list[str]] = {}
+        # siblings that read one input (q/k/v, gate/up; fusion_key) share the first one's statistics
+        first: dict[str, str] = {}
         for p in plan.values():
             for name in p.linears:
-                by_layer.setdefault(graph.linears[name].layer, []).append(name)
+                first.setdefault(fusion_key(graph.linears[name]), name)
         for lin in graph.iter_linears(("router",)):
-            by_layer.setdefault(lin.layer, []).append(lin.name)  # an MoE layer's input: the experts' fallback
+            first.setdefault(lin.name, lin.name)  # an MoE layer's input: the experts' fallback
+        for name in first.values():
+            by_layer.setdefault(graph.linears[name].layer, []).append(name)
         session = ctx.runner.session(graph)
 
         def observe(name: str, x: torch.Tensor) -> None:
@@ -363,8 +367,15 @@ class PrecisionPass(Pass):
                                          and lin.role != "router" else None)
             stats[name].update(x)
 
-        for layer in sorted(by_layer, key=lambda v: math.inf if v is None else v):
-            session.observe(by_layer[layer], observe)
+        with progress.stage(f"{self.name}: observe inputs", total=len(by_layer), unit="layers") as task:
+            for layer in sorted(by_layer, key=lambda v: math.inf if v is None else v):
+                session.observe(by_layer[layer], observe)
+                task.advance()
+        for p in plan.values():
+            for name in p.linears:
+                source = first[fusion_key(graph.linears[name])]
+                if source in stats:
+                    stats[name] = stats[source]
         return stats
 
     def _measure(self, graph: ModelGraph, ctx: PassContext, plan: dict[str, GroupPlan],

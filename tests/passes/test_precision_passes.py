@@ -77,6 +77,33 @@ def test_auto_assigns_one_option_per_group_within_the_budget(tiny):
     assert graph.linears["lm_head"].quant is None and "lm_head" in precision["kept"]
 
 
+@pytest.mark.parametrize("method", ["fisher", "auto-over-budget"])
+def test_sensitivity_estimated_from_gradients(tiny, monkeypatch, method):
+    """sensitivity_method "fisher" (or "auto" past MEASURED_PROBE_BUDGET) fills the same table from one
+    gradient pass; it ranks FP4 above FP8, and the solver assigns within the budget from it."""
+    from kiln.passes import precision_plan
+
+    graph = load_checkpoint(tiny["llama"])
+    runner_calls = []
+    ctx = context(graph)
+    measured = ctx.runner.logit_kl
+    ctx.runner.logit_kl = lambda g, n: runner_calls.append(n) or measured(g, n)
+    if method == "fisher":
+        pass_ = AutoPrecision(weight_bits=6.0, sensitivity_paragraphs=4, sensitivity_method="fisher")
+    else:
+        monkeypatch.setattr(precision_plan, "MEASURED_PROBE_BUDGET", 0)
+        pass_ = AutoPrecision(weight_bits=6.0, sensitivity_paragraphs=4)
+    Pipeline((pass_,)).run(graph, ctx)
+    assert runner_calls == []  # no probe measured
+    precision = graph.metadata["precision"]
+    table = SensitivityTable.from_json(precision["sensitivity"])
+    assert table.metric == "kl-fisher" and precision["effective_bits"] <= 6.0
+    for group in table.groups():
+        assert table.losses[group]["nvfp4"] > table.losses[group]["fp8"] > 0 == table.losses[group]["bf16"]
+    with pytest.raises(KilnError, match="sensitivity_method"):
+        AutoPrecision(weight_bits=5.0, sensitivity_method="guess")
+
+
 def test_impossible_budget_is_refused_before_anything_runs(tiny):
     graph = load_checkpoint(tiny["llama"])
     with pytest.raises(KilnError) as err:
