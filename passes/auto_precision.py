@@ -44,6 +44,8 @@ class AutoPrecision(PrecisionPass):
                       on the calibration text (calibration.tuning); 0: none
         tune_lr       the tuning's Adam learning rate (cosine decay to 0)
         tune_batch_tokens  calibration tokens per tuning step (whole paragraphs, padded)
+        tune_budget   tuning runs only if tune_steps x tune_batch_tokens x the model's linear weights is at
+                      most this (weight_quant.TUNE_BUDGET: small models on a CPU); otherwise it is skipped
         act_order     GPTQ act-order; None: on, except for NVFP4 (as the uniform recipes)
         sequential    quantize the assigned groups block by block on the quantized prefix's inputs (see the
                       module doc); False: every linear on the source model's inputs

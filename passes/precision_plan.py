@@ -68,7 +68,14 @@ from kiln.kernels.targets import Target
 from kiln.passes.base import Pass, PassContext, PassResult
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 from kiln.passes.precision_options import BF16, LM_HEAD_POLICIES, OPTIONS, PrecisionOption, option
-from kiln.passes.weight_quant import MLP_INPUT_STAGE, fusion_key, stage_of, tune_end_to_end
+from kiln.passes.weight_quant import (
+    MLP_INPUT_STAGE,
+    TUNE_BUDGET,
+    check_tune_budget,
+    fusion_key,
+    stage_of,
+    tune_end_to_end,
+)
 
 SENSITIVITY_METHODS = ("auto", "kl", "fisher")
 # "auto" measures every probe (one forward of the model per group and option) while probes x linear weights
@@ -144,6 +151,7 @@ class PrecisionPass(Pass):
     tune_steps: int = 0
     tune_lr: float = 3e-4
     tune_batch_tokens: int = 4096
+    tune_budget: float = TUNE_BUDGET
     sequential: bool = True
     act_order: bool | None = None
 
@@ -167,6 +175,7 @@ class PrecisionPass(Pass):
             raise KilnError(f"tune_steps must be a non-negative integer, got {self.tune_steps!r}")
         if isinstance(self.tune_lr, bool) or not isinstance(self.tune_lr, int | float) or not self.tune_lr > 0:
             raise KilnError(f"tune_lr must be a positive number, got {self.tune_lr!r}")
+        check_tune_budget(self.tune_budget)
         if not isinstance(self.sequential, bool):
             raise KilnError(f"sequential must be true or false, got {self.sequential!r}")
         if self.act_order is not None and not isinstance(self.act_order, bool):
@@ -283,6 +292,8 @@ class PrecisionPass(Pass):
                     w = graph.weight(lin).float()
                     result.changed[lin_name] = name
                     result.metrics[lin_name] = relative_error(quantized[lin_name].dequantize(), w)
+        cache.clear()  # the candidates and Hessians are done with: tuning wants the memory
+        stats.clear()
         if teacher is not None:
             # FP4 grid points only: FP8's grid is 8x finer, and tuning it fits the calibration text instead (FP8
             # W8A8 on stories260K: 0.9951 -> 0.9907 held-out recovery with 200 steps; auto at 5.0 bits: 0.9825
@@ -340,6 +351,8 @@ class PrecisionPass(Pass):
         needs_hessian = self.method != "rtn"
         if not (needs_scales or has_experts or needs_hessian):
             return {}
+        if self.sensitivity and self.sequential and ctx.runner is not None and needs_hessian and not has_experts:
+            return {}  # nothing to measure (back-off carries the table); the sequential quantization observes
         if ctx.runner is None:
             if needs_scales or needs_hessian:
                 raise KilnError(f"{self.name}: {'method ' + repr(self.method) if needs_hessian else 'NVFP4 W4A4'} "
@@ -500,28 +513,42 @@ class PrecisionPass(Pass):
         for lin in graph.iter_linears(("router",)):
             routers.setdefault(lin.layer, []).append(lin.name)  # experts' fallback input range
         out: dict[str, QuantizedWeight] = {}
-        for (layer, stage), members in sorted(stages.items()):
-            names = [n for _, n in members]
-            observed = names + (routers.get(None if layer == math.inf else int(layer), []) if stage == MLP_INPUT_STAGE
-                                  else [])
-            stats: dict[str, InputRange] = {}
-
-            def observe(name: str, x: torch.Tensor, stats=stats) -> None:
-                if name not in stats:
-                    lin = graph.linears[name]
-                    stats[name] = InputRange(observer=None if lin.role == "router" else InputObserver(lin.in_features))
-                stats[name].update(x)
-
-            session.observe(observed, observe)
-            for group in dict.fromkeys(g for g, _ in members):
-                part = replace(plan[group], linears=tuple(n for g, n in members if g == group))
-                for n, q in self._quantize_group(graph, part, OPTIONS[options[group]], stats).items():
-                    graph.linears[n].quant = out[n] = q
+        with progress.stage(f"{self.name}: quantize sequentially", total=len(stages), unit="stages") as task:
+            for (layer, stage), members in sorted(stages.items()):
+                self._quantize_stage(graph, session, plan, options, members, layer, stage, routers, out)
+                task.advance()
         return out
+
+    def _quantize_stage(self, graph: ModelGraph, session, plan: dict[str, GroupPlan], options: Mapping[str, str],
+                        members: list[tuple[str, str]], layer: float, stage: int, routers: Mapping,
+                        out: dict[str, QuantizedWeight]) -> None:
+        """One stage of one block (`_quantize_sequential`): observe its inputs now, quantize, set on the graph."""
+        first: dict[str, str] = {}  # siblings that read one input share the first one's statistics
+        for _, n in members:
+            first.setdefault(fusion_key(graph.linears[n]), n)
+        observed = list(first.values()) + (routers.get(None if layer == math.inf else int(layer), [])
+                                           if stage == MLP_INPUT_STAGE else [])
+        stats: dict[str, InputRange] = {}
+
+        def observe(name: str, x: torch.Tensor, stats=stats) -> None:
+            if name not in stats:
+                lin = graph.linears[name]
+                stats[name] = InputRange(observer=None if lin.role == "router" else InputObserver(lin.in_features))
+            stats[name].update(x)
+
+        session.observe(observed, observe)
+        for _, n in members:
+            if first[fusion_key(graph.linears[n])] in stats:
+                stats[n] = stats[first[fusion_key(graph.linears[n])]]
+        for group in dict.fromkeys(g for g, _ in members):
+            part = replace(plan[group], linears=tuple(n for g, n in members if g == group))
+            for n, q in self._quantize_group(graph, part, OPTIONS[options[group]], stats).items():
+                graph.linears[n].quant = out[n] = q
 
     def _tune(self, graph: ModelGraph, session, names: list[str], result: PassResult, log) -> None:
         """End-to-end tuning of the linears `names` and the norms (weight_quant.tune_end_to_end)."""
-        tuned = tune_end_to_end(graph, session, names, self.tune_steps, self.tune_lr, self.tune_batch_tokens, log)
+        tuned = tune_end_to_end(graph, session, names, self.tune_steps, self.tune_lr, self.tune_batch_tokens, log,
+                                self.tune_budget)
         result.notes.append(tuned.note)
         if not tuned.tensors:
             return

@@ -26,7 +26,7 @@ class ProductionPrecision(PrecisionPass):
         attention           option for attention groups (q/k/v, o; MLA projections)
         keep_most_sensitive how many groups (the ones that lose most at their policy option) stay BF16
         lm_head, method, sensitivity_paragraphs, sensitivity_method, sensitivity, promote, max_back_offs,
-        tune_steps, tune_lr, tune_batch_tokens, sequential, act_order: as AutoPrecision
+        tune_steps, tune_lr, tune_batch_tokens, tune_budget, sequential, act_order: as AutoPrecision
     Back-off ladder of a group: its policy option, then (for W4A4) the same format weight-only, FP8 W8A8, BF16.
     """
 

@@ -115,11 +115,12 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
                            in_features=w.shape[1] if stored != WeightFormat.FP8_E4M3 else None, method=method)
 
 
-# End-to-end tuning spends at most this many steps x tokens per step x model linear weights: 400 steps of 4096
-# tokens on stories260K (0.26M weights, 4e11) are far inside; SmolLM2-135M (134M weights, a step of 4096 tokens
-# about 20 s on 2 cores) gets 64 steps, about 20 minutes; an 8B model 1 (its distillation, two fp32 copies of
-# the model, is out of reach on such a machine anyway)
-TUNE_BUDGET = 2**45
+# End-to-end tuning runs only when steps x tokens per step x the model's linear weights fit this budget (the
+# passes' `tune_budget`; a recipe file may raise it): the whole distillation in fp32, forward and backward, is
+# about 6 x that many FLOPs, some 3 minutes of 2 CPU cores. stories260K (0.28M weights: 400 steps of 4096
+# tokens, 4.6e11) tunes; SmolLM2-135M (200 steps of 2048 tokens: 5.5e13; a 4096-token step took about 110 s
+# there) does not, and the pass says so.
+TUNE_BUDGET = 2**40
 STACK_BYTES = 128 << 20  # fp32 bytes of siblings quantized as one stack (SmolLM2's gate/up: 7 MB; 8B q/k/v: 100 MB)
 
 
@@ -157,23 +158,26 @@ class TunedWeights:
     note: str
 
 
+def check_tune_budget(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or value != value:
+        raise KilnError(f"tune_budget must be a positive number (token-weights), got {value!r}")
+
+
 def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr: float, batch_tokens: int,
-                    log: Callable[[str], None]) -> TunedWeights:
+                    log: Callable[[str], None], budget: float = TUNE_BUDGET) -> TunedWeights:
     """Tune the grid points (scales fixed) of the quantized linears `names`, each on its own format's grid,
     and the norms of their blocks and the final norm, by KL to the source model on the calibration text
     (`session.distillation`, calibration.tuning). The graph is not changed: the caller stores the result.
 
-    At most TUNE_BUDGET steps x batch tokens x the model's linear weights are spent (see there): a larger
-    model tunes fewer steps, with the cosine schedule over those, and the note says so."""
+    Nothing is tuned when steps x batch tokens x the model's linear weights exceed `budget` (TUNE_BUDGET):
+    the note says so."""
     weights = sum(lin.out_features * lin.in_features for lin in graph.linears.values())
-    affordable = TUNE_BUDGET // max(batch_tokens * weights, 1)
-    asked = steps
-    steps = min(steps, affordable)
-    if steps < asked:
-        log(f"tuning: {steps} of {asked} steps ({batch_tokens} tokens each) fit the budget of "
-            f"{TUNE_BUDGET:.2g} token-weights for {weights / 1e6:.1f}M weights")
-    if steps == 0:
-        return TunedWeights({}, {}, f"not tuned: one step of {batch_tokens} tokens exceeds the tuning budget")
+    cost = steps * batch_tokens * weights
+    if cost > budget:
+        note = (f"not tuned: {steps} steps of {batch_tokens} tokens on {weights / 1e6:.1f}M weights is {cost:.2g} "
+                f"token-weights, over the tuning budget of {budget:.2g} (tune_budget)")
+        log(note)
+        return TunedWeights({}, {}, note)
     latents: dict[str, FakeQuantWeight] = {}
     for name in names:
         qw = graph.linears[name].quant
@@ -190,8 +194,8 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
     for name, fq in latents.items():
         extra = {k: v for k, v in graph.linears[name].quant.tensors.items() if k == "input_scale"}
         tensors[name] = {**fq.layout.pack(fq.values(), fq.scales), **extra}
-    note = (f"tuned {steps}{f' of {asked} (budget)' if steps < asked else ''} steps on {len(objective)} "
-            f"calibration batches: KL {history[0]:.5f} -> {history[-1]:.5f} (last step)")
+    note = (f"tuned {steps} steps on {len(objective)} calibration batches: KL {history[0]:.5f} -> "
+            f"{history[-1]:.5f} (last step)")
     return TunedWeights(tensors, {n: p.detach().clone() for n, p in norms.items()}, note)
 
 
@@ -277,6 +281,8 @@ class WeightQuantization(Pass):
         tune_steps    steps of end-to-end tuning of the grid points and norms on the calibration text (0: none)
         tune_lr       the tuning's Adam learning rate (cosine decay to 0)
         tune_batch_tokens  calibration tokens per tuning step (whole paragraphs, padded)
+        tune_budget   tuning runs only if tune_steps x tune_batch_tokens x the model's linear weights is at
+                      most this (TUNE_BUDGET: small models on a CPU); otherwise it is skipped, with a note
         rotation_block  > 0: store W R and rotate each input by R online, R = the block Hadamard transform
                       with blocks of this size (kernels.rotation; the artifact's "input_rotation"); 0: none
     """
@@ -296,6 +302,7 @@ class WeightQuantization(Pass):
     tune_steps: int = 0
     tune_lr: float = 5e-4
     tune_batch_tokens: int = 2048
+    tune_budget: float = TUNE_BUDGET
     rotation_block: int = 0
 
     name: ClassVar[str] = "weight-quant"
@@ -328,6 +335,7 @@ class WeightQuantization(Pass):
             raise KilnError(f"tune_batch_tokens must be positive, got {self.tune_batch_tokens}")
         if isinstance(self.tune_lr, bool) or not isinstance(self.tune_lr, int | float) or not self.tune_lr > 0:
             raise KilnError(f"tune_lr must be a positive number, got {self.tune_lr!r}")
+        check_tune_budget(self.tune_budget)
         block = self.rotation_block
         if isinstance(block, bool) or not isinstance(block, int) or block < 0 or block & (block - 1):
             raise KilnError(f"rotation_block must be 0 (no rotation) or a power of two, got {block!r}")
@@ -589,7 +597,7 @@ class WeightQuantization(Pass):
     def _tune(self, graph: ModelGraph, session, chosen: list[Linear], result: PassResult,
               log: Callable[[str], None]) -> None:
         tuned = tune_end_to_end(graph, session, [lin.name for lin in chosen], self.tune_steps, self.tune_lr,
-                                self.tune_batch_tokens, log)
+                                self.tune_batch_tokens, log, self.tune_budget)
         result.notes.append(tuned.note)
         if not tuned.tensors:
             return

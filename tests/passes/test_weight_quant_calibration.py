@@ -357,3 +357,20 @@ def test_observations_per_block(tiny_checkpoints, monkeypatch, true_sequential, 
     base = torch.log_softmax(torch.cat(source.logits(tokens)), -1)
     cand = torch.log_softmax(torch.cat(engine_from_graph(graph).logits(tokens)), -1)
     assert float((base.exp() * (base - cand)).sum(-1).mean()) < 0.01  # still a close FP8 model
+
+
+def test_tuning_over_its_budget_is_skipped_and_said(tiny_checkpoints):
+    """tune_steps x tune_batch_tokens x weights above tune_budget: nothing is tuned, and the notes say why."""
+    results = {}
+    for budget in (1e15, 1.0):
+        graph = load_checkpoint(tiny_checkpoints["llama"])
+        ctx = PassContext(get_target("hopper"), runner=RuntimeRunner(graph, token_lists(graph.spec.vocab_size)))
+        p = WeightQuantization(format="nvfp4", method="rtn", tune_steps=3, tune_budget=budget)
+        (record,) = Pipeline([p]).run(graph, ctx)
+        results[budget] = ({lin.quant.method for lin in graph.linears.values() if lin.quant is not None},
+                           record.result.notes)
+    assert results[1e15][0] == {"rtn+tuned"}
+    assert results[1.0][0] == {"rtn"}
+    assert any("not tuned" in n and "tune_budget" in n for n in results[1.0][1])
+    with pytest.raises(KilnError, match="tune_budget"):
+        WeightQuantization(format="nvfp4", tune_steps=3, tune_budget=0)
