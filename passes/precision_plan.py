@@ -68,6 +68,7 @@ from kiln.kernels.targets import Target
 from kiln.passes.base import Pass, PassContext, PassResult
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 from kiln.passes.precision_options import BF16, LM_HEAD_POLICIES, OPTIONS, PrecisionOption, option
+from kiln.passes.tensor_store import release_freed_memory
 from kiln.passes.weight_quant import (
     MLP_INPUT_STAGE,
     TUNE_BUDGET,
@@ -277,6 +278,9 @@ class PrecisionPass(Pass):
                               f"to {after} (KL {group_loss(table, group, after):.3g}), the most sensitive remaining group")
         sequential = self.sequential and ctx.runner is not None and self.method != "rtn"
         if sequential:
+            cache.clear()  # the candidates and their Hessians are done with: the stages observe their own
+            stats.clear()
+            release_freed_memory()
             final = self._quantize_sequential(graph, ctx, plan, options)
         for group, name in options.items():
             if sequential:
@@ -292,8 +296,9 @@ class PrecisionPass(Pass):
                     w = graph.weight(lin).float()
                     result.changed[lin_name] = name
                     result.metrics[lin_name] = relative_error(quantized[lin_name].dequantize(), w)
-        cache.clear()  # the candidates and Hessians are done with: tuning wants the memory
+        cache.clear()  # tuning wants the memory
         stats.clear()
+        release_freed_memory()
         if teacher is not None:
             # FP4 grid points only: FP8's grid is 8x finer, and tuning it fits the calibration text instead (FP8
             # W8A8 on stories260K: 0.9951 -> 0.9907 held-out recovery with 200 steps; auto at 5.0 bits: 0.9825

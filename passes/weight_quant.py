@@ -40,6 +40,7 @@ Back-off: keep the linears with the largest relative weight error in source prec
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -159,7 +160,7 @@ class TunedWeights:
 
 
 def check_tune_budget(value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or value != value:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise KilnError(f"tune_budget must be a positive number (token-weights), got {value!r}")
 
 
