@@ -276,7 +276,7 @@ class PrecisionPass(Pass):
             options[group] = after
             reasons[group] = (f"back-off step {step}: promoted from {before} (KL {group_loss(table, group, before):.3g}) "
                               f"to {after} (KL {group_loss(table, group, after):.3g}), the most sensitive remaining group")
-        sequential = self.sequential and ctx.runner is not None and self.method != "rtn"
+        sequential = self._sequential(ctx)
         if sequential:
             cache.clear()  # the candidates and their Hessians are done with: the stages observe their own
             stats.clear()
@@ -433,6 +433,10 @@ class PrecisionPass(Pass):
                 f"{paragraphs} calibration paragraphs)")
         return SensitivityTable(losses, "kl-logits", tokens, offset)
 
+    def _sequential(self, ctx: PassContext) -> bool:
+        """Whether the final quantization runs block by block on the quantized prefix's inputs."""
+        return self.sequential and ctx.runner is not None and self.method != "rtn"
+
     def _resolved_sensitivity_method(self, graph: ModelGraph, plan: dict[str, GroupPlan]) -> str:
         """"kl" or "fisher": `sensitivity_method`, or by cost for "auto" (see MEASURED_PROBE_BUDGET)."""
         if self.sensitivity_method != "auto":
@@ -451,7 +455,9 @@ class PrecisionPass(Pass):
             for group, name in entries:
                 cache[(group, name)] = self._quantize_group(graph, plan[group], OPTIONS[name], stats)
                 task.advance()
-        # a group whose candidate leaves every linear unquantized (none here: BF16 is not an entry) costs nothing
+        if self._sequential(ctx):  # the final quantization observes its own inputs: the Hessians can go now
+            stats.clear()
+            release_freed_memory()
         candidates = {(g, name): {n: cache[(g, name)].get(n) for n in plan[g].linears} for g, name in entries}
         estimated = ctx.runner.estimated_kl(graph, candidates, paragraphs)
         losses: dict[str, dict[str, float]] = {g: {} for g in plan}
