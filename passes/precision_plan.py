@@ -74,6 +74,8 @@ from kiln.passes.weight_quant import (
     TUNE_BUDGET,
     check_tune_budget,
     fusion_key,
+    linear_weight_count,
+    sibling_leaders,
     stage_of,
     tune_end_to_end,
 )
@@ -257,8 +259,7 @@ class PrecisionPass(Pass):
         experts = self._expert_coverage(graph, plan, stats, ctx, result)
         cache: dict[tuple[str, str], dict[str, QuantizedWeight]] = {}
         if self.sensitivity:  # carried from the first attempt by back-off (or given by the user)
-            given = ctx.runner.calibration_tokens if ctx.runner is not None else ()
-            tokens = sum(max(len(t) - 1, 0) for t in list(given)[: self.sensitivity_paragraphs])
+            tokens = self._sensitivity_tokens(ctx)
             metric = "kl-fisher" if self._resolved_sensitivity_method(graph, plan) == "fisher" else "kl-logits"
             table = SensitivityTable.from_entries(self.sensitivity, metric, tokens=tokens)
         else:
@@ -296,9 +297,10 @@ class PrecisionPass(Pass):
                     w = graph.weight(lin).float()
                     result.changed[lin_name] = name
                     result.metrics[lin_name] = relative_error(quantized[lin_name].dequantize(), w)
-        cache.clear()  # tuning wants the memory
-        stats.clear()
-        release_freed_memory()
+        if not sequential:  # (sequential: cleared before it ran) tuning wants the memory
+            cache.clear()
+            stats.clear()
+            release_freed_memory()
         if teacher is not None:
             # FP4 grid points only: FP8's grid is 8x finer, and tuning it fits the calibration text instead (FP8
             # W8A8 on stories260K: 0.9951 -> 0.9907 held-out recovery with 200 steps; auto at 5.0 bits: 0.9825
@@ -367,14 +369,11 @@ class PrecisionPass(Pass):
             return {}
         stats: dict[str, InputRange] = {}
         by_layer: dict[int | None, list[str]] = {}
-        # siblings that read one input (q/k/v, gate/up; fusion_key) share the first one's statistics
-        first: dict[str, str] = {}
-        for p in plan.values():
-            for name in p.linears:
-                first.setdefault(fusion_key(graph.linears[name]), name)
-        for lin in graph.iter_linears(("router",)):
-            first.setdefault(lin.name, lin.name)  # an MoE layer's input: the experts' fallback
-        for name in first.values():
+        # siblings that read one input (q/k/v, gate/up) share the first one's statistics; a router (an MoE
+        # layer's input: the experts' fallback) is a set of its own
+        leaders = sibling_leaders([*(graph.linears[n] for p in plan.values() for n in p.linears),
+                                   *graph.iter_linears(("router",))])
+        for name in dict.fromkeys(leaders.values()):
             by_layer.setdefault(graph.linears[name].layer, []).append(name)
         session = ctx.runner.session(graph)
 
@@ -389,11 +388,9 @@ class PrecisionPass(Pass):
             for layer in sorted(by_layer, key=lambda v: math.inf if v is None else v):
                 session.observe(by_layer[layer], observe)
                 task.advance()
-        for p in plan.values():
-            for name in p.linears:
-                source = first[fusion_key(graph.linears[name])]
-                if source in stats:
-                    stats[name] = stats[source]
+        for name, leader in leaders.items():
+            if leader in stats:
+                stats[name] = stats[leader]
         return stats
 
     def _measure(self, graph: ModelGraph, ctx: PassContext, plan: dict[str, GroupPlan],
@@ -404,7 +401,7 @@ class PrecisionPass(Pass):
         if self._resolved_sensitivity_method(graph, plan) == "fisher":
             return self._estimate(graph, ctx, plan, stats, cache)
         paragraphs = self.sensitivity_paragraphs
-        tokens = sum(max(len(t) - 1, 0) for t in list(ctx.runner.calibration_tokens)[:paragraphs])
+        tokens = self._sensitivity_tokens(ctx)
         offset = ctx.runner.logit_kl(graph, paragraphs)
         losses: dict[str, dict[str, float]] = {}
         measured = 0
@@ -433,6 +430,12 @@ class PrecisionPass(Pass):
                 f"{paragraphs} calibration paragraphs)")
         return SensitivityTable(losses, "kl-logits", tokens, offset)
 
+    def _sensitivity_tokens(self, ctx: PassContext) -> int:
+        """Next-token positions of the first `sensitivity_paragraphs` calibration paragraphs: what the table is
+        measured on."""
+        given = ctx.runner.calibration_tokens if ctx.runner is not None else ()
+        return sum(max(len(t) - 1, 0) for t in list(given)[: self.sensitivity_paragraphs])
+
     def _sequential(self, ctx: PassContext) -> bool:
         """Whether the final quantization runs block by block on the quantized prefix's inputs."""
         return self.sequential and ctx.runner is not None and self.method != "rtn"
@@ -442,14 +445,14 @@ class PrecisionPass(Pass):
         if self.sensitivity_method != "auto":
             return self.sensitivity_method
         probes = sum(name != BF16 for p in plan.values() for name in p.candidates)
-        weights = sum(lin.out_features * lin.in_features for lin in graph.linears.values())
+        weights = linear_weight_count(graph)
         return "kl" if probes * weights <= MEASURED_PROBE_BUDGET else "fisher"
 
     def _estimate(self, graph: ModelGraph, ctx: PassContext, plan: dict[str, GroupPlan],
                   stats: dict[str, InputRange], cache: dict) -> SensitivityTable:
         """The table from one gradient pass (ctx.runner.estimated_kl) instead of one probe per entry."""
         paragraphs = self.sensitivity_paragraphs
-        tokens = sum(max(len(t) - 1, 0) for t in list(ctx.runner.calibration_tokens)[:paragraphs])
+        tokens = self._sensitivity_tokens(ctx)
         entries = [(g, name) for g, p in plan.items() for name in p.candidates if name != BF16]
         with progress.stage(f"{self.name}: quantize candidates", total=len(entries), unit="candidates") as task:
             for group, name in entries:
@@ -534,11 +537,9 @@ class PrecisionPass(Pass):
                         members: list[tuple[str, str]], layer: float, stage: int, routers: Mapping,
                         out: dict[str, QuantizedWeight]) -> None:
         """One stage of one block (`_quantize_sequential`): observe its inputs now, quantize, set on the graph."""
-        first: dict[str, str] = {}  # siblings that read one input share the first one's statistics
-        for _, n in members:
-            first.setdefault(fusion_key(graph.linears[n]), n)
-        observed = list(first.values()) + (routers.get(None if layer == math.inf else int(layer), [])
-                                           if stage == MLP_INPUT_STAGE else [])
+        leaders = sibling_leaders(graph.linears[n] for _, n in members)  # siblings share one observation
+        observed = list(dict.fromkeys(leaders.values())) + (routers.get(None if layer == math.inf else int(layer), [])
+                                                            if stage == MLP_INPUT_STAGE else [])
         stats: dict[str, InputRange] = {}
 
         def observe(name: str, x: torch.Tensor, stats=stats) -> None:
@@ -548,9 +549,9 @@ class PrecisionPass(Pass):
             stats[name].update(x)
 
         session.observe(observed, observe)
-        for _, n in members:
-            if first[fusion_key(graph.linears[n])] in stats:
-                stats[n] = stats[first[fusion_key(graph.linears[n])]]
+        for name, leader in leaders.items():
+            if leader in stats:
+                stats[name] = stats[leader]
         for group in dict.fromkeys(g for g, _ in members):
             part = replace(plan[group], linears=tuple(n for g, n in members if g == group))
             for n, q in self._quantize_group(graph, part, OPTIONS[options[group]], stats).items():

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -172,7 +172,7 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
 
     Nothing is tuned when steps x batch tokens x the model's linear weights exceed `budget` (TUNE_BUDGET):
     the note says so."""
-    weights = sum(lin.out_features * lin.in_features for lin in graph.linears.values())
+    weights = linear_weight_count(graph)
     cost = steps * batch_tokens * weights
     if cost > budget:
         note = (f"not tuned: {steps} steps of {batch_tokens} tokens on {weights / 1e6:.1f}M weights is {cost:.2g} "
@@ -230,6 +230,18 @@ def fusion_key(lin: Linear) -> str:
     if lin.role == "expert" and lin.proj in ("gate", "up"):
         return f"layers.{lin.layer}.experts.{lin.expert}.gate_up"
     return lin.name
+
+
+def sibling_leaders(lins: Iterable[Linear]) -> dict[str, str]:
+    """Linear name -> the first of `lins` in its fusion set (fusion_key): siblings read one input, so observing
+    the first serves them all."""
+    first: dict[str, str] = {}
+    return {lin.name: first.setdefault(fusion_key(lin), lin.name) for lin in lins}
+
+
+def linear_weight_count(graph: ModelGraph) -> int:
+    """Weight elements of every linear of the graph."""
+    return sum(lin.out_features * lin.in_features for lin in graph.linears.values())
 
 
 @dataclass(frozen=True)
@@ -512,14 +524,12 @@ class WeightQuantization(Pass):
     def _observe(self, session: CalibrationSession, lins: list[Linear], max_samples: int = 0,
                  rotate: bool = True) -> dict[str, InputObserver]:
         # linears that read one input (q/k/v, gate/up: fusion_key) share one observer: observed once
-        first = {}
-        for lin in lins:
-            first.setdefault(fusion_key(lin), lin)
-        stats = {lin.name: InputObserver(lin.in_features, max_samples=max_samples, name=lin.name)
-                 for lin in first.values()}
+        leaders = sibling_leaders(lins)
+        stats = {name: InputObserver(lin.in_features, max_samples=max_samples, name=name)
+                 for lin in lins if (name := lin.name) == leaders[name]}
         transform = self._rotate if rotate else (lambda x: x)
         session.observe(list(stats), lambda name, x: stats[name].update(transform(x)))
-        return {lin.name: stats[first[fusion_key(lin)].name] for lin in lins}
+        return {lin.name: stats[leaders[lin.name]] for lin in lins}
 
     def _awq(self, graph: ModelGraph, session: CalibrationSession, layer: int | None, lins: list[Linear],
              result: PassResult) -> dict[str, InputObserver]:
