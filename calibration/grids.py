@@ -105,12 +105,11 @@ class WeightLayout:
     def absmax_scales(self, w: Tensor, global_scale: Tensor | None = None) -> Scales:
         """The kernels' default scales (block maximum onto the grid maximum)."""
         w = w.float()
-        if self.format == WeightFormat.FP8_E4M3:
+        if self.format == WeightFormat.FP8_E4M3:  # the kernel's scales, without quantizing
             if self.granularity == "per_channel":
-                _, scale = fp8.fp8_quantize_per_channel(w)
+                scale = fp8.fp8_scale_per_channel(w)
                 return Scales(scale.reshape(-1, 1), {"weight_scale": scale})
-            _, scale = fp8.fp8_quantize_per_tensor(w)
-            return self.fp8_scales(scale, rows=w.shape[0])
+            return self.fp8_scales(fp8.fp8_scale_per_tensor(w), rows=w.shape[0])
         if self.format == WeightFormat.NVFP4:
             g = nvfp4_global_scale(w) if global_scale is None else global_scale.float().reshape(())
             return self.nvfp4_scales(nvfp4_block_scales(self.padded(w), g), g)

@@ -27,20 +27,29 @@ def _safe_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def fp8_quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] weight -> (float8_e4m3fn [N, K], fp32 scale [N, 1])."""
+def fp8_scale_per_channel(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] weight -> its per-channel fp32 scale [N, 1] (row maximum onto 448; 1.0 for an all-zero row)."""
     if w.dim() != 2:
         raise ValueError(f"fp8 per-channel quantization needs a 2-D weight, got shape {tuple(w.shape)}")
-    w = w.float()
-    scale = _safe_scale(w.abs().amax(dim=1, keepdim=True))
-    return _cast_e4m3(w / scale), scale
+    return _safe_scale(w.float().abs().amax(dim=1, keepdim=True))
+
+
+def fp8_scale_per_tensor(w: torch.Tensor) -> torch.Tensor:
+    """Any-shape tensor -> its fp32 0-dim scale (maximum onto 448; 1.0 when all zero)."""
+    return _safe_scale(w.float().abs().amax())
+
+
+def fp8_quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] weight -> (float8_e4m3fn [N, K], fp32 scale [N, 1])."""
+    scale = fp8_scale_per_channel(w)
+    return _cast_e4m3(w.float() / scale), scale
 
 
 def fp8_quantize_per_tensor(w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Any-shape tensor -> (float8_e4m3fn, fp32 0-dim scale). A given scale is used as is (static)."""
     w = w.float()
     if scale is None:
-        scale = _safe_scale(w.abs().amax())
+        scale = fp8_scale_per_tensor(w)
     scale = scale.float().reshape(())
     return _cast_e4m3(w / scale), scale
 

@@ -164,6 +164,13 @@ def check_tune_budget(value: object) -> None:
         raise KilnError(f"tune_budget must be a positive number (token-weights), got {value!r}")
 
 
+AWQ_EXACT_FLOPS = 2e10
+"""A weight-only AWQ loss costlier than this per candidate (2 N K min(K, tokens)) is estimated from a sketch of
+AWQ_SKETCH_ROWS rows (calibration.awq): every group of SmolLM2-135M is exact; an 8B model's cost 5-24 times
+that, and 21 exact candidates of one 8B block took about 9 minutes of 2 CPU cores."""
+AWQ_SKETCH_ROWS = 256
+
+
 def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr: float, batch_tokens: int,
                     log: Callable[[str], None], budget: float = TUNE_BUDGET) -> TunedWeights:
     """Tune the grid points (scales fixed) of the quantized linears `names`, each on its own format's grid,
@@ -589,10 +596,15 @@ class WeightQuantization(Pass):
                 continue
             obs = stats[g.consumers[0]]
             weights = [graph.weight(n).float() for n in g.consumers if n in chosen]
+            out_features = sum(w.shape[0] for w in weights)
+            inner = min(obs.in_features, obs.tokens)  # the exact weight-only loss: 2 N K inner per candidate
+            sketch = AWQ_SKETCH_ROWS if 2 * out_features * obs.in_features * inner > AWQ_EXACT_FLOPS else 0
             if act_quantizer is None and samples and obs.tokens <= samples and obs.tokens < obs.in_features:
-                found = awq_search(weights, fake_quantize, obs.abs_mean, sample=obs.sample, tie=g.tie)  # every row
+                found = awq_search(weights, fake_quantize, obs.abs_mean, sample=obs.sample, tie=g.tie,  # every row
+                                   sketch=sketch)
             elif act_quantizer is None:
-                found = awq_search(weights, fake_quantize, obs.abs_mean, hessian=obs.hessian, tie=g.tie)
+                found = awq_search(weights, fake_quantize, obs.abs_mean, hessian=obs.hessian, tie=g.tie,
+                                   sketch=sketch)
             else:
                 found = awq_search(weights, fake_quantize, obs.abs_mean, sample=obs.sample,
                                    act_quantize=act_quantizer, tie=g.tie)
