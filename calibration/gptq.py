@@ -31,6 +31,7 @@ from kiln.calibration.scale_search import mse_scales
 from kiln.kernels.formats import WeightFormat
 
 SCALE_METHODS = ("absmax", "mse")
+UPDATE_ROWS = 2048  # GPTQ's lazy-batch update runs over this many later columns at a time
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,8 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
     upper = _inverse_cholesky_upper(damped, float(diag.mean()))
     # column-major: a lazy batch is [columns, N], so each column's rounding and rank-1 update read contiguous
     # rows (on an [N, K] layout every column is strided, several times slower for 4096+ rows)
+    # one [K, N] buffer: row `col` holds the column's working weights until it is quantized, then its values
     work = w.T[perm].contiguous()  # [K, N]
-    out = torch.zeros_like(work)
     block_of = perm // bs  # each permuted column's scale block
     multiplier_t = None if dynamic else multiplier.T.contiguous()  # [blocks, N]
 
@@ -147,15 +148,17 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
                 chosen_stored.append(part.stored)
             m = multiplier[:, block_of[col]] if dynamic else multiplier_t[block_of[col]]
             q = layout.round(w1[i] / m) * m
-            out[col] = q
+            work[col] = q
             e = (w1[i] - q) / u1[i, i]
             w1[i:] -= u1[i, i:].unsqueeze(1) * e.unsqueeze(0)
             err1[i] = e
-        work[i2:] -= upper[i1:i2, i2:].T @ err1
-    del upper, work
+        for r1 in range(i2, k, UPDATE_ROWS):  # the later columns, a slab at a time (no [K, N] temporary)
+            r2 = min(r1 + UPDATE_ROWS, k)
+            work[r1:r2] -= upper[i1:i2, r1:r2].T @ err1
+    del upper
 
-    inverse = torch.argsort(perm)
-    values = out[inverse].T.contiguous()
+    values = work[torch.argsort(perm)].T.contiguous()
+    del work
     if not dynamic:
         result_scales = fixed
     else:
@@ -172,18 +175,28 @@ def rtn_quantize(w: Tensor, layout: WeightLayout, hessian: Tensor | None = None,
 
 
 def _inverse_cholesky_upper(damped: Callable[[float], Tensor], diag_mean: float) -> Tensor:
-    """Upper Cholesky factor of H^-1 in fp32 (as reference GPTQ implementations compute it), H = damped(extra),
-    raising `extra` until H is positive definite. At most two [K, K] matrices are alive at once."""
+    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) in fp32, as reference GPTQ implementations compute it,
+    H = damped(extra), raising `extra` until H is positive definite.
+
+    LAPACK's potrf, potri, potrf run in place in the damped copy, the only [K, K] matrix made here: torch's own
+    calls (even with out=) add a [K, K] result each, 0.8 GB at an 8B model's down_proj (K = 14336). Only U's
+    upper triangle is meaningful; the strictly lower one is zeroed."""
+    from scipy.linalg import lapack
+
     extra = 0.0
     for _ in range(8):
-        chol, info = torch.linalg.cholesky_ex(damped(extra))  # the damped copy is freed here
-        if int(info) == 0:
-            inverse = torch.cholesky_inverse(chol)
-            del chol
-            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
-            del inverse
-            if int(info) == 0:
-                return upper
+        work = damped(extra).contiguous()
+        # the row-major [K, K] buffer read column-major is its transpose: LAPACK's "lower" is torch's upper
+        # (and H, H^-1 are symmetric, so each step's input reads the same either way)
+        f = work.numpy().T
+        _, info = lapack.spotrf(f, lower=1, clean=0, overwrite_a=1)  # H = L L^T
+        if info == 0:
+            _, info = lapack.spotri(f, lower=1, overwrite_c=1)  # H^-1 (its lower triangle)
+            if info == 0:
+                _, info = lapack.spotrf(f, lower=1, clean=0, overwrite_a=1)  # H^-1 = L2 L2^T
+                if info == 0:
+                    return work.triu_()  # torch's view of L2 is L2^T = U
+        del work, f
         extra = max(extra * 10, 1e-6 * diag_mean)
     raise ValueError("gptq: the Hessian is not positive definite even with extra damping")
 
