@@ -166,8 +166,8 @@ def check_tune_budget(value: object) -> None:
 
 AWQ_EXACT_FLOPS = 2e10
 """A weight-only AWQ loss costlier than this per candidate (2 N K min(K, tokens)) is estimated from a sketch of
-AWQ_SKETCH_ROWS rows (calibration.awq): every group of SmolLM2-135M is exact; an 8B model's cost 5-24 times
-that, and 21 exact candidates of one 8B block took about 9 minutes of 2 CPU cores."""
+AWQ_SKETCH_ROWS rows (calibration.awq): every group of SmolLM2-135M is exact; an 8B model's cost 3-24 times
+that (with exact losses an 8B block took about 9 minutes of 2 CPU cores)."""
 AWQ_SKETCH_ROWS = 256
 
 
