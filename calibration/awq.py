@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kiln.calibration.gptq import cholesky_in_place
+
 WeightQuantizer = Callable[[Tensor], Tensor]  # W [N, K] -> its fake-quantized values
 
 
@@ -113,9 +115,10 @@ def sketch_rows(sample: Tensor | None, hessian: Tensor | None, rows: int, seed: 
         x = sample.float()
         return torch.randn(rows, x.shape[0], generator=g) @ x / x.shape[0] ** 0.5
     h = hessian.float()
-    damp = 1e-6 * float(h.diagonal().mean().clamp_min(1e-12))
-    factor, info = torch.linalg.cholesky_ex(h + damp * torch.eye(h.shape[0]))
-    if int(info) != 0:  # not positive definite even so: the eigen-decomposition's square root
-        values, vectors = torch.linalg.eigh(h)
-        factor = vectors * values.clamp_min(0).sqrt()
-    return torch.randn(rows, h.shape[0], generator=g) @ factor.T
+    damped = h.clone()  # the one [K, K] copy: factorized in place (GPTQ's cholesky_in_place)
+    damped.diagonal().add_(1e-6 * float(h.diagonal().mean().clamp_min(1e-12)))
+    if cholesky_in_place(damped):  # H = U^T U
+        return torch.randn(rows, h.shape[0], generator=g) @ damped.triu_()
+    del damped  # not positive definite even so: the eigen-decomposition's square root, H = F F^T
+    values, vectors = torch.linalg.eigh(h)
+    return torch.randn(rows, h.shape[0], generator=g) @ (vectors * values.clamp_min(0).sqrt()).T

@@ -125,9 +125,9 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
         return h
 
     upper = _inverse_cholesky_upper(damped, float(diag.mean()))
-    # column-major: a lazy batch is [columns, N], so each column's rounding and rank-1 update read contiguous
-    # rows (on an [N, K] layout every column is strided, several times slower for 4096+ rows)
-    # one [K, N] buffer: row `col` holds the column's working weights until it is quantized, then its values
+    # one column-major [K, N] buffer: row `col` holds the column's working weights until it is quantized, then
+    # its values; a lazy batch is [columns, N], so each column's rounding and rank-1 update read contiguous rows
+    # (on an [N, K] layout every column is strided, several times slower for 4096+ rows)
     work = w.T[perm].contiguous()  # [K, N]
     block_of = perm // bs  # each permuted column's scale block
     multiplier_t = None if dynamic else multiplier.T.contiguous()  # [blocks, N]
@@ -174,29 +174,35 @@ def rtn_quantize(w: Tensor, layout: WeightLayout, hessian: Tensor | None = None,
     return GptqResult(values, chosen, w, hessian)
 
 
+def cholesky_in_place(a: Tensor) -> bool:
+    """Factor a C-contiguous fp32 symmetric [K, K] `a` in place as a = U^T U, U upper triangular in `a`'s upper
+    triangle (the strictly lower one keeps what it held); False when `a` is not positive definite.
+
+    LAPACK's potrf through scipy: torch's Cholesky (even with out=) allocates a second [K, K], 0.8 GB at an 8B
+    model's down_proj (K = 14336). The row-major buffer read column-major is its transpose, so LAPACK's lower
+    factor L (a = L L^T) is torch's U = L^T."""
+    from scipy.linalg import lapack
+
+    _, info = lapack.spotrf(a.numpy().T, lower=1, clean=0, overwrite_a=1)
+    return info == 0
+
+
 def _inverse_cholesky_upper(damped: Callable[[float], Tensor], diag_mean: float) -> Tensor:
     """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) in fp32, as reference GPTQ implementations compute it,
     H = damped(extra), raising `extra` until H is positive definite.
 
-    LAPACK's potrf, potri, potrf run in place in the damped copy, the only [K, K] matrix made here: torch's own
-    calls (even with out=) add a [K, K] result each, 0.8 GB at an 8B model's down_proj (K = 14336). Only U's
-    upper triangle is meaningful; the strictly lower one is zeroed."""
+    potrf, potri, potrf run in place in the damped copy (`cholesky_in_place`), the only [K, K] matrix made
+    here. Only U's upper triangle is meaningful; the strictly lower one is zeroed."""
     from scipy.linalg import lapack
 
     extra = 0.0
     for _ in range(8):
         work = damped(extra).contiguous()
-        # the row-major [K, K] buffer read column-major is its transpose: LAPACK's "lower" is torch's upper
-        # (and H, H^-1 are symmetric, so each step's input reads the same either way)
-        f = work.numpy().T
-        _, info = lapack.spotrf(f, lower=1, clean=0, overwrite_a=1)  # H = L L^T
-        if info == 0:
-            _, info = lapack.spotri(f, lower=1, overwrite_c=1)  # H^-1 (its lower triangle)
-            if info == 0:
-                _, info = lapack.spotrf(f, lower=1, clean=0, overwrite_a=1)  # H^-1 = L2 L2^T
-                if info == 0:
-                    return work.triu_()  # torch's view of L2 is L2^T = U
-        del work, f
+        if cholesky_in_place(work):  # H = L L^T, L^T in work's upper triangle
+            _, info = lapack.spotri(work.numpy().T, lower=1, overwrite_c=1)  # H^-1, in the same triangle
+            if info == 0 and cholesky_in_place(work):  # H^-1 = U^T U
+                return work.triu_()
+        del work
         extra = max(extra * 10, 1e-6 * diag_mean)
     raise ValueError("gptq: the Hessian is not positive definite even with extra damping")
 
