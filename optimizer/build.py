@@ -73,7 +73,8 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
           trust_remote_code: bool = False, allow_custom_passes: bool = False,
           log: Callable[[str], None] = lambda m: None, progress_factory=None, weight_bits: float | None = None,
           weight_bytes: int | None = None, max_kl: float | None = None, min_top1: float | None = None,
-          force: bool = False) -> BuildResult:
+          force: bool = False, kv_fraction: float | None = None, kv_bytes_per_token: int | None = None
+          ) -> BuildResult:
     """Load CHECKPOINT, run RECIPE's gated passes for TARGET and write the artifact to OUTPUT (None: don't).
 
     The CLI and this function share every default: without `eval_data` / `calib_data` the gate and the
@@ -88,8 +89,13 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     if isinstance(recipe, Recipe) and (weight_bits is not None or weight_bytes is not None):
         raise KilnError("weight_bits/weight_bytes configure the built-in 'auto' recipe; a Recipe object carries "
                         "its own passes (set the budget on its AutoPrecision pass)")
+    if isinstance(recipe, Recipe) and (kv_fraction is not None or kv_bytes_per_token is not None):
+        raise KilnError("kv_fraction/kv_bytes_per_token configure the built-in 'mla' recipe; a Recipe object "
+                        "carries its own passes (set the budget on its MlaConversion pass)")
     rec = recipe if isinstance(recipe, Recipe) else resolve_recipe(recipe, weight_bits, weight_bytes,
-                                                                    allow_custom_passes=allow_custom_passes)
+                                                                    allow_custom_passes=allow_custom_passes,
+                                                                    kv_fraction=kv_fraction,
+                                                                    kv_bytes_per_token=kv_bytes_per_token)
     pipeline = Pipeline(rec.passes)  # ordering rules checked here, before anything loads
     check_floors(min_recovery, max_kl, min_top1)
     if paragraphs <= 0 or calib_paragraphs <= 0:
@@ -139,6 +145,7 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, max_kl=max_kl, min_top1=min_top1, runner=runner,
                       log=log)
 
+    source_spec = graph.spec  # the KV budget's "before" (a structural pass may rewrite the spec)
     start = time.perf_counter()
     with stage("passes"):
         records = pipeline.run(graph, ctx)
@@ -167,8 +174,8 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     tensors, formats = lower_tensors(graph)
     weight_bytes = tensor_bytes(tensors)
     kv_table = kv_cache_table(graph)
-    manifest["kv_budget"] = kv_budget(graph.spec, kv_table, weight_bytes,
-                                      graph.source.weight_bytes)
+    manifest["kv_budget"] = kv_budget(graph.spec, kv_table, weight_bytes, graph.source.weight_bytes,
+                                      source_spec=source_spec)
     manifest_preview = {**manifest, "formats": formats, "kv_cache": kv_table,
                         "sizes": {"weight_bytes": weight_bytes, "source_weight_bytes": graph.source.weight_bytes}}
     path = None

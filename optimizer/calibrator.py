@@ -298,9 +298,10 @@ class Distillation:
 
         source_tensors, source_formats = session.source
         self.teacher = Transformer(spec, weights=_RecordingWeights(source_tensors, source_formats, spec))
+        # the student is the graph as it stands now, whose structure a pass may have rewritten (MLA conversion)
         tensors, formats = lower_tensors(session.graph)
-        student_weights = _RecordingWeights(tensors, formats, spec)
-        self.student = Transformer(spec, weights=student_weights)
+        student_weights = _RecordingWeights(tensors, formats, session.graph.spec)
+        self.student = Transformer(session.graph.spec, weights=student_weights)
         missing = sorted(set(weights) - set(student_weights.built)) + sorted(set(norms) - set(student_weights.norms))
         if missing:
             raise KilnError(f"distillation: the model has no linear or norm named {', '.join(missing[:3])}")
@@ -315,6 +316,10 @@ class Distillation:
 
     def __len__(self) -> int:
         return len(self.batches)
+
+    def batch_tokens(self, step: int) -> int:
+        """The real (non-padding) tokens of step `step`'s batch."""
+        return self._tokens[step % len(self.batches)]
 
     def loss(self, step: int) -> float:
         """The mean per-token KL of this step's batch; its gradient is accumulated (backward is run here,

@@ -125,6 +125,10 @@ def build(
                                                       "included (e.g. 5.0)")] = None,
     weight_bytes: Annotated[int | None, typer.Option(help="auto recipe: bytes of the quantizable linears' "
                                                      "weights and scales")] = None,
+    kv_fraction: Annotated[float | None, typer.Option(help="mla recipe: KV values per token kept, as a fraction "
+                                                      "of the source's (e.g. 0.5)")] = None,
+    kv_bytes_per_token: Annotated[int | None, typer.Option(help="mla recipe: KV bytes per token, all layers, "
+                                                           "with a BF16 cache")] = None,
 ) -> None:
     """Optimize CHECKPOINT with RECIPE for TARGET and write an engine artifact."""
     from kiln.optimizer.build import build as run_build
@@ -143,7 +147,8 @@ def build(
                        reproducible=reproducible, overwrite=overwrite, trust_remote_code=trust_remote_code,
                        allow_custom_passes=allow_custom_passes, log=_log,
                        weight_bits=weight_bits,
-                       weight_bytes=weight_bytes, max_kl=max_kl, min_top1=min_top1, force=force)
+                       weight_bytes=weight_bytes, max_kl=max_kl, min_top1=min_top1, force=force,
+                       kv_fraction=kv_fraction, kv_bytes_per_token=kv_bytes_per_token)
     manifest = result.manifest
     if manifest["passes"]:
         out.print(_gate_table(manifest["passes"]))

@@ -36,6 +36,7 @@ from kiln.kernels.errors import KilnError
 from kiln.passes.auto_precision import AutoPrecision
 from kiln.passes.base import Pass
 from kiln.passes.kv_cache import KvCacheQuantization
+from kiln.passes.mla import MlaConversion
 from kiln.passes.production_precision import ProductionPrecision
 from kiln.passes.weight_quant import WeightQuantization
 from kiln.runtime.artifact import read_bounded
@@ -45,6 +46,7 @@ BUILTIN_PASSES: dict[str, type[Pass]] = {
     KvCacheQuantization.name: KvCacheQuantization,
     AutoPrecision.name: AutoPrecision,
     ProductionPrecision.name: ProductionPrecision,
+    MlaConversion.name: MlaConversion,
 }
 
 BEST_TUNE_STEPS = 200  # end-to-end tuning steps of the FP4 recipes (weight-quant, production)
@@ -88,6 +90,11 @@ BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
 BUDGET_RECIPES: dict[str, Callable[[float | None, int | None], list[Pass]]] = {
     "auto": lambda bits, nbytes: [AutoPrecision(weight_bits=bits, weight_bytes=nbytes, method="gptq",
                                                 tune_steps=AUTO_TUNE_STEPS)],
+}
+
+# Recipes that take the KV budget (--kv-fraction / --kv-bytes-per-token); the budget matches nothing else.
+KV_BUDGET_RECIPES: dict[str, Callable[[float | None, int | None], list[Pass]]] = {
+    "mla": lambda fraction, nbytes: [MlaConversion(kv_fraction=fraction, kv_bytes_per_token=nbytes)],
 }
 
 
@@ -280,15 +287,17 @@ def load_recipe_file(path: Path, allow_custom_passes: bool = False) -> Recipe:
 
 
 def resolve_recipe(spec: str, weight_bits: float | None = None, weight_bytes: int | None = None,
-                   allow_custom_passes: bool = False) -> Recipe:
+                   allow_custom_passes: bool = False, kv_fraction: float | None = None,
+                   kv_bytes_per_token: int | None = None) -> Recipe:
     """A built-in name, a comma-separated list of built-in names, or a YAML file.
 
-    `weight_bits` / `weight_bytes` are the budget of the `auto` recipe; giving one to a recipe without a
-    budget is an error, not a silent no-op. `allow_custom_passes` lets a recipe file import `module:Class`
+    `weight_bits` / `weight_bytes` are the budget of the `auto` recipe, `kv_fraction` / `kv_bytes_per_token`
+    that of the `mla` recipe; giving one to a recipe without that budget is an error, not a silent no-op. `allow_custom_passes` lets a recipe file import `module:Class`
     passes (running their code); without it such a recipe is refused before anything is imported."""
     spec = str(spec)
     path = Path(spec)
     budget = weight_bits is not None or weight_bytes is not None
+    kv_budget = kv_fraction is not None or kv_bytes_per_token is not None
     try:
         is_file = path.is_file()
     except (OSError, ValueError):  # a name too long to be a path, ...
@@ -299,18 +308,31 @@ def resolve_recipe(spec: str, weight_bits: float | None = None, weight_bytes: in
         if budget:
             raise KilnError("--weight-bits/--weight-bytes apply to the built-in 'auto' recipe; in a recipe file, "
                             "set weight_bits or weight_bytes on the auto-precision pass")
+        if kv_budget:
+            raise KilnError("--kv-fraction/--kv-bytes-per-token apply to the built-in 'mla' recipe; in a recipe "
+                            "file, set kv_fraction or kv_bytes_per_token on the mla pass")
         return load_recipe_file(path, allow_custom_passes)
     passes: list[Pass] = []
-    used_budget = False
+    used_budget = used_kv_budget = False
     for name in (n.strip() for n in spec.split(",")):
+        if name in KV_BUDGET_RECIPES:
+            if not kv_budget:
+                raise KilnError(f"recipe {_r(name)} needs a KV budget: --kv-fraction F (e.g. 0.5) or "
+                                "--kv-bytes-per-token N")
+            passes.extend(KV_BUDGET_RECIPES[name](kv_fraction, kv_bytes_per_token))
+            used_kv_budget = True
+            continue
         if name in BUDGET_RECIPES:
             passes.extend(BUDGET_RECIPES[name](weight_bits, weight_bytes))
             used_budget = True
             continue
         if name not in BUILTIN_RECIPES:
-            known = sorted([*BUILTIN_RECIPES, *BUDGET_RECIPES])
+            known = sorted([*BUILTIN_RECIPES, *BUDGET_RECIPES, *KV_BUDGET_RECIPES])
             raise KilnError(f"unknown recipe {_r(name)}; built-in recipes: {', '.join(known)} (or a .yaml file)")
         passes.extend(BUILTIN_RECIPES[name]())
     if budget and not used_budget:
         raise KilnError(f"--weight-bits/--weight-bytes apply to the 'auto' recipe; recipe {_r(spec)} has no budget")
+    if kv_budget and not used_kv_budget:
+        raise KilnError(f"--kv-fraction/--kv-bytes-per-token apply to the 'mla' recipe; recipe {_r(spec)} has no "
+                        "KV budget")
     return Recipe(spec, tuple(passes))

@@ -197,6 +197,9 @@ class Distillation(Protocol):
     def __len__(self) -> int:
         """Number of batches."""
 
+    def batch_tokens(self, step: int) -> int:
+        """The real (non-padding) tokens of step `step`'s batch."""
+
 
 class CalibrationSession(Protocol):
     """Per-linear inputs on the calibration tokens, one block at a time, through the graph as it stands; its

@@ -35,9 +35,11 @@ def max_concurrent_sequences(device: Device, weight_bytes: int, kv_bytes_per_tok
 
 
 def kv_budget(spec: ModelSpec, table: Mapping | None, weight_bytes: int, source_weight_bytes: int,
-              devices: Sequence[Device] = DEVICES, contexts: Sequence[int] = CONTEXTS) -> dict:
-    """The JSON the report and `optimize inspect` show: per-layer bytes, totals, and the concurrency table."""
-    before = kv_bytes_per_token(spec, None)
+              devices: Sequence[Device] = DEVICES, contexts: Sequence[int] = CONTEXTS,
+              source_spec: ModelSpec | None = None) -> dict:
+    """The JSON the report and `optimize inspect` show: per-layer bytes, totals, and the concurrency table.
+    `source_spec`: the source's structure where a pass rewrote it (MLA conversion); default `spec`."""
+    before = kv_bytes_per_token(source_spec or spec, None)
     after = kv_bytes_per_token(spec, table)
     streams = resolve_kv_streams(spec, table)
     layers = {}

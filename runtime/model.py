@@ -182,7 +182,16 @@ def _projection(spec: AttentionSpec, weights: Weights, role: str) -> nn.Module:
 
 
 class MlaAttention(nn.Module):
-    """DeepSeek-V3 multi-head latent attention; the cache holds the latent and the roped key part."""
+    """DeepSeek-V3 multi-head latent attention; the cache holds the normed latent and the roped key part.
+
+    Two equal ways to attend (tests hold them within 1e-5 of each other and of transformers'):
+      expanded  kv_b_proj turns every key's latent into per-head K_nope and V, then plain attention: for
+                prefill and scoring, where the new tokens are all the keys;
+      absorbed  W_uk (kv_b's K rows) folds into the query and W_uv (its V rows) applies after the weighted sum
+                of latents, so a step never expands the cache: per head, S x (rank + rope) multiply-adds for
+                the scores and S x rank for the output, whatever the heads' dims. Used when the cache already
+                holds tokens before the new ones (decode, chunked prefill, draft verification).
+    `absorb` None chooses as above; True / False forces one (tests)."""
 
     def __init__(self, spec: AttentionSpec, weights: Weights, layer_prefix: str):
         super().__init__()
@@ -199,6 +208,7 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = weights.norm(f"{p}.kv_a_layernorm.weight")
         self.kv_b_proj = weights.linear(lin["kv_b"])
         self.o_proj = weights.linear(lin["o"])
+        self.absorb: bool | None = None
 
     def stream_shapes(self) -> tuple[tuple[int, int], ...]:
         return ((1, self.spec.kv_lora_rank), (1, self.spec.qk_rope_head_dim))
@@ -223,12 +233,30 @@ class MlaAttention(nn.Module):
             latent, k_rot = cache.update(layer, (latent, k_rot), positions)
             key_positions = torch.arange(latent.shape[1]).expand(B, -1)
         S = latent.shape[1]
-        kv = self.kv_b_proj(latent.view(B, S, s.kv_lora_rank)).view(B, S, H, nope + s.v_head_dim)
-        k_pass, v = kv.split([nope, s.v_head_dim], dim=-1)
-        k = torch.cat([k_pass, k_rot.expand(B, S, H, rope_dim)], dim=-1)
-        q = torch.cat([q_pass, q_rot], dim=-1)
-        out = _attend(q, k, v, attention_mask(positions, key_positions, None), s.softmax_scale)
+        mask = attention_mask(positions, key_positions, None)
+        absorb = self.absorb if self.absorb is not None else (cache is not None and S > T)
+        if absorb and self.kv_b_proj.bias is None:
+            out = self._absorbed(q_pass, q_rot, latent.view(B, S, s.kv_lora_rank), k_rot.view(B, S, rope_dim), mask)
+        else:
+            kv = self.kv_b_proj(latent.view(B, S, s.kv_lora_rank)).view(B, S, H, nope + s.v_head_dim)
+            k_pass, v = kv.split([nope, s.v_head_dim], dim=-1)
+            k = torch.cat([k_pass, k_rot.expand(B, S, H, rope_dim)], dim=-1)
+            q = torch.cat([q_pass, q_rot], dim=-1)
+            out = _attend(q, k, v, mask, s.softmax_scale)
         return self.o_proj(out.reshape(B, T, H * s.v_head_dim))
+
+    def _absorbed(self, q_pass, q_rot, latent, k_rot, mask):
+        # q_pass [B, T, H, nope], q_rot [B, T, H, rope], latent [B, S, r], k_rot [B, S, rope] -> [B, T, H, v]
+        s = self.spec
+        w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+        if self.kv_b_proj.input_quantizer is not None:  # kv_b's activation format acts on each latent row
+            latent = self.kv_b_proj.input_quantizer(latent)
+        q_latent = torch.einsum("bthn,hnr->bhtr", q_pass, w[:, : s.qk_nope_head_dim])
+        scores = (torch.einsum("bhtr,bsr->bhts", q_latent, latent)
+                  + torch.einsum("bthd,bsd->bhts", q_rot, k_rot)) * s.softmax_scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        mixed = torch.einsum("bhts,bsr->bthr", probs, latent)
+        return torch.einsum("bthr,hvr->bthv", mixed, w[:, s.qk_nope_head_dim:])
 
 
 def _attend(q, k, v, mask, scale):

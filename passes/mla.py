@@ -1,0 +1,473 @@
+"""MLA conversion: each GQA/MHA layer's K and V become one shared latent per token (DeepSeek-V3's multi-head
+latent attention), initialised from calibration activations, ranked per layer under a KV budget, healed.
+
+Preconditions: a loaded graph of GQA/MHA layers with rotate-half RoPE over the whole head, and calibration
+text (`ctx.runner`). Run before quantization (`runs_after` of weight and KV passes name it): the new
+projections are then quantized like any other linear and the KV pass sees the latent's dims.
+
+Per layer, with G KV heads of dim D, H query heads, x the attention's input:
+
+1. Decoupled RoPE (the TransMLA route, "RoRoPE"). A shared rotary key κ of `rope_dim` = 2f dims replaces the
+   G per-head rotary keys. RoPE rotates each frequency's pair of dims (i, i + D/2) the same way in every head,
+   so an orthogonal mix of the heads per frequency commutes with it: per frequency i, the principal direction
+   u_i of the G heads' keys (PCA of the calibration keys' pair energy) gives κ_i = Σ_g u_i[g] k_g[i], exact
+   under rotation. The residual n_g = k_g - u[g] κ (what κ does not carry) loses its rotation and joins the
+   latent. When f < D/2, the f frequencies kept are those carrying the most attention mass
+   (Σ_h |q_h,i| |κ_i|, MHA2MLA's 2-norm criterion); the others are NoPE entirely.
+2. The latent c = Pᵀ [n/β; v] of rank r: PCA of the calibration covariance of the residual keys and values
+   (β balances their energies so neither dominates the basis). kv_b reconstructs every head's n_g and v_g
+   from c; the query keeps its D nope dims and gains 2f rotary dims u_i[g] q_h[i].
+3. DeepSeek's layout normalises the latent (kv_a_layernorm, RMSNorm): its weight is fitted per dim by least
+   squares so that norm(c) ≈ c on the calibration tokens; healing then adapts to what remains.
+4. The softmax scale becomes (D + 2f)^-½ as DeepSeek-V3 computes it; the old scale is folded into the query.
+
+Ranks: each layer is probed at ranks giving 1/8, 2/8, ... 7/8 of its source KV values per token (the KL of
+the final logits on calibration text, `ctx.runner.logit_kl`, one layer converted at a time), and an exact
+multiple-choice knapsack picks the rank per layer (or no conversion) with the least total KL under the budget
+(`kv_fraction` of the source's KV values, or `kv_bytes_per_token` at BF16). A layer the solver leaves, or one
+this pass cannot convert (biases, q/k norms, a sliding window, partial or interleaved RoPE), stays GQA and the
+result says why: a mixed GQA/MLA model is legal.
+
+Healing (`heal_steps` > 0): Adam on the converted layers' q, kv_a, kv_b weights and latent norms only, by
+KL(source || converted) on the calibration text (`session.distillation`), cosine decay; 0 skips it.
+
+Cache per converted layer: r + 2f values per token (the latent and κ), against 2·G·D before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from kiln.calibration.tuning import tune
+from kiln.kernels import progress
+from kiln.kernels.errors import KilnError
+from kiln.kernels.targets import Target
+from kiln.passes.base import Pass, PassContext, PassResult
+from kiln.passes.graph import ModelGraph
+from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, RotarySpec
+
+BF16_BYTES = 2
+PROBE_EIGHTHS = (1, 2, 3, 4, 5, 6, 7)  # ranks probed per layer: these eighths of its source KV values
+NORM_SAMPLE_ROWS = 4096  # calibration tokens per layer kept to fit the latent norm
+
+
+def unconvertible(attention: AttentionSpec) -> str | None:
+    """Why this layer's attention cannot be converted, or None."""
+    if attention.kind == "mla":
+        return "already MLA"
+    lin = attention.linears
+    if any(role not in lin for role in ("q", "k", "v", "o")):
+        return "K/V are not plain q/k/v projections"
+    if any(lin[role].bias for role in ("q", "k", "v")):
+        return "q/k/v have biases (not in DeepSeek-V3's layout)"
+    if attention.qk_norm:
+        return "per-head q/k norms act after the projection (not linear in x)"
+    if attention.sliding_window is not None:
+        return "sliding-window attention"
+    if attention.rotary.dim != attention.head_dim or attention.rotary.interleaved:
+        return "RoPE does not rotate the whole head in rotate-half layout"
+    if attention.v_head_dim != attention.head_dim or attention.head_dim % 2:
+        return "V and K head dims differ"
+    return None
+
+
+@dataclass
+class LayerFactors:
+    """Everything needed to write one layer's conversion at any rank (from one pass over its inputs)."""
+
+    layer: LayerSpec
+    kept: list[tuple[int, int]]  # the rotary key's (frequency, head-mix component) pairs, in frequency order
+    mix: torch.Tensor  # [D/2, G, G] per frequency, the heads' principal mixes (columns, by decreasing energy)
+    w_rope: torch.Tensor  # [2f, C] κ = w_rope x
+    w_z: torch.Tensor  # [2GD, C] z = [n/β; v] = w_z x
+    beta: float
+    basis: torch.Tensor  # [2GD, 2GD] PCA of z, by decreasing variance
+    sample: torch.Tensor  # [tokens, C] inputs kept to fit the latent norm
+
+    @property
+    def source_values(self) -> int:
+        a = self.layer.attention
+        return a.num_kv_heads * (a.head_dim + a.v_head_dim)
+
+    @property
+    def rope_dim(self) -> int:
+        return 2 * len(self.kept)
+
+    @property
+    def max_rank(self) -> int:
+        return self.source_values - self.rope_dim
+
+
+def factorize(layer: LayerSpec, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cov: torch.Tensor,
+              sample: torch.Tensor, rope_dim: int, context: int = 256) -> LayerFactors:
+    """The RoRoPE head mixes, the kept rotary components and the latent's PCA basis of one layer (fp64)."""
+    a = layer.attention
+    H, G, D = a.num_heads, a.num_kv_heads, a.head_dim
+    half = D // 2
+    wq, wk, wv, cov = (t.double() for t in (wq, wk, wv, cov))
+    k3 = wk.view(G, D, -1)
+    # per frequency i, the [G, G] energy of the heads' pair (i, i + D/2); its eigenvectors mix the heads
+    kcov = torch.einsum("gdc,ce,hde->dgh", k3, cov, k3)  # [D, G, G] per dim
+    evals, evecs = torch.linalg.eigh(kcov[:half] + kcov[half:])  # ascending
+    evals, mix = evals.flip(-1).clamp_min(0), evecs.flip(-1)  # [D/2, G], [D/2, G, G] by decreasing energy
+    mix = mix * torch.where(mix.sum(1, keepdim=True) < 0, -1.0, 1.0)  # a fixed sign (deterministic)
+    # what dropping the rotation of a (frequency i, component m) costs: its attention mass |κ_im| Σ_h
+    # |mix_i[g(h), m]| |q_h,i| (RMS over the tokens) times how far the rotation moves a score over the context,
+    # E_d |1 - exp(iθ_i d)| = E_d 2|sin(θ_i d / 2)| for d uniform in 1..context (slow frequencies barely turn)
+    q3 = wq.view(H, D, -1)
+    qcov = torch.einsum("hdc,ce,hde->hd", q3, cov, q3)  # [H, D] E q²
+    q_rms = (qcov[:, :half] + qcov[:, half:]).clamp_min(0).sqrt()  # [H, D/2]
+    group = torch.arange(H) // (H // G)
+    theta = torch.tensor(a.rotary.inv_freq, dtype=torch.float64)
+    distance = torch.arange(1, context + 1, dtype=torch.float64)
+    turn = (2 * (theta[:, None] * distance / 2).sin().abs()).mean(-1)  # [D/2]
+    mass = torch.einsum("hi,ihm->im", q_rms, mix[:, group].abs()) * evals.sqrt() * turn[:, None]  # [D/2, G]
+    f = min(rope_dim // 2, half * G)
+    order = torch.argsort(mass.flatten(), descending=True)[:f].tolist()
+    kept = sorted((j // G, j % G) for j in order)
+    rows = [mix[i, :, m] @ k3[:, i] for i, m in kept] + [mix[i, :, m] @ k3[:, i + half] for i, m in kept]
+    w_rope = torch.stack(rows) if rows else k3.new_zeros(0, k3.shape[-1])  # [2f, C]
+    resid = k3.clone()
+    for j, (i, m) in enumerate(kept):
+        resid[:, i] -= mix[i, :, m][:, None] * w_rope[j]
+        resid[:, i + half] -= mix[i, :, m][:, None] * w_rope[f + j]
+    n, v = resid.reshape(G * D, -1), wv
+    n_energy = torch.einsum("dc,ce,de->", n, cov, n)
+    v_energy = torch.einsum("dc,ce,de->", v, cov, v)
+    beta = float((n_energy / v_energy.clamp_min(1e-30)).sqrt()) if n_energy > 1e-12 * v_energy else 1.0
+    w_z = torch.cat([n / beta, v])
+    zcov = w_z @ cov @ w_z.T
+    _, zvecs = torch.linalg.eigh((zcov + zcov.T) / 2)
+    basis = zvecs.flip(-1)
+    basis = basis * torch.where(basis.sum(0, keepdim=True) < 0, -1.0, 1.0)
+    return LayerFactors(layer, kept, mix, w_rope, w_z, beta, basis, sample)
+
+
+def converted_layer(factors: LayerFactors, wq: torch.Tensor, rank: int, eps: float, dtype: torch.dtype
+                    ) -> tuple[LayerSpec, dict[str, torch.Tensor]]:
+    """The MLA layer at `rank` and its new tensors (q_proj replaced; kv_a, kv_b, the latent norm new)."""
+    layer, a = factors.layer, factors.layer.attention
+    H, G, D = a.num_heads, a.num_kv_heads, a.head_dim
+    half, dr = D // 2, factors.rope_dim
+    if not 1 <= rank <= factors.max_rank:
+        raise KilnError(f"layer {layer.index}: latent rank {rank} outside 1..{factors.max_rank}")
+    basis = factors.basis[:, :rank]  # [2GD, r]
+    w_latent = basis.T @ factors.w_z  # [r, C]
+    # the latent norm's weight, per dim: least squares of w * c / rms(c) against c on the kept inputs
+    c = factors.sample.double() @ w_latent.T
+    rms = (c.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    norm_weight = (c.pow(2) / rms).sum(0) / (c.pow(2) / rms.pow(2)).sum(0).clamp_min(1e-30)
+    norm_weight = torch.where(torch.isfinite(norm_weight) & (norm_weight > 0), norm_weight,
+                              torch.ones_like(norm_weight))
+    group = torch.arange(H) // (H // G)
+    n_up = (factors.beta * basis[: G * D]).view(G, D, rank)
+    v_up = basis[G * D:].view(G, D, rank)
+    kv_b = torch.cat([n_up[group], v_up[group]], dim=1).reshape(H * 2 * D, rank)
+    new_scale = (D + dr) ** -0.5
+    fold = a.softmax_scale / new_scale
+    q3 = wq.double().view(H, D, -1)
+    rope_rows = ([factors.mix[i, group, m][:, None] * q3[:, i] for i, m in factors.kept]
+                 + [factors.mix[i, group, m][:, None] * q3[:, i + half] for i, m in factors.kept])
+    q_rope = torch.stack(rope_rows, dim=1) if rope_rows else q3[:, :0]  # [H, 2f, C]
+    q_nope = q3 * a.rotary.attention_scaling ** 2  # unrotated dims miss the rotary's cos/sin scaling
+    q = (torch.cat([q_nope, q_rope], dim=1) * fold).reshape(H * (D + dr), -1)
+    kv_a = torch.cat([w_latent, factors.w_rope])
+    p = f"{layer.prefix}.self_attn"
+    old = a.linears
+    linears = {
+        "q": LinearSpec(old["q"].name, "q", old["q"].in_features, H * (D + dr), layer.index),
+        "kv_a": LinearSpec(f"{p}.kv_a_proj_with_mqa", "kv_a", old["k"].in_features, rank + dr, layer.index),
+        "kv_b": LinearSpec(f"{p}.kv_b_proj", "kv_b", rank, H * 2 * D, layer.index),
+        "o": old["o"],
+    }
+    rotary = RotarySpec(dr, tuple(a.rotary.inv_freq[i] for i, _ in factors.kept), a.rotary.attention_scaling)
+    attention = AttentionSpec(kind="mla", num_heads=H, num_kv_heads=H, head_dim=D + dr, v_head_dim=D,
+                              linears=linears, rotary=rotary, softmax_scale=new_scale, kv_lora_rank=rank,
+                              qk_rope_head_dim=dr, qk_nope_head_dim=D)
+    norm = f"{p}.kv_a_layernorm.weight"
+    spec = dataclasses.replace(layer, attention=attention, norms=(*layer.norms, norm))
+    tensors = {f"{old['q'].name}.weight": q, f"{linears['kv_a'].name}.weight": kv_a,
+               f"{linears['kv_b'].name}.weight": kv_b, norm: norm_weight}
+    return spec, {k: t.to(dtype).contiguous() for k, t in tensors.items()}
+
+
+def install(graph: ModelGraph, layer: LayerSpec, tensors: dict[str, torch.Tensor]) -> None:
+    """Put a converted layer in the graph: its tensors in, the old K/V weights out, the spec replaced."""
+    old = graph.spec.layers[layer.index].attention.linears
+    for role in ("k", "v"):
+        graph.tensors.pop(f"{old[role].name}.weight", None)
+    for name, t in tensors.items():
+        graph.tensors[name] = t
+    graph.replace_layer(layer)
+
+
+def _cached_values(attention: AttentionSpec) -> int:
+    """KV values a layer caches per token."""
+    return sum(heads * dim for _, heads, dim in attention.kv_streams())
+
+
+def choose_ranks(options: dict[int, list[tuple[int, float, object]]], budget: int) -> dict[int, object]:
+    """Exact multiple-choice knapsack: per layer one (values per token, KL, choice; None = keep) option, least
+    total KL with total values <= budget. Raises KilnError when even the smallest options exceed it."""
+    layers = sorted(options)
+    least = sum(min(v for v, _, _ in options[i]) for i in layers)
+    if least > budget:
+        raise KilnError(f"KV budget of {budget} values per token is below the smallest conversion this pass probes "
+                        f"({least} values: every layer at its lowest probed rank)")
+    inf = float("inf")
+    best = np.zeros(budget + 1)  # best[b]: least KL of the layers so far within b values
+    picks: list[np.ndarray] = []
+    for i in layers:
+        new = np.full(budget + 1, inf)
+        pick = np.full(budget + 1, -1)
+        for k, (values, kl, _) in enumerate(options[i]):
+            if values > budget:
+                continue
+            cand = np.full(budget + 1, inf)
+            cand[values:] = best[: budget + 1 - values] + kl
+            better = cand < new
+            new[better], pick[better] = cand[better], k
+        best = new
+        picks.append(pick)
+    b = int(np.argmin(best))
+    out: dict[int, object] = {}
+    for i, pick in zip(reversed(layers), reversed(picks), strict=True):
+        k = int(pick[b])
+        values, _, picked = options[i][k]
+        out[i] = picked
+        b -= values
+    return out
+
+
+@dataclass(frozen=True)
+class MlaConversion(Pass):
+    """Convert GQA/MHA attention to multi-head latent attention under a KV budget.
+
+    Fields:
+        kv_fraction         the converted model's KV values per token as a fraction of the source's (all layers)
+        kv_bytes_per_token  or the budget in bytes per token with a BF16 cache (2 bytes a value)
+        rope_dim            dims of the shared rotary key (qk_rope_head_dim); None: the head dim (all frequencies)
+        heal_steps          distillation steps on the new projections after conversion (0: none)
+        heal_lr             Adam's learning rate for healing (cosine decay)
+        heal_batch_tokens   calibration tokens per healing step
+        sensitivity_paragraphs  calibration paragraphs each rank probe's KL is measured on
+        layers              layer indices to consider (None: all)
+    """
+
+    kv_fraction: float | None = None
+    kv_bytes_per_token: int | None = None
+    rope_dim: int | None = None
+    heal_steps: int = 300
+    heal_lr: float = 1e-3
+    heal_batch_tokens: int = 4096
+    sensitivity_paragraphs: int = 32
+    layers: tuple[int, ...] | None = None
+
+    name: ClassVar[str] = "mla"
+    # a lossy rewrite by design: judged against what the budget can buy (stories260K at x0.5, healed: see README)
+    default_floor: ClassVar[float] = 0.95
+    default_max_kl: ClassVar[float] = 0.1
+    default_min_top1: ClassVar[float] = 0.8
+
+    def __post_init__(self):
+        if (self.kv_fraction is None) == (self.kv_bytes_per_token is None):
+            raise KilnError("mla takes one budget: kv_fraction (e.g. 0.5) or kv_bytes_per_token")
+        if self.kv_fraction is not None and not (isinstance(self.kv_fraction, int | float)
+                                                 and 0 < self.kv_fraction <= 1):
+            raise KilnError(f"kv_fraction must be in (0, 1], got {self.kv_fraction!r}")
+        if self.kv_bytes_per_token is not None and (isinstance(self.kv_bytes_per_token, bool) or not isinstance(
+                self.kv_bytes_per_token, int) or self.kv_bytes_per_token < 1):
+            raise KilnError(f"kv_bytes_per_token must be a positive integer, got {self.kv_bytes_per_token!r}")
+        if self.rope_dim is not None and (isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int)
+                                          or self.rope_dim < 0 or self.rope_dim % 2):
+            raise KilnError(f"rope_dim must be an even non-negative integer, got {self.rope_dim!r}")
+        for field_name in ("heal_steps", "heal_batch_tokens", "sensitivity_paragraphs"):
+            value = getattr(self, field_name)
+            least = 0 if field_name == "heal_steps" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise KilnError(f"{field_name} must be an integer >= {least}, got {value!r}")
+        if not isinstance(self.heal_lr, int | float) or not self.heal_lr > 0:
+            raise KilnError(f"heal_lr must be positive, got {self.heal_lr!r}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+
+    def check(self, graph: ModelGraph, target: Target) -> None:
+        known = {b.index for b in graph.blocks}
+        if self.layers is not None and set(self.layers) - known:
+            raise KilnError(f"mla: layers {sorted(set(self.layers) - known)[:5]} are not in this model "
+                            f"(it has 0..{len(known) - 1})")
+        for b in graph.blocks:
+            a = b.attention
+            if unconvertible(a) is None and self.rope_dim is not None and self.rope_dim > a.num_kv_heads * a.head_dim:
+                raise KilnError(f"mla: rope_dim {self.rope_dim} exceeds layer {b.index}'s K dims "
+                                f"({a.num_kv_heads} heads x {a.head_dim})")
+
+    def budget(self, graph: ModelGraph) -> int:
+        """KV values per token the converted model may cache, all layers."""
+        source = sum(_cached_values(b.attention) for b in graph.blocks)
+        if self.kv_fraction is not None:
+            return math.floor(self.kv_fraction * source + 1e-9)
+        return self.kv_bytes_per_token // BF16_BYTES
+
+    def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
+        result = PassResult(self.name)
+        if ctx.runner is None:
+            raise KilnError("mla needs calibration text (its latent is a PCA of activations): pass --calib-data")
+        candidates = []
+        for b in graph.blocks:
+            why = unconvertible(b.attention)
+            if self.layers is not None and b.index not in self.layers:
+                why = "not in the pass's layers"
+            if why is None:
+                candidates.append(b)
+            else:
+                result.skipped[f"{b.prefix}.self_attn"] = why
+        if not candidates:
+            return result
+        session = ctx.runner.session(graph)  # opened on the source: the healing teacher
+        factors = self._factorize(graph, session, candidates)
+        options = self._probe(graph, ctx, factors)
+        fixed = sum(_cached_values(b.attention) for b in graph.blocks if b.index not in options)
+        budget = self.budget(graph) - fixed
+        if budget < 0:
+            raise KilnError(f"KV budget of {self.budget(graph)} values per token is below the {fixed} the layers "
+                            "this pass cannot convert keep")
+        choice = choose_ranks(options, budget)
+        eps = graph.spec.rms_norm_eps
+        converted, record = [], {}
+        for i, picked in choice.items():
+            layer = graph.spec.layers[i]
+            name = f"{layer.prefix}.self_attn"
+            record[str(i)] = {"source_values": _cached_values(layer.attention), "rope_dim": None, "rank": None,
+                              "probe_kl": {f"{rd}+{r}": kl for _, kl, (rd, r) in
+                                           (o for o in options[i] if o[2] is not None)}}
+            if picked is None:
+                result.skipped[name] = "budget solver kept it GQA (converting costs more KL than it saves)"
+                continue
+            rope_dim, rank = picked
+            f = factors[(i, rope_dim)]
+            wq = graph.tensors[f"{layer.attention.linears['q'].name}.weight"]
+            install(graph, *converted_layer(f, wq, rank, eps, wq.dtype))
+            converted.append(i)
+            kl = next(kl for _, kl, p in options[i] if p == picked)
+            result.changed[name] = (f"mla: latent rank {rank} + rotary key {rope_dim}: KV values/token "
+                                    f"{f.source_values} -> {rank + rope_dim} (probe KL {kl:.4g})")
+            result.metrics[f"{name}.probe_kl"] = kl
+            record[str(i)].update(rope_dim=rope_dim, rank=rank, rope_components=[list(k) for k in f.kept])
+        graph.metadata["mla"] = record
+        if converted and self.heal_steps:
+            result.notes.append(self._heal(graph, session, converted, ctx))
+        return result
+
+    def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
+        """A larger budget, an eighth of the source's KV at a time, up to the source's."""
+        source = sum(_cached_values(b.attention) for b in graph.blocks)
+        fraction = self.kv_fraction if self.kv_fraction is not None else self.budget(graph) / max(source, 1)
+        while fraction + 0.125 < 1:
+            fraction += 0.125
+            yield dataclasses.replace(self, kv_fraction=round(fraction, 6), kv_bytes_per_token=None)
+
+    # --- steps ----------------------------------------------------------------------------------------------
+    def _rope_dims(self, attention: AttentionSpec) -> list[int]:
+        """Rotary key widths tried per layer: the requested one, else half a head, a head, 2, 4, ... heads."""
+        if self.rope_dim is not None:
+            return [self.rope_dim]
+        out, width = [], attention.head_dim // 2
+        while width <= attention.num_kv_heads * attention.head_dim:
+            out.append(width)
+            width *= 2
+        return out
+
+    def _factorize(self, graph: ModelGraph, session, blocks: list[LayerSpec]) -> dict[tuple[int, int], LayerFactors]:
+        """(layer, rotary key width) -> the layer's factors, from one observation of its inputs."""
+        out = {}
+        context = min(256, graph.spec.max_position_embeddings)
+        with progress.stage("mla: observe attention inputs", total=len(blocks), unit="layers") as task:
+            for b in blocks:
+                a = b.attention
+                width = a.linears["k"].in_features
+                cov = torch.zeros(width, width, dtype=torch.float64)
+                kept: list[torch.Tensor] = []
+                count = [0]
+
+                def callback(_name, x, cov=cov, kept=kept, count=count):
+                    x = x.double()
+                    cov.addmm_(x.T, x)
+                    count[0] += x.shape[0]
+                    room = NORM_SAMPLE_ROWS - sum(t.shape[0] for t in kept)
+                    if room > 0:
+                        kept.append(x[:room].float())
+
+                session.observe([a.linears["k"].name], callback)
+                cov /= max(count[0], 1)
+                weights = [graph.tensors[f"{a.linears[r].name}.weight"] for r in ("q", "k", "v")]
+                for rope_dim in self._rope_dims(a):
+                    out[(b.index, rope_dim)] = factorize(b, *weights, cov, torch.cat(kept), rope_dim, context)
+                task.advance()
+        return out
+
+    def _probe(self, graph: ModelGraph, ctx: PassContext, factors: dict[tuple[int, int], LayerFactors]
+               ) -> dict[int, list[tuple[int, float, tuple[int, int] | None]]]:
+        """Per layer: (values per token, KL, (rotary width, rank)) at each probed split of each probed total
+        (eighths of its source values), and (source values, 0, None) to keep it."""
+        eps = graph.spec.rms_norm_eps
+        paragraphs = min(self.sensitivity_paragraphs, len(ctx.runner.calibration_tokens))
+        plan: dict[int, list[tuple[int, int]]] = {}
+        for (i, rope_dim), f in factors.items():
+            totals = {e * f.source_values // 8 for e in PROBE_EIGHTHS}
+            plan.setdefault(i, []).extend((rope_dim, t - rope_dim) for t in sorted(totals)
+                                          if 1 <= t - rope_dim <= f.max_rank)
+        options: dict[int, list[tuple[int, float, tuple[int, int] | None]]] = {}
+        with progress.stage("mla: rank probes", total=sum(map(len, plan.values())), unit="probes") as task:
+            for i, splits in sorted(plan.items()):
+                layer = graph.spec.layers[i]
+                options[i] = [(_cached_values(layer.attention), 0.0, None)]
+                wq = graph.tensors[f"{layer.attention.linears['q'].name}.weight"]
+                for rope_dim, rank in splits:
+                    state = graph.snapshot()
+                    try:
+                        install(graph, *converted_layer(factors[(i, rope_dim)], wq, rank, eps, wq.dtype))
+                        kl = ctx.runner.logit_kl(graph, paragraphs)
+                    finally:
+                        graph.restore(state)
+                    options[i].append((rank + rope_dim, max(float(kl), 0.0), (rope_dim, rank)))
+                    task.advance()
+                best: dict[int, tuple[float, tuple[int, int]]] = {}
+                for values, kl, split in options[i][1:]:
+                    if values not in best or kl < best[values][0]:
+                        best[values] = (kl, split)
+                ctx.log(f"mla: layer {i} least KL by KV values (rotary + latent): "
+                        + ", ".join(f"{v} ({s[0]}+{s[1]}): {kl:.4g}" for v, (kl, s) in sorted(best.items())))
+        return options
+
+    def _heal(self, graph: ModelGraph, session, layers: list[int], ctx: PassContext) -> str:
+        """Distil the converted layers' new projections and latent norms toward the source's logits."""
+        start = time.perf_counter()
+        params: dict[str, torch.nn.Parameter] = {}
+        norms: dict[str, torch.nn.Parameter] = {}
+        for i in layers:
+            a = graph.spec.layers[i].attention
+            for role in ("q", "kv_a", "kv_b"):
+                name = a.linears[role].name
+                params[name] = torch.nn.Parameter(graph.tensors[f"{name}.weight"].float().clone())
+            norm = graph.spec.layers[i].norms[-1]
+            norms[norm] = torch.nn.Parameter(graph.tensors[norm].float().clone())
+        objective = session.distillation({n: (lambda p=p: p) for n, p in params.items()}, norms,
+                                         self.heal_batch_tokens)
+        history = tune([*params.values(), *norms.values()], objective.loss, self.heal_steps, self.heal_lr,
+                       log=ctx.log)
+        for name, p in params.items():
+            graph.tensors[f"{name}.weight"] = p.detach().to(graph.tensors[f"{name}.weight"].dtype).contiguous()
+        for name, p in norms.items():
+            graph.tensors[name] = p.detach().to(graph.tensors[name].dtype).contiguous()
+        tokens = sum(objective.batch_tokens(s) for s in range(self.heal_steps))
+        return (f"healed {self.heal_steps} steps ({tokens} calibration tokens) in {time.perf_counter() - start:.1f} s: "
+                f"KL {history[0]:.5f} -> {history[-1]:.5f} (last step)")

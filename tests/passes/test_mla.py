@@ -1,0 +1,165 @@
+"""The MLA conversion pass: Before (GQA), the pass, Expected (DeepSeek-V3-style MLA layers in the spec, the
+artifact and the runtime), numerics against the source, the budget solver against brute force, healing."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+
+from kiln import runtime
+from kiln.kernels.errors import KilnError
+from kiln.kernels.targets import get_target
+from kiln.optimizer.gate import engine_from_graph
+from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.lower import write_artifact
+from kiln.optimizer.runner import RuntimeRunner
+from kiln.passes.base import PassContext, Pipeline
+from kiln.passes.kv_cache import KvCacheQuantization
+from kiln.passes.mla import MlaConversion, choose_ranks, converted_layer, install, unconvertible
+from kiln.runtime.kv_format import kv_bytes_per_token
+from tests.conftest import STORIES, needs_stories
+
+MANIFEST = {"passes": [], "target": "hopper", "source": {"model_type": "llama"}, "recipe": {"name": "t", "passes": []}}
+
+
+def _tokens(vocab: int, count: int = 24, length: int = 40, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(count)]
+
+
+def _ctx(graph, tokens) -> PassContext:
+    return PassContext(get_target("hopper"), runner=RuntimeRunner(graph, tokens))
+
+
+def _logits(graph, tokens) -> torch.Tensor:
+    return torch.cat(engine_from_graph(graph).logits(tokens))
+
+
+def test_full_rank_conversion_is_exact_up_to_the_latent_norm(tiny_checkpoints):
+    """Every K dim in the rotary key and the latent at full rank: RoRoPE's head mix, the PCA basis and the
+    softmax scale folded into the query are exact, so without DeepSeek's latent RMSNorm the MLA model computes
+    the source's logits."""
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = _tokens(graph.spec.vocab_size)
+    before = _logits(graph, tokens[:4])
+    a = graph.spec.layers[0].attention
+    k_dims = a.num_kv_heads * a.head_dim
+    p = MlaConversion(kv_fraction=1.0, rope_dim=k_dims)
+    session = RuntimeRunner(graph, tokens).session(graph)
+    factors = p._factorize(graph, session, list(graph.blocks))
+    for layer in graph.blocks:
+        f = factors[(layer.index, k_dims)]
+        assert f.max_rank == k_dims  # V's dims; K is all rotary
+        wq = graph.tensors[f"{layer.attention.linears['q'].name}.weight"]
+        install(graph, *converted_layer(f, wq, f.max_rank, graph.spec.rms_norm_eps, wq.dtype))
+    # Expected structure: DeepSeek-V3 names and dims in every layer
+    for layer in graph.spec.layers:
+        m = layer.attention
+        assert m.kind == "mla" and m.kv_lora_rank == k_dims and m.qk_rope_head_dim == k_dims
+        assert set(m.linears) == {"q", "kv_a", "kv_b", "o"}
+        assert m.linears["kv_a"].name.endswith("kv_a_proj_with_mqa") and m.qk_nope_head_dim == a.head_dim
+        assert m.softmax_scale == pytest.approx((a.head_dim + k_dims) ** -0.5)
+        assert f"{layer.prefix}.self_attn.k_proj.weight" not in graph.tensors
+    engine = engine_from_graph(graph)
+    for block in engine.model.blocks:
+        block.attention.kv_a_layernorm = torch.nn.Identity()
+    after = torch.cat(engine.logits(tokens[:4]))
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_the_pass_meets_its_budget_and_reports_every_layer(tiny_checkpoints, tmp_path):
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    source_kv = sum(kv_bytes_per_token(graph.spec).values())
+    tokens = _tokens(graph.spec.vocab_size)
+    (record,) = Pipeline([MlaConversion(kv_fraction=0.5, heal_steps=0, sensitivity_paragraphs=8)]).run(
+        graph, _ctx(graph, tokens))
+    after_kv = sum(kv_bytes_per_token(graph.spec).values())
+    assert after_kv <= source_kv // 2
+    converted = [layer for layer in graph.spec.layers if layer.attention.kind == "mla"]
+    assert converted and len(record.result.changed) == len(converted)
+    assert set(record.result.changed) | set(record.result.skipped) == {
+        f"{layer.prefix}.self_attn" for layer in graph.spec.layers}
+    mla = graph.metadata["mla"]
+    for layer in converted:
+        entry = mla[str(layer.index)]
+        assert (entry["rank"], entry["rope_dim"]) == (layer.attention.kv_lora_rank, layer.attention.qk_rope_head_dim)
+        assert entry["probe_kl"]
+    # the artifact carries the new structure; the runtime loads and runs it as the graph does
+    art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
+    arch = json.loads((art / "manifest.json").read_text())["architecture"]
+    assert [layer["attention"]["kind"] for layer in arch["layers"]] == [
+        layer.attention.kind for layer in graph.spec.layers]
+    torch.testing.assert_close(torch.cat(runtime.load(art).logits(tokens[:3])), _logits(graph, tokens[:3]))
+
+
+def test_layers_it_cannot_convert_are_skipped_with_the_reason(tiny_checkpoints):
+    graph = load_checkpoint(tiny_checkpoints["qwen3"])  # per-head q/k norms
+    assert "q/k norms" in unconvertible(graph.spec.layers[0].attention)
+    with pytest.raises(KilnError, match="matched no layers.*q/k norms"):
+        Pipeline([MlaConversion(kv_fraction=0.5)]).run(graph, _ctx(graph, _tokens(graph.spec.vocab_size)))
+    deepseek = load_checkpoint(tiny_checkpoints["deepseek_v3"])
+    assert unconvertible(deepseek.spec.layers[0].attention) == "already MLA"
+
+
+def test_impossible_budgets_and_bad_configs_are_refused(tiny_checkpoints):
+    with pytest.raises(KilnError, match="one budget"):
+        MlaConversion()
+    with pytest.raises(KilnError, match="kv_fraction"):
+        MlaConversion(kv_fraction=1.5)
+    with pytest.raises(KilnError, match="rope_dim"):
+        MlaConversion(kv_fraction=0.5, rope_dim=3)
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    with pytest.raises(KilnError, match="KV budget of 1 values per token is below"):
+        Pipeline([MlaConversion(kv_bytes_per_token=2, sensitivity_paragraphs=2, heal_steps=0)]).run(
+            graph, _ctx(graph, _tokens(graph.spec.vocab_size, count=4)))
+    with pytest.raises(KilnError, match="calibration text"):
+        Pipeline([MlaConversion(kv_fraction=0.5)]).run(graph, PassContext(get_target("hopper")))
+
+
+def test_the_budget_solver_is_exact():
+    rng = random.Random(0)
+    for _ in range(40):
+        options = {i: [(rng.randint(1, 12), rng.random(), (i, k)) for k in range(rng.randint(1, 4))] + [(12, 0.0, None)]
+                   for i in range(rng.randint(1, 4))}
+        budget = rng.randint(sum(min(v for v, _, _ in o) for o in options.values()), 12 * len(options))
+        picked = choose_ranks(options, budget)
+        got = sum(next(kl for v, kl, c in options[i] if c == picked[i]) for i in options)
+        values = sum(next(v for v, kl, c in options[i] if c == picked[i]) for i in options)
+        best = min(sum(o[1] for o in combo) for combo in itertools.product(*options.values())
+                   if sum(o[0] for o in combo) <= budget)
+        assert values <= budget and got == pytest.approx(best)
+
+
+def test_mla_then_fp8_kv_stores_the_latent_in_fp8(tiny_checkpoints):
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    source_kv = sum(kv_bytes_per_token(graph.spec).values())
+    with pytest.raises(KilnError, match="must run after 'mla'"):
+        Pipeline([KvCacheQuantization(format="fp8"), MlaConversion(kv_fraction=0.5)])
+    Pipeline([MlaConversion(kv_fraction=0.5, heal_steps=0, sensitivity_paragraphs=8),
+              KvCacheQuantization(format="fp8")]).run(graph, _ctx(graph, _tokens(graph.spec.vocab_size)))
+    from kiln.optimizer.lower import kv_cache_table
+
+    after = sum(kv_bytes_per_token(graph.spec, kv_cache_table(graph)).values())
+    assert after <= source_kv // 4 + 4 * len(graph.spec.layers)  # + per-tensor scales, if any
+
+
+@needs_stories
+def test_healing_lowers_the_kl_on_stories260k():
+    from kiln.calibration.data import load_token_lists
+    from kiln.optimizer.defaults import default_data
+    from kiln.runtime.engine import load_tokenizer
+
+    tokens = load_token_lists(load_tokenizer(STORIES), default_data("calibration"), 48)
+    results = {}
+    for steps in (0, 30):
+        graph = load_checkpoint(STORIES)
+        (record,) = Pipeline([MlaConversion(kv_fraction=0.5, heal_steps=steps, heal_batch_tokens=1024,
+                                            heal_lr=3e-3, sensitivity_paragraphs=8)]).run(graph, _ctx(graph, tokens))
+        results[steps] = RuntimeRunner(load_checkpoint(STORIES), tokens).logit_kl(graph, 16)
+        if steps:
+            assert any(n.startswith("healed 30 steps") for n in record.result.notes)
+    assert results[30] < 0.7 * results[0]
