@@ -114,12 +114,12 @@ class RuntimeCalibrationSession:
     def __init__(self, graph: ModelGraph, token_lists: list[list[int]], max_batch_tokens: int,
                  observe_sequences: int | None = None):
         self.graph = graph
-        self.spec = graph.spec  # the structure when the session starts (the distillation teacher's too)
+        self.spec = graph.spec  # the structure when the session starts: the distillation teacher's
         self.all_token_lists = token_lists  # distillation
         token_lists = token_lists[:observe_sequences] if observe_sequences else token_lists
         self.batches = [_Batch([token_lists[j] for j in batch]) for batch in length_batches(token_lists,
                                                                                             max_batch_tokens)]
-        self.rotary = LayerRotaries(self.spec.layers)
+        self._rotary: tuple | None = None  # (spec, its LayerRotaries): blocks run as the graph's spec says now
         self.position: int | None = None  # hidden states are at the input of this block
         self._ran: dict[int, tuple[_Same, ...]] = {}  # what each block held when the hidden states went through
         self.source = lower_tensors(graph)  # (tensors, formats) before the pass: the distillation teacher
@@ -176,10 +176,10 @@ class RuntimeCalibrationSession:
         entry = self.graph.tensors.entry
         if index < 0:
             return (_Same(entry(self.graph.embedding)),)
-        layer = self.spec.layers[index]
+        layer = self.graph.spec.layers[index]  # a structural pass may have rewritten it (compared by identity)
         names = [*layer.attention.linears.values(), *layer.mlp.linears.values(),
                  *(ls for expert in layer.mlp.experts for ls in expert.values())]
-        parts = [_Same(entry(n)) for n in layer.norms]
+        parts = [_Same(layer), *(_Same(entry(n)) for n in layer.norms)]
         for ls in names:
             lin = self.graph.linears[ls.name]
             parts += [_Same(entry(lin.weight_name)), _Same(lin.quant), _Same(entry(f"{lin.name}.bias"))]
@@ -188,10 +188,16 @@ class RuntimeCalibrationSession:
     def _weights(self) -> _RecordingWeights:
         """The graph as it stands, lowered lazily: building one block reads that block's tensors only."""
         tensors, formats = lower_tensors(self.graph)
-        return _RecordingWeights(tensors, formats, self.spec)
+        return _RecordingWeights(tensors, formats, self.graph.spec)
 
     def _block(self, index: int, weights: _RecordingWeights) -> Block:
-        return build_block(self.spec.layers[index], weights).eval()
+        return build_block(self.graph.spec.layers[index], weights).eval()
+
+    def rotary(self, positions: torch.Tensor) -> list:
+        spec = self.graph.spec
+        if self._rotary is None or self._rotary[0] is not spec:
+            self._rotary = (spec, LayerRotaries(spec.layers))
+        return self._rotary[1](positions)
 
     @torch.inference_mode()
     def _run_block(self, index: int, linears: Sequence[str], callback: Callback | None, keep_output: bool) -> None:
@@ -222,10 +228,10 @@ class RuntimeCalibrationSession:
     @torch.inference_mode()
     def _run_head(self, linears: Sequence[str], callback: Callback) -> None:
         weights = self._weights()
-        norm = weights.norm(self.spec.final_norm)
-        head = weights.linear(self.spec.lm_head)
+        norm = weights.norm(self.graph.spec.final_norm)
+        head = weights.linear(self.graph.spec.lm_head)
         for b in self.batches:
-            callback(self.spec.lm_head.name, norm(b.hidden)[b.mask])
+            callback(self.graph.spec.lm_head.name, norm(b.hidden)[b.mask])
         del head
 
     @staticmethod

@@ -419,11 +419,12 @@ def export_(
     fmt: Annotated[str, typer.Option("--format", help="compressed-tensors: llm-compressor's layout (vLLM, SGLang, "
                                      "transformers), which also takes FP8 weight-only and mixed per-layer formats; "
                                      "hf-modelopt: ModelOpt's unified HF checkpoint (vLLM quantization='modelopt', "
-                                     "SGLang, TensorRT-LLM)")] = "compressed-tensors",
+                                     "SGLang, TensorRT-LLM); hf: an MLA-converted model, unquantized, in "
+                                     "DeepSeek-V3's layout")] = "compressed-tensors",
     output: Annotated[Path, typer.Option("-o", "--output", help="directory to write")] = Path("artifacts/export"),
     overwrite: Annotated[bool, typer.Option(help="replace an earlier Kiln export there")] = False,
 ) -> None:
-    """Export an artifact as a quantized Hugging Face checkpoint for the big serving engines."""
+    """Export an artifact as a Hugging Face checkpoint for the big serving engines."""
     from kiln.optimizer.export import export, export_summary
 
     out.print(export_summary(export(artifact, fmt, output, overwrite), fmt))

@@ -5,9 +5,11 @@
                          mixed scale granularities, NVFP4 / FP8 / MXFP4 mixed per layer
     hf-modelopt          NVIDIA ModelOpt's unified checkpoint (optimizer/export_modelopt.py; vLLM
                          quantization="modelopt", SGLang, TensorRT-LLM)
+    hf                   an MLA-converted model, unquantized, in DeepSeek-V3's layout (optimizer/export_deepseek.py;
+                         transformers' DeepseekV3ForCausalLM, vLLM, SGLang)
 
-Both write atomically, mark the directory as a Kiln export, and read the export back to check it dequantizes
-to the artifact's weights.
+All write atomically, mark the directory as a Kiln export, and read the export back to check it: the quantized
+layouts dequantize to the artifact's weights, the DeepSeek-V3 one gives the runtime's logits in transformers.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ from kiln.optimizer.export_compressed_tensors import describe, export_compressed
 from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, export_hf_modelopt
 from kiln.optimizer.output_dir import check_output
 
-FORMATS = ("compressed-tensors", "hf-modelopt")
+FORMATS = ("compressed-tensors", "hf-modelopt", "hf")
 
 
 def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool = False) -> Path:
     if fmt not in FORMATS:
         raise KilnError(f"unknown export format {fmt!r}; supported: {', '.join(FORMATS)}")
     check_output(output, overwrite, [artifact])  # before reading anything
+    if fmt == "hf":
+        from kiln.optimizer.export_deepseek import export_deepseek
+
+        return export_deepseek(artifact, output, overwrite)
     writer = export_compressed_tensors if fmt == "compressed-tensors" else export_hf_modelopt
     return writer(artifact, output, overwrite)
 
@@ -34,6 +40,9 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
 def export_summary(path: Path | str, fmt: str) -> str:
     """One line for the CLI about a finished export at `path` in format `fmt`."""
     path = Path(path)
+    if fmt == "hf":
+        return (f"wrote {path} (hf: DeepSeek-V3 layout, unquantized); transformers' logits on it match the "
+                "artifact's")
     if fmt == "compressed-tensors":
         summary = describe(path)
         note = (" (NVFP4: its codes and block scales, global scales stored as their reciprocals)"

@@ -163,3 +163,43 @@ def test_healing_lowers_the_kl_on_stories260k():
         if steps:
             assert any(n.startswith("healed 30 steps") for n in record.result.notes)
     assert results[30] < 0.7 * results[0]
+
+
+def _convert_by_hand(graph, splits: dict[int, tuple[int, int]], tokens) -> None:
+    """Convert each layer at its (rotary width, rank), without probes."""
+    session = RuntimeRunner(graph, tokens).session(graph)
+    for index, (rope_dim, rank) in splits.items():
+        p = MlaConversion(kv_fraction=0.5, rope_dim=rope_dim)
+        f = p._factorize(graph, session, [graph.spec.layers[index]])[(index, rope_dim)]
+        wq = graph.tensors[f"{graph.spec.layers[index].attention.linears['q'].name}.weight"]
+        install(graph, *converted_layer(f, wq, rank, graph.spec.rms_norm_eps, wq.dtype))
+
+
+def test_export_loads_in_transformers_as_deepseek_v3_with_the_runtime_logits(tiny_checkpoints, tmp_path, cli):
+    from transformers import AutoModelForCausalLM
+
+    from kiln.optimizer.export_deepseek import export_logit_difference
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = _tokens(graph.spec.vocab_size)
+    # layers of different ranks and rotary widths: the export pads them to one layout
+    _convert_by_hand(graph, {0: (8, 12), 1: (32, 20)}, tokens)
+    art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
+    code, out, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
+    assert code == 0, err
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["kv_lora_rank"] == 20
+    assert config["qk_nope_head_dim"] == 16 and config["v_head_dim"] == 16
+    assert config["qk_rope_head_dim"] >= 32 and config["first_k_dense_replace"] == 2
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert export_logit_difference(tmp_path / "hf", art, tokens[:3]) < 1e-4
+
+
+def test_export_refuses_a_mixed_gqa_mla_model(tiny_checkpoints, tmp_path, cli):
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    _convert_by_hand(graph, {1: (16, 16)}, _tokens(graph.spec.vocab_size))
+    art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
+    code, out, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
+    assert code != 0 and "layer 0 is GQA attention: a mixed GQA/MLA model has no DeepSeek-V3 layout" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()

@@ -1,0 +1,198 @@
+"""Engine artifact of an MLA-converted model -> a DeepSeek-V3-layout Hugging Face checkpoint ("hf"), the layout
+vLLM and SGLang serve MLA from and transformers' DeepseekV3ForCausalLM loads.
+
+    DIR/model.safetensors   unquantized weights (fp32; quantized linears dequantized), DeepSeek-V3 names
+    DIR/config.json         model_type deepseek_v3: kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim,
+                            first_k_dense_replace = every layer (dense MLPs), rope_interleave false
+    DIR/tokenizer files, generation_config.json
+
+DeepSeek-V3's config holds one latent rank, one rotary width and one set of rotary frequencies for every
+layer, where the conversion chose them per layer. The export makes them uniform without changing what the
+model computes:
+  - latents are zero-padded to the largest rank; the latent norm's weight is scaled by sqrt(r / r_max), which
+    undoes the padding's effect on the RMS (exact but for the norm's epsilon);
+  - rotary slots: each frequency gets as many slots as the layer that uses it most; a layer's rotary dims go
+    to slots of their own frequency, the rest of its query and key slots are zero;
+  - the frequencies, in the order of the slots, are written as LongRoPE factors (`short_factor` =
+    `long_factor`, factor 1: no attention scaling), the one standard RoPE type that takes any frequencies;
+  - DeepSeek's softmax scale is (nope + rope width)^-1/2; each layer's own scale is folded into its query.
+After writing, transformers loads the export and its logits must equal Kiln's runtime within 1e-4
+(`verify_deepseek_export`).
+A layer left as GQA, an MoE MLP, biases or an interleaved / scaled rotary have no place in this layout: the
+export refuses them with one line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.export_modelopt import copy_tokenizer_files
+from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
+from kiln.runtime.artifact import WEIGHTS, read_manifest
+from kiln.runtime.spec import ModelSpec, spec_from_json
+from kiln.runtime.weights import dequantize_weight
+
+VERIFY_TOLERANCE = 1e-4
+
+
+def check_expressible(spec: ModelSpec) -> None:
+    """Refuse, with one line, a model DeepSeek-V3's layout cannot express."""
+    for layer in spec.layers:
+        a = layer.attention
+        where = f"layer {layer.index}"
+        if a.kind != "mla":
+            raise KilnError(f"{where} is {a.kind.upper()} attention: a mixed GQA/MLA model has no DeepSeek-V3 layout "
+                            "(convert every layer, or serve the artifact with Kiln's runtime)")
+        if a.q_lora_rank is not None or layer.mlp.kind != "dense":
+            raise KilnError(f"{where}: only MLA-converted models export (a low-rank query or MoE MLP is a source "
+                            "DeepSeek model: use its own checkpoint)")
+        if a.rotary.interleaved or a.rotary.attention_scaling != 1.0:
+            raise KilnError(f"{where}: its rotary is interleaved or scaled, which the export does not map")
+        if any(lin.bias for lin in a.linears.values()) or any(lin.bias for lin in layer.mlp.linears.values()):
+            raise KilnError(f"{where} has biases, which DeepSeek-V3's layout does not")
+        if a.qk_nope_head_dim != spec.layers[0].attention.qk_nope_head_dim or \
+                a.v_head_dim != spec.layers[0].attention.v_head_dim:
+            raise KilnError(f"{where}: head dims differ between layers")
+
+
+def rotary_slots(spec: ModelSpec) -> list[float]:
+    """The export's rotary frequencies, one per slot: each frequency as often as the layer using it most."""
+    need: Counter = Counter()
+    for layer in spec.layers:
+        for freq, count in Counter(layer.attention.rotary.inv_freq).items():
+            need[freq] = max(need[freq], count)
+    return sorted(need.elements(), reverse=True)
+
+
+def _slot_map(layer_freqs: tuple[float, ...], slots: list[float]) -> list[int]:
+    taken: set[int] = set()
+    out = []
+    for freq in layer_freqs:
+        slot = next(i for i, f in enumerate(slots) if f == freq and i not in taken)
+        taken.add(slot)
+        out.append(slot)
+    return out
+
+
+def deepseek_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats: dict) -> dict[str, torch.Tensor]:
+    """The artifact's weights in DeepSeek-V3's uniform layout (fp32)."""
+    slots = rotary_slots(spec)
+    f_all, rank = len(slots), max(layer.attention.kv_lora_rank for layer in spec.layers)
+    out: dict[str, torch.Tensor] = {}
+    for lin in spec.linears():
+        if lin.name == "lm_head" and spec.lm_head_tied(tensors):
+            continue
+        entry = formats.get(lin.name, {"format": "dense"})
+        if entry.get("input_rotation"):
+            raise KilnError(f"{lin.name}: its input is rotated online (Hadamard block {entry['input_rotation']}), "
+                            "which an unquantized export does not undo; export a recipe without rotation")
+        out[f"{lin.name}.weight"] = dequantize_weight(lin.name, entry, tensors, (lin.out_features, lin.in_features))
+    for name in spec.tensor_names():
+        if name not in out and name in tensors:
+            out[name] = tensors[name].float()
+    for layer in spec.layers:
+        a = layer.attention
+        H, nope, f = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim // 2
+        r = a.kv_lora_rank
+        place = torch.tensor(_slot_map(a.rotary.inv_freq, slots), dtype=torch.long)
+        rope_index = torch.cat([place, place + f_all])  # our [first halves, second halves] -> their slots
+        qname, aname, bname = (a.linears[k].name for k in ("q", "kv_a", "kv_b"))
+        hf_scale = (nope + 2 * f_all) ** -0.5
+        q = out[f"{qname}.weight"].view(H, nope + 2 * f, -1)
+        new_q = q.new_zeros(H, nope + 2 * f_all, q.shape[-1])
+        new_q[:, :nope] = q[:, :nope]
+        new_q[:, nope + rope_index] = q[:, nope:]
+        out[f"{qname}.weight"] = (new_q * (a.softmax_scale / hf_scale)).reshape(-1, q.shape[-1])
+        kv_a = out.pop(f"{aname}.weight")
+        new_a = kv_a.new_zeros(rank + 2 * f_all, kv_a.shape[-1])
+        new_a[:r] = kv_a[:r]
+        new_a[rank + rope_index] = kv_a[r:]
+        out[f"{layer.prefix}.self_attn.kv_a_proj_with_mqa.weight"] = new_a
+        kv_b = out[f"{bname}.weight"]
+        out[f"{bname}.weight"] = torch.cat([kv_b, kv_b.new_zeros(kv_b.shape[0], rank - r)], dim=1)
+        norm = f"{layer.prefix}.self_attn.kv_a_layernorm.weight"
+        out[norm] = torch.cat([out[norm] * (r / rank) ** 0.5, out[norm].new_ones(rank - r)])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def deepseek_config(spec: ModelSpec, source: dict) -> dict:
+    """config.json of the export: DeepSeek-V3 with every layer dense, non-interleaved LongRoPE frequencies."""
+    first = spec.layers[0]
+    a, mlp = first.attention, first.mlp
+    slots = rotary_slots(spec)
+    width = 2 * len(slots)
+    theta = 10000.0
+    base = theta ** (torch.arange(0, width, 2, dtype=torch.float64) / width)
+    factors = [float(x) for x in 1.0 / (torch.tensor(slots, dtype=torch.float64) * base)]
+    keep = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in source}
+    return {
+        **keep,
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+        "intermediate_size": mlp.intermediate_size, "moe_intermediate_size": mlp.intermediate_size,
+        "num_hidden_layers": len(spec.layers), "num_attention_heads": a.num_heads,
+        "num_key_value_heads": a.num_heads, "first_k_dense_replace": len(spec.layers),
+        "n_routed_experts": 1, "num_experts_per_tok": 1, "n_shared_experts": 0, "n_group": 1, "topk_group": 1,
+        "q_lora_rank": None, "kv_lora_rank": max(layer.attention.kv_lora_rank for layer in spec.layers),
+        "qk_rope_head_dim": width, "qk_nope_head_dim": a.qk_nope_head_dim, "v_head_dim": a.v_head_dim,
+        "hidden_act": "silu", "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps, "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_bias": False, "rope_interleave": False,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": theta, "factor": 1.0,
+                            "short_factor": factors, "long_factor": factors,
+                            "original_max_position_embeddings": spec.max_position_embeddings},
+        "torch_dtype": "float32",
+    }
+
+
+def export_deepseek(artifact: Path | str, output: Path | str, overwrite: bool = False) -> Path:
+    """Write an MLA-converted artifact as a DeepSeek-V3 HF checkpoint in `output` (atomically), verified."""
+    artifact, output = Path(artifact), Path(output)
+    manifest = read_manifest(artifact)
+    check_output(output, overwrite, [artifact])
+    spec = spec_from_json(manifest["architecture"])
+    check_expressible(spec)
+    tensors = load_file(str(artifact / WEIGHTS))
+    exported = deepseek_tensors(spec, tensors, manifest["formats"])
+    config = deepseek_config(spec, json.loads((artifact / "config.json").read_text()))
+    with atomic_directory(output, overwrite, [artifact]) as tmp:
+        mark_export(tmp, artifact, "hf")
+        save_file(exported, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copy_tokenizer_files(artifact, tmp)
+        verify_deepseek_export(tmp, artifact)
+    return output
+
+
+def export_logit_difference(export: Path | str, artifact: Path | str, token_lists: list[list[int]]) -> float:
+    """Largest |logit| difference between transformers' DeepseekV3ForCausalLM on the export and Kiln's runtime on
+    the artifact, over `token_lists`."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln import runtime
+
+    model = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
+    engine = runtime.load(artifact)
+    worst = 0.0
+    with torch.no_grad():
+        for tokens in token_lists:
+            ref = model(torch.tensor([tokens])).logits[0]
+            ours = engine.logits([tokens])[0]
+            worst = max(worst, float((ref - ours).abs().max()))
+    return worst
+
+
+def verify_deepseek_export(export: Path, artifact: Path) -> None:
+    spec = spec_from_json(read_manifest(artifact)["architecture"])
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, spec.vocab_size, (24,), generator=gen).tolist() for _ in range(2)]
+    diff = export_logit_difference(export, artifact, tokens)
+    if not diff <= VERIFY_TOLERANCE:
+        raise KilnError(f"export check failed: transformers' logits on the export differ from the artifact's by "
+                        f"{diff:.3g} (> {VERIFY_TOLERANCE})")
