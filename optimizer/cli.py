@@ -205,7 +205,8 @@ def _architecture_summary(arch: dict) -> dict:
                "softmax_scale": a["softmax_scale"], "linears": sorted(a["linears"]), "mlp": m["kind"],
                "intermediate_size": m["intermediate_size"]}
         if a["kind"] == "mla":
-            out.update(kv_lora_rank=a["kv_lora_rank"], q_lora_rank=a["q_lora_rank"])
+            out.update(kv_lora_rank=a["kv_lora_rank"], q_lora_rank=a["q_lora_rank"],
+                       qk_rope_head_dim=a["qk_rope_head_dim"], qk_nope_head_dim=a["qk_nope_head_dim"])
         if m["kind"] == "moe":
             out.update(experts=len(m["experts"]), top_k=m["top_k"], shared_experts=m["num_shared_experts"])
         return out

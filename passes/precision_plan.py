@@ -159,6 +159,7 @@ class PrecisionPass(Pass):
     act_order: bool | None = None
 
     default_floor: ClassVar[float] = 0.98
+    runs_after: ClassVar[frozenset[str]] = frozenset({"mla"})  # so MLA's new projections are quantized too
 
     def _validate_common(self) -> None:
         check_choice("lm_head", self.lm_head, LM_HEAD_POLICIES)

@@ -327,6 +327,7 @@ class WeightQuantization(Pass):
 
     name: ClassVar[str] = "weight-quant"
     default_floor: ClassVar[float] = 0.98
+    runs_after: ClassVar[frozenset[str]] = frozenset({"mla"})  # so MLA's new projections are quantized too
 
     def __post_init__(self):
         check_choice("format", self.format, WEIGHT_FORMATS)

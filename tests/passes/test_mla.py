@@ -203,3 +203,18 @@ def test_export_refuses_a_mixed_gqa_mla_model(tiny_checkpoints, tmp_path, cli):
     code, out, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
     assert code != 0 and "layer 0 is GQA attention: a mixed GQA/MLA model has no DeepSeek-V3 layout" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
+
+
+def test_quantization_runs_after_mla_and_quantizes_the_new_projections(tiny_checkpoints):
+    from kiln.passes.auto_precision import AutoPrecision
+    from kiln.passes.weight_quant import WeightQuantization
+
+    for quant in (WeightQuantization(format="fp8"), AutoPrecision(weight_bits=6.0)):
+        with pytest.raises(KilnError, match="must run after 'mla'"):
+            Pipeline([quant, MlaConversion(kv_fraction=0.5)])
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    Pipeline([MlaConversion(kv_fraction=0.5, heal_steps=0, sensitivity_paragraphs=4),
+              WeightQuantization(format="fp8", method="rtn")]).run(graph, _ctx(graph, _tokens(graph.spec.vocab_size)))
+    mla_linears = [lin for layer in graph.spec.layers if layer.attention.kind == "mla"
+                   for role, lin in layer.attention.linears.items() if role in ("kv_a", "kv_b")]
+    assert mla_linears and all(graph.linears[lin.name].format == "fp8_e4m3" for lin in mla_linears)
