@@ -71,6 +71,23 @@ def test_full_rank_conversion_is_exact_up_to_the_latent_norm(tiny_checkpoints):
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rope_dim", [4, 16])
+def test_the_latent_reconstructs_residual_keys_and_values_at_full_rank(tiny_checkpoints, rope_dim):
+    """With part of K rotary, the residual keys n and the values v go through the latent: at full rank the
+    decoder undoes the encoder on calibration inputs, and lower ranks lose progressively more."""
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = _tokens(graph.spec.vocab_size)
+    session = RuntimeRunner(graph, tokens).session(graph)
+    f = MlaConversion(kv_fraction=0.5, rope_dim=rope_dim)._factorize(graph, session, [graph.spec.layers[0]])[
+        (0, rope_dim)]
+    z = f.sample.double() @ f.w_z.T
+    errors = []
+    for rank in (f.max_rank // 4, f.max_rank // 2, f.max_rank):
+        back = z @ (f.decoder[:, :rank] @ f.encoder[:rank]).T
+        errors.append(float((back - z).pow(2).sum() / z.pow(2).sum()))
+    assert errors[-1] < 1e-10 and errors[0] > errors[1] > errors[2]
+
+
 def test_the_pass_meets_its_budget_and_reports_every_layer(tiny_checkpoints, tmp_path):
     graph = load_checkpoint(tiny_checkpoints["llama"])
     source_kv = sum(kv_bytes_per_token(graph.spec).values())
