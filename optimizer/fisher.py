@@ -38,8 +38,8 @@ from kiln.optimizer.lower import lower_tensors
 from kiln.passes.graph import ModelGraph, QuantizedWeight
 from kiln.runtime.model import QuantLinear, Transformer, Weights
 
-BATCH_TOKENS = 512  # an autograd batch: SmolLM2's activations for 512 tokens are ~1 GB
-MAX_CANDIDATE_BYTES = 512 * 2**20  # fp32 candidate weights held per sweep
+BATCH_TOKENS = 256  # an autograd batch: SmolLM2's activations for 256 tokens are ~0.5 GB
+MAX_CANDIDATE_BYTES = 256 * 2**20  # fp32 candidate weights held per sweep
 SEED = 0
 
 Candidates = Mapping[Hashable, Mapping[str, QuantizedWeight | None]]  # key -> linear -> its quantized weight
