@@ -33,8 +33,24 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
         from kiln.optimizer.export_deepseek import export_deepseek
 
         return export_deepseek(artifact, output, overwrite)
+    refuse_rewritten_structure(Path(artifact), fmt)
     writer = export_compressed_tensors if fmt == "compressed-tensors" else export_hf_modelopt
     return writer(artifact, output, overwrite)
+
+
+def refuse_rewritten_structure(artifact: Path, fmt: str) -> None:
+    """The quantized layouts keep the source's config.json: a model a structural pass rewrote (MLA conversion)
+    no longer matches it, so it is refused rather than written as a checkpoint no engine could load."""
+    from kiln.runtime.artifact import read_manifest
+
+    manifest = read_manifest(artifact)
+    source = manifest.get("source", {}).get("model_type")
+    converted = [layer["index"] for layer in manifest["architecture"]["layers"]
+                 if layer["attention"]["kind"] == "mla"]
+    if converted and source != "deepseek_v3":
+        raise KilnError(f"--format {fmt} keeps the source's {source} layout, but layers {converted[:4]} were converted "
+                        "to MLA: export with --format hf (DeepSeek-V3 layout, unquantized); a quantized DeepSeek-V3 "
+                        "export of a converted model is not implemented")
 
 
 def export_summary(path: Path | str, fmt: str) -> str:

@@ -7,29 +7,37 @@ projections are then quantized like any other linear and the KV pass sees the la
 
 Per layer, with G KV heads of dim D, H query heads, x the attention's input:
 
-1. Decoupled RoPE (the TransMLA route, "RoRoPE"). A shared rotary key κ of `rope_dim` = 2f dims replaces the
-   G per-head rotary keys. RoPE rotates each frequency's pair of dims (i, i + D/2) the same way in every head,
-   so an orthogonal mix of the heads per frequency commutes with it: per frequency i, the principal direction
-   u_i of the G heads' keys (PCA of the calibration keys' pair energy) gives κ_i = Σ_g u_i[g] k_g[i], exact
-   under rotation. The residual n_g = k_g - u[g] κ (what κ does not carry) loses its rotation and joins the
-   latent. When f < D/2, the f frequencies kept are those carrying the most attention mass
-   (Σ_h |q_h,i| |κ_i|, MHA2MLA's 2-norm criterion); the others are NoPE entirely.
-2. The latent c = Pᵀ [n/β; v] of rank r: PCA of the calibration covariance of the residual keys and values
-   (β balances their energies so neither dominates the basis). kv_b reconstructs every head's n_g and v_g
-   from c; the query keeps its D nope dims and gains 2f rotary dims u_i[g] q_h[i].
+1. Decoupled RoPE, the TransMLA route ("RoRoPE"), chosen over MHA2MLA's per-head partial RoPE because
+   DeepSeek-V3's layout (and so vLLM's and SGLang's MLA kernels) has one rotary key shared by all heads. RoPE
+   turns each frequency's pair of dims (i, i + D/2) the same way in every head, so an orthogonal mix of the G
+   heads per frequency commutes with it: per frequency i, the eigenvectors of the heads' pair energy on
+   calibration keys give components κ_im = Σ_g mix_i[g, m] k_g[i], exact under rotation. The rotary key κ
+   (`rope_dim` = 2f dims) keeps the f (frequency, component) pairs whose loss of rotation would cost most:
+   attention mass |κ_im| Σ_h |mix_i[g(h), m]| |q_h,i| (MHA2MLA's 2-norm criterion) times how far the frequency
+   turns a score over the context (slow frequencies barely move). The residual n_g = k_g - (what κ carries)
+   loses its rotation and joins the latent. Measured on stories260K (8-dim heads, 4 KV heads), layer 1 at full
+   latent rank: a 4-, 8-, 16-, 32-dim rotary key costs KL 0.33, 0.35, 0.014, 0.003: the rotation of the
+   residual, not the latent's rank, is what the budget pays for first, so the width is chosen per layer.
+2. The latent c = encoder [n; v] of rank r: PCA of the calibration covariance of the residual keys and values,
+   n scaled by 1/β so both carry equal energy (TransMLA's balancing; weighing key errors by the queries and
+   value errors by o_proj instead was worse on 3 of 5 stories260K layers). kv_b (the decoder) rebuilds every
+   head's n_g and v_g; the query keeps its D nope dims and gains 2f rotary dims mix_i[g, m] q_h[i].
 3. DeepSeek's layout normalises the latent (kv_a_layernorm, RMSNorm): its weight is fitted per dim by least
-   squares so that norm(c) ≈ c on the calibration tokens; healing then adapts to what remains.
+   squares so that norm(c) ≈ c on the calibration tokens; healing adapts to what remains.
 4. The softmax scale becomes (D + 2f)^-½ as DeepSeek-V3 computes it; the old scale is folded into the query.
+At full rank with every K dim rotary the conversion is exact but for the latent norm (tests/passes/test_mla.py).
 
-Ranks: each layer is probed at ranks giving 1/8, 2/8, ... 7/8 of its source KV values per token (the KL of
-the final logits on calibration text, `ctx.runner.logit_kl`, one layer converted at a time), and an exact
-multiple-choice knapsack picks the rank per layer (or no conversion) with the least total KL under the budget
-(`kv_fraction` of the source's KV values, or `kv_bytes_per_token` at BF16). A layer the solver leaves, or one
-this pass cannot convert (biases, q/k norms, a sliding window, partial or interleaved RoPE), stays GQA and the
-result says why: a mixed GQA/MLA model is legal.
+Budget: each layer is probed at every split (rotary width 2f in D/2, D, 2D, ... up to G·D; latent rank r) of
+1/8, 2/8, ... 7/8 of its source KV values per token: the KL of the final logits on calibration text
+(`ctx.runner.logit_kl`, one layer converted at a time). An exact multiple-choice knapsack then picks one
+split per layer, or no conversion, for the least total KL within the budget (`kv_fraction` of the source's
+KV values, or `kv_bytes_per_token` at BF16). A layer the solver leaves, or one this pass cannot convert
+(biases, q/k norms, a sliding window, partial or interleaved RoPE), stays GQA and the result says why: a
+mixed GQA/MLA model is legal (but has no DeepSeek-V3 export).
 
 Healing (`heal_steps` > 0): Adam on the converted layers' q, kv_a, kv_b weights and latent norms only, by
-KL(source || converted) on the calibration text (`session.distillation`), cosine decay; 0 skips it.
+KL(source || converted) on the calibration text (`session.distillation`), cosine decay; 0 skips it, and so
+does a model over `heal_budget` (the note says so).
 
 Cache per converted layer: r + 2f values per token (the latent and κ), against 2·G·D before.
 """
@@ -56,8 +64,9 @@ from kiln.passes.weight_quant import TUNE_BUDGET, linear_weight_count
 from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, RotarySpec
 
 BF16_BYTES = 2
-PROBE_EIGHTHS = (1, 2, 3, 4, 5, 6, 7)  # ranks probed per layer: these eighths of its source KV values
+PROBE_EIGHTHS = (1, 2, 3, 4, 5, 6, 7)  # KV values per token probed per layer: these eighths of its source's
 NORM_SAMPLE_ROWS = 4096  # calibration tokens per layer kept to fit the latent norm
+HEALED_ROLES = ("q", "kv_a", "kv_b")  # the projections the conversion wrote: what healing trains
 
 
 def unconvertible(attention: AttentionSpec) -> str | None:
@@ -476,7 +485,7 @@ class MlaConversion(Pass):
         norms: dict[str, torch.nn.Parameter] = {}
         for i in layers:
             a = graph.spec.layers[i].attention
-            for role in ("q", "kv_a", "kv_b"):
+            for role in HEALED_ROLES:
                 name = a.linears[role].name
                 params[name] = torch.nn.Parameter(graph.tensors[f"{name}.weight"].float().clone())
             norm = graph.spec.layers[i].norms[-1]

@@ -235,3 +235,12 @@ def test_quantization_runs_after_mla_and_quantizes_the_new_projections(tiny_chec
     mla_linears = [lin for layer in graph.spec.layers if layer.attention.kind == "mla"
                    for role, lin in layer.attention.linears.items() if role in ("kv_a", "kv_b")]
     assert mla_linears and all(graph.linears[lin.name].format == "fp8_e4m3" for lin in mla_linears)
+
+
+def test_quantized_layouts_refuse_a_converted_model(tiny_checkpoints, tmp_path, cli):
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    _convert_by_hand(graph, {0: (16, 16), 1: (16, 16)}, _tokens(graph.spec.vocab_size))
+    art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
+    for fmt in ("hf-modelopt", "compressed-tensors"):
+        code, out, err = cli("export", str(art), "--format", fmt, "-o", str(tmp_path / fmt))
+        assert code != 0 and "converted to MLA: export with --format hf" in err and not (tmp_path / fmt).exists()
