@@ -10,7 +10,8 @@ DeepSeek-V3's config holds one latent rank, one rotary width and one set of rota
 layer, where the conversion chose them per layer. The export makes them uniform without changing what the
 model computes:
   - latents are zero-padded to the largest rank; the latent norm's weight is scaled by sqrt(r / r_max), which
-    undoes the padding's effect on the RMS (exact but for the norm's epsilon);
+    undoes the padding's effect on the RMS, and the latent rows of kv_a by α with α² = 1e-6 r_max / (r eps),
+    which turns transformers' fixed 1e-6 epsilon of that norm into the model's own: exact;
   - rotary slots: each frequency gets as many slots as the layer that uses it most; a layer's rotary dims go
     to slots of their own frequency, the rest of its query and key slots are zero;
   - the frequencies, in the order of the slots, are written as LongRoPE factors (`short_factor` =
@@ -39,6 +40,7 @@ from kiln.runtime.spec import ModelSpec, spec_from_json
 from kiln.runtime.weights import dequantize_weight
 
 VERIFY_TOLERANCE = 1e-4
+HF_LATENT_EPS = 1e-6  # transformers builds DeepseekV3's kv_a_layernorm with its default epsilon, not the config's
 
 
 def check_expressible(spec: ModelSpec) -> None:
@@ -111,7 +113,8 @@ def deepseek_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats:
         out[f"{qname}.weight"] = (new_q * (a.softmax_scale / hf_scale)).reshape(-1, q.shape[-1])
         kv_a = out.pop(f"{aname}.weight")
         new_a = kv_a.new_zeros(rank + 2 * f_all, kv_a.shape[-1])
-        new_a[:r] = kv_a[:r]
+        alpha = (HF_LATENT_EPS * rank / (r * spec.rms_norm_eps)) ** 0.5
+        new_a[:r] = kv_a[:r] * alpha
         new_a[rank + rope_index] = kv_a[r:]
         out[f"{layer.prefix}.self_attn.kv_a_proj_with_mqa.weight"] = new_a
         kv_b = out[f"{bname}.weight"]
@@ -121,6 +124,24 @@ def deepseek_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def longrope_factors(freqs: list[float], theta: float, width: int) -> list[float]:
+    """LongRoPE factors with which transformers' float32 arithmetic, 1 / (factor * theta ** (2j / width)),
+    gives exactly `freqs` as float32: from the float64 solution, nudged an ulp at a time where rounding
+    differs (positions up to 128K turn by freq x position, so one ulp there is a visible phase)."""
+    shape = torch.arange(0, width, 2, dtype=torch.int64).float() / width
+    powers = theta ** shape  # float32, as transformers computes it
+    target = torch.tensor(freqs, dtype=torch.float32)
+    factors = (1.0 / (torch.tensor(freqs, dtype=torch.float64) * powers.double())).float()
+    for _ in range(8):
+        got = 1.0 / (factors * powers)
+        if torch.equal(got, target):
+            break
+        # a larger factor gives a smaller frequency
+        factors = torch.where(got > target, torch.nextafter(factors, torch.tensor(float("inf"))),
+                              torch.where(got < target, torch.nextafter(factors, torch.tensor(0.0)), factors))
+    return [float(x) for x in factors]
+
+
 def deepseek_config(spec: ModelSpec, source: dict) -> dict:
     """config.json of the export: DeepSeek-V3 with every layer dense, non-interleaved LongRoPE frequencies."""
     first = spec.layers[0]
@@ -128,8 +149,7 @@ def deepseek_config(spec: ModelSpec, source: dict) -> dict:
     slots = rotary_slots(spec)
     width = 2 * len(slots)
     theta = 10000.0
-    base = theta ** (torch.arange(0, width, 2, dtype=torch.float64) / width)
-    factors = [float(x) for x in 1.0 / (torch.tensor(slots, dtype=torch.float64) * base)]
+    factors = longrope_factors(slots, theta, width)
     keep = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in source}
     return {
         **keep,
