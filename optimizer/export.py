@@ -6,7 +6,7 @@
     hf-modelopt          NVIDIA ModelOpt's unified checkpoint (optimizer/export_modelopt.py; vLLM
                          quantization="modelopt", SGLang, TensorRT-LLM)
     hf                   an MLA-converted model, unquantized, in DeepSeek-V3's layout (optimizer/export_deepseek.py;
-                         transformers' DeepseekV3ForCausalLM, vLLM, SGLang)
+                         transformers' DeepseekV3ForCausalLM)
 
 All write atomically, mark the directory as a Kiln export, and read the export back to check it: the quantized
 layouts dequantize to the artifact's weights, the DeepSeek-V3 one gives the runtime's logits in transformers.
@@ -45,9 +45,12 @@ def refuse_rewritten_structure(artifact: Path, fmt: str) -> None:
 
     manifest = read_manifest(artifact)
     source = manifest.get("source", {}).get("model_type")
+    config_path = artifact / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    # MLA layers in a model whose own config has no latent (a native MLA source such as DeepSeek has one)
     converted = [layer["index"] for layer in manifest["architecture"]["layers"]
-                 if layer["attention"]["kind"] == "mla"]
-    if converted and source != "deepseek_v3":
+                 if layer["attention"]["kind"] == "mla" and "kv_lora_rank" not in config]
+    if converted:
         raise KilnError(f"--format {fmt} keeps the source's {source} layout, but layers {converted[:4]} were converted "
                         "to MLA: export with --format hf (DeepSeek-V3 layout, unquantized); a quantized DeepSeek-V3 "
                         "export of a converted model is not implemented")

@@ -1,5 +1,10 @@
-"""Engine artifact of an MLA-converted model -> a DeepSeek-V3-layout Hugging Face checkpoint ("hf"), the layout
-vLLM and SGLang serve MLA from and transformers' DeepseekV3ForCausalLM loads.
+"""Engine artifact of an MLA-converted model -> a DeepSeek-V3-layout Hugging Face checkpoint ("hf"), which
+transformers' DeepseekV3ForCausalLM loads with the runtime's logits (verified on every export).
+
+vLLM's and SGLang's DeepSeek code paths are not verified and would not read this export as written: they
+rotate interleaved pairs, derive the frequencies from rope_theta (with YaRN when scaled) rather than LongRoPE
+factors, and build the latent norm with the config's epsilon. Serving there needs a conversion whose rotary
+frequencies are theta-regular (one component per frequency, every layer alike) written interleaved: not yet.
 
     DIR/model.safetensors   unquantized weights (fp32; quantized linears dequantized), DeepSeek-V3 names
     DIR/config.json         model_type deepseek_v3: kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim,
@@ -45,9 +50,12 @@ HF_LATENT_EPS = 1e-6  # transformers builds DeepseekV3's kv_a_layernorm with its
 
 def check_expressible(spec: ModelSpec) -> None:
     """Refuse, with one line, a model DeepSeek-V3's layout cannot express."""
+    first = spec.layers[0]
     for layer in spec.layers:
         a = layer.attention
         where = f"layer {layer.index}"
+        if (a.num_heads, layer.mlp.intermediate_size) != (first.attention.num_heads, first.mlp.intermediate_size):
+            raise KilnError(f"{where}: its head count or MLP width differs from layer 0's (one config for all layers)")
         if a.kind != "mla":
             raise KilnError(f"{where} is {a.kind.upper()} attention: a mixed GQA/MLA model has no DeepSeek-V3 layout "
                             "(convert every layer, or serve the artifact with Kiln's runtime)")
@@ -61,6 +69,20 @@ def check_expressible(spec: ModelSpec) -> None:
         if a.qk_nope_head_dim != spec.layers[0].attention.qk_nope_head_dim or \
                 a.v_head_dim != spec.layers[0].attention.v_head_dim:
             raise KilnError(f"{where}: head dims differ between layers")
+
+
+def check_unquantized_numerics(manifest: dict) -> None:
+    """The export is unquantized: weight-only formats dequantize exactly, but activation quantization and a
+    quantized KV cache would change what the model computes, so such an artifact is refused up front."""
+    for module, entry in manifest["formats"].items():
+        if entry.get("activation", "none") != "none":
+            raise KilnError(f"{module} quantizes its activations ({entry['activation']}), which an unquantized "
+                            "DeepSeek-V3 export cannot express: export an artifact with weight-only formats")
+    quantized = [layer for layer, entry in (manifest.get("kv_cache") or {}).items()
+                 if entry.get("format", "bf16") != "bf16"]
+    if quantized:
+        raise KilnError(f"layer {quantized[0]}'s KV cache is {manifest['kv_cache'][quantized[0]]['format']}, which an "
+                        "unquantized DeepSeek-V3 export cannot express: export an artifact with a BF16 cache")
 
 
 def rotary_slots(spec: ModelSpec) -> list[float]:
@@ -178,6 +200,7 @@ def export_deepseek(artifact: Path | str, output: Path | str, overwrite: bool = 
     check_output(output, overwrite, [artifact])
     spec = spec_from_json(manifest["architecture"])
     check_expressible(spec)
+    check_unquantized_numerics(manifest)
     tensors = load_file(str(artifact / WEIGHTS))
     exported = deepseek_tensors(spec, tensors, manifest["formats"])
     config = deepseek_config(spec, json.loads((artifact / "config.json").read_text()))
@@ -211,7 +234,8 @@ def export_logit_difference(export: Path | str, artifact: Path | str, token_list
 def verify_deepseek_export(export: Path, artifact: Path) -> None:
     spec = spec_from_json(read_manifest(artifact)["architecture"])
     gen = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, spec.vocab_size, (24,), generator=gen).tolist() for _ in range(2)]
+    length = min(24, spec.max_position_embeddings)
+    tokens = [torch.randint(0, spec.vocab_size, (length,), generator=gen).tolist() for _ in range(2)]
     diff = export_logit_difference(export, artifact, tokens)
     if not diff <= VERIFY_TOLERANCE:
         raise KilnError(f"export check failed: transformers' logits on the export differ from the artifact's by "

@@ -84,8 +84,12 @@ def unconvertible(attention: AttentionSpec) -> str | None:
         return "sliding-window attention"
     if attention.rotary.dim != attention.head_dim or attention.rotary.interleaved:
         return "RoPE does not rotate the whole head in rotate-half layout"
-    if attention.v_head_dim != attention.head_dim or attention.head_dim % 2:
+    if attention.v_head_dim != attention.head_dim:
         return "V and K head dims differ"
+    if attention.head_dim % 2:
+        return "odd head dim (RoPE pairs dims)"
+    if attention.num_heads % attention.num_kv_heads:
+        return "query heads are not a multiple of KV heads"
     return None
 
 
@@ -229,14 +233,17 @@ def _cached_values(attention: AttentionSpec) -> int:
     return sum(heads * dim for _, heads, dim in attention.kv_streams())
 
 
-def choose_ranks(options: dict[int, list[tuple[int, float, object]]], budget: int) -> dict[int, object]:
+def choose_ranks(options: dict[int, list[tuple[int, float, object]]], budget: int,
+                 stated: int | None = None) -> dict[int, object]:
     """Exact multiple-choice knapsack: per layer one (values per token, KL, choice; None = keep) option, least
     total KL with total values <= budget. Raises KilnError when even the smallest options exceed it."""
     layers = sorted(options)
     least = sum(min(v for v, _, _ in options[i]) for i in layers)
     if least > budget:
-        raise KilnError(f"KV budget of {budget} values per token is below the smallest conversion this pass probes "
-                        f"({least} values: every layer at its lowest probed rank)")
+        raise KilnError(f"KV budget of {stated if stated is not None else budget} values per token is below the "
+                        f"smallest conversion this pass probes ({least} values: every layer at its lowest probed "
+                        "rank, plus any layer it cannot convert)")
+    budget = min(budget, sum(max(v for v, _, _ in options[i]) for i in layers))  # more cannot be used
     inf = float("inf")
     best = np.zeros(budget + 1)  # best[b]: least KL of the layers so far within b values
     picks: list[np.ndarray] = []
@@ -357,12 +364,17 @@ class MlaConversion(Pass):
         session = ctx.runner.session(graph)  # opened on the source: the healing teacher
         factors = self._factorize(graph, session, candidates)
         options = self._probe(graph, ctx, factors)
+        for b in candidates:
+            if b.index not in options:
+                result.skipped[f"{b.prefix}.self_attn"] = "no rotary width and latent rank fit under its KV values"
         fixed = sum(_cached_values(b.attention) for b in graph.blocks if b.index not in options)
         budget = self.budget(graph) - fixed
         if budget < 0:
             raise KilnError(f"KV budget of {self.budget(graph)} values per token is below the {fixed} the layers "
                             "this pass cannot convert keep")
-        choice = choose_ranks(options, budget)
+        if not options:
+            return result
+        choice = choose_ranks(options, budget, self.budget(graph))
         eps = graph.spec.rms_norm_eps
         converted, record = [], {}
         for i, picked in choice.items():
@@ -402,7 +414,7 @@ class MlaConversion(Pass):
         """Rotary key widths tried per layer: the requested one, else half a head, a head, 2, 4, ... heads."""
         if self.rope_dim is not None:
             return [self.rope_dim]
-        out, width = [], attention.head_dim // 2
+        out, width = [], max(2, attention.head_dim // 2 // 2 * 2)  # even: a rotary dim pairs with another
         while width <= attention.num_kv_heads * attention.head_dim:
             out.append(width)
             width *= 2
@@ -429,7 +441,9 @@ class MlaConversion(Pass):
                         kept.append(x[:room].float())
 
                 session.observe([a.linears["k"].name], callback)
-                cov /= max(count[0], 1)
+                if not count[0]:
+                    raise KilnError(f"mla: no calibration tokens reached layer {b.index}")
+                cov /= count[0]
                 weights = [graph.tensors[f"{a.linears[r].name}.weight"] for r in ("q", "k", "v")]
                 for rope_dim in self._rope_dims(a):
                     out[(b.index, rope_dim)] = factorize(b, *weights, cov, torch.cat(kept), rope_dim, context)
@@ -450,11 +464,16 @@ class MlaConversion(Pass):
         options: dict[int, list[tuple[int, float, tuple[int, int] | None]]] = {}
         with progress.stage("mla: rank probes", total=sum(map(len, plan.values())), unit="probes") as task:
             for i, splits in sorted(plan.items()):
+                if not splits:
+                    continue
                 layer = graph.spec.layers[i]
                 options[i] = [(_cached_values(layer.attention), 0.0, None)]
                 wq = graph.tensors[f"{layer.attention.linears['q'].name}.weight"]
                 for rope_dim, rank in splits:
                     state = graph.snapshot()
+                    # a probe's tensors stay in memory (one layer's): the spill file only grows, and hundreds of
+                    # probes of an 8B model would write about 100 GB to it
+                    graph.tensors.spill = None
                     try:
                         install(graph, *converted_layer(factors[(i, rope_dim)], wq, rank, eps, wq.dtype))
                         kl = ctx.runner.logit_kl(graph, paragraphs)

@@ -244,3 +244,13 @@ def test_quantized_layouts_refuse_a_converted_model(tiny_checkpoints, tmp_path, 
     for fmt in ("hf-modelopt", "compressed-tensors"):
         code, out, err = cli("export", str(art), "--format", fmt, "-o", str(tmp_path / fmt))
         assert code != 0 and "converted to MLA: export with --format hf" in err and not (tmp_path / fmt).exists()
+
+
+def test_hf_export_refuses_what_an_unquantized_checkpoint_cannot_compute(tiny_checkpoints, tmp_path, cli):
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = _tokens(graph.spec.vocab_size)
+    _convert_by_hand(graph, {0: (16, 16), 1: (16, 16)}, tokens)
+    Pipeline([KvCacheQuantization(format="fp8")]).run(graph, _ctx(graph, tokens))
+    art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
+    code, out, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
+    assert code != 0 and "KV cache is fp8_e4m3" in err and "BF16 cache" in err and not (tmp_path / "hf").exists()
