@@ -202,7 +202,7 @@ def test_export_loads_in_transformers_as_deepseek_v3_with_the_runtime_logits(tin
     # layers of different ranks and rotary widths: the export pads them to one layout
     _convert_by_hand(graph, {0: (8, 12), 1: (32, 20)}, tokens)
     art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
-    code, out, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
+    code, _out, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
     assert code == 0, err
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["kv_lora_rank"] == 20
@@ -217,7 +217,7 @@ def test_export_refuses_a_mixed_gqa_mla_model(tiny_checkpoints, tmp_path, cli):
     graph = load_checkpoint(tiny_checkpoints["llama"])
     _convert_by_hand(graph, {1: (16, 16)}, _tokens(graph.spec.vocab_size))
     art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
-    code, out, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
+    code, _out, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
     assert code != 0 and "layer 0 is GQA attention: a mixed GQA/MLA model has no DeepSeek-V3 layout" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
 
@@ -242,7 +242,7 @@ def test_quantized_layouts_refuse_a_converted_model(tiny_checkpoints, tmp_path, 
     _convert_by_hand(graph, {0: (16, 16), 1: (16, 16)}, _tokens(graph.spec.vocab_size))
     art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
     for fmt in ("hf-modelopt", "compressed-tensors"):
-        code, out, err = cli("export", str(art), "--format", fmt, "-o", str(tmp_path / fmt))
+        code, _out, err = cli("export", str(art), "--format", fmt, "-o", str(tmp_path / fmt))
         assert code != 0 and "converted to MLA: export with --format hf" in err and not (tmp_path / fmt).exists()
 
 
@@ -252,5 +252,5 @@ def test_hf_export_refuses_what_an_unquantized_checkpoint_cannot_compute(tiny_ch
     _convert_by_hand(graph, {0: (16, 16), 1: (16, 16)}, tokens)
     Pipeline([KvCacheQuantization(format="fp8")]).run(graph, _ctx(graph, tokens))
     art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
-    code, out, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
+    code, _out, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
     assert code != 0 and "KV cache is fp8_e4m3" in err and "BF16 cache" in err and not (tmp_path / "hf").exists()
