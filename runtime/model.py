@@ -247,16 +247,20 @@ class MlaAttention(nn.Module):
 
     def _absorbed(self, q_pass, q_rot, latent, k_rot, mask):
         # q_pass [B, T, H, nope], q_rot [B, T, H, rope], latent [B, S, r], k_rot [B, S, rope] -> [B, T, H, v]
+        # One-KV-head attention in latent space: queries [W_uk q_nope, q_rot], the key [latent, k_rot], the
+        # value the latent itself; W_uv then maps each head's mix of latents to its values.
         s = self.spec
         w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         if self.kv_b_proj.input_quantizer is not None:  # kv_b's activation format acts on each latent row
             latent = self.kv_b_proj.input_quantizer(latent)
-        q_latent = torch.einsum("bthn,hnr->bhtr", q_pass, w[:, : s.qk_nope_head_dim])
-        scores = (torch.einsum("bhtr,bsr->bhts", q_latent, latent)
-                  + torch.einsum("bthd,bsd->bhts", q_rot, k_rot)) * s.softmax_scale
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        mixed = torch.einsum("bhts,bsr->bthr", probs, latent)
-        return torch.einsum("bthr,hvr->bthv", mixed, w[:, s.qk_nope_head_dim:])
+        B, T, H = q_pass.shape[:3]
+        q_latent = torch.einsum("bthn,hnr->bthr", q_pass, w[:, : s.qk_nope_head_dim])
+        # every head reads the same key and value: the T x H queries attend as the rows of one head
+        q = torch.cat([q_latent, q_rot], dim=-1).reshape(B, 1, T * H, -1)
+        k = torch.cat([latent, k_rot], dim=-1).unsqueeze(1)  # [B, 1, S, r + rope]
+        rows_mask = mask.repeat_interleave(H, dim=2)  # [B, 1, T * H, S]
+        mixed = F.scaled_dot_product_attention(q, k, latent.unsqueeze(1), attn_mask=rows_mask, scale=s.softmax_scale)
+        return torch.einsum("bthr,hvr->bthv", mixed.view(B, T, H, -1), w[:, s.qk_nope_head_dim:])
 
 
 def _attend(q, k, v, mask, scale):
