@@ -114,11 +114,18 @@ def _same_streams(a: tuple[KvStream, ...], b: tuple[KvStream, ...]) -> bool:
         and same(s.scale, t.scale) and same(s.offset, t.offset) for s, t in zip(a, b, strict=True))
 
 
+def _global_fields(spec: ModelSpec) -> tuple:
+    """What the embedding and head parts are built from, besides tensors and formats."""
+    return (spec.vocab_size, spec.hidden_size, spec.rms_norm_eps, spec.tie_word_embeddings, spec.embedding,
+            spec.final_norm, spec.lm_head)
+
+
 class _ProbeModel:
     """The runtime's modules (fp32) for one model state, swapped part by part to another state.
 
     `sync(spec, tensors, formats, kv_table)` (tensors and formats as `lower_tensors` gives them) rebuilds the
-    parts that read a different tensor or format entry and re-resolves the KV streams, and returns the first
+    parts that read a different tensor or format entry, or whose layer a structural pass replaced, and
+    re-resolves the KV streams, and returns the first
     position the change reaches (0: the embedding or block 0, i: block i or its cache, len(layers): only the
     head) or None when nothing changed. `builds` counts every part built (EMBEDDING, HEAD, block index)."""
 
@@ -130,8 +137,15 @@ class _ProbeModel:
 
     def sync(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping],
              kv_table: Mapping) -> int | None:
-        if spec is not self.spec:  # a structural pass rewrote the model: nothing kept applies
-            self.spec, self.parts, self.kv_streams = spec, {}, []
+        if spec is not self.spec:  # a structural pass rewrote the model: keep the parts it did not touch
+            old = self.spec
+            if old is None or _global_fields(old) != _global_fields(spec) or len(old.layers) != len(spec.layers):
+                self.parts, self.kv_streams = {}, []
+            else:  # layers are replaced, never mutated: an unchanged layer is the same object
+                for i, (before, after) in enumerate(zip(old.layers, spec.layers, strict=True)):
+                    if before is not after:
+                        self.parts.pop(i, None)
+            self.spec = spec
         layers = len(spec.layers)
         changed = []
         try:

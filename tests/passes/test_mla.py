@@ -254,3 +254,22 @@ def test_hf_export_refuses_what_an_unquantized_checkpoint_cannot_compute(tiny_ch
     art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
     code, _out, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
     assert code != 0 and "KV cache is fp8_e4m3" in err and "BF16 cache" in err and not (tmp_path / "hf").exists()
+
+
+def test_a_rank_probe_rebuilds_and_reruns_only_the_converted_block(tiny_checkpoints):
+    """LogitKl keeps the parts a structural probe did not touch: converting layer 1 rebuilds block 1 alone,
+    and the KL equals a fresh measurement of the same graph."""
+    from collections import Counter
+
+    from kiln.optimizer.sensitivity import LogitKl
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = _tokens(graph.spec.vocab_size, count=8)
+    kept = LogitKl(graph, tokens)
+    assert kept(graph, 8) == pytest.approx(0.0, abs=1e-9)
+    before = Counter(kept.builds)
+    _convert_by_hand(graph, {1: (16, 16)}, tokens)
+    probed = kept(graph, 8)
+    assert Counter(kept.builds) - before == Counter({1: 1})
+    fresh = LogitKl(load_checkpoint(tiny_checkpoints["llama"]), tokens)(graph, 8)
+    assert probed > 0 and probed == pytest.approx(fresh, rel=1e-5)
