@@ -13,6 +13,7 @@ Writes a markdown table and a PNG (KV bytes per token, as a fraction of the sour
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,7 @@ def run(checkpoint: Path, fraction: float, heal_steps: int, fp8_latent: bool, pa
     return {"model": checkpoint.name, "fraction": fraction, "heal": heal_steps, "fp8": fp8_latent,
             "source_bytes": source, "bytes": after, "recovery": result.recovery, "kl": result.kl, "top1": result.top1,
             "layers": " ".join(ranks), "seconds": seconds, "decode_ms": decode_ms(engine),
-            "source_decode_ms": decode_ms(engine_from_graph(load_checkpoint(checkpoint))),
+            "source_decode_ms": source_decode_ms(checkpoint),
             "notes": "; ".join(n for r in records for n in r.result.notes)}
 
 
@@ -87,6 +88,12 @@ def decode_ms(engine, cached: int = 1024, steps: int = 32, repeats: int = 3) -> 
                 token = decode_one_token(model, token, torch.full((1, 1), cached + t), cache).argmax(-1, keepdim=True)
             best = min(best, (time.perf_counter() - start) / steps * 1e3)
     return best
+
+
+@functools.cache
+def source_decode_ms(checkpoint: Path) -> float:
+    """decode_ms of the source model, once per checkpoint."""
+    return decode_ms(engine_from_graph(load_checkpoint(checkpoint)))
 
 
 def meta_8b_rows(fractions: list[float]) -> list[str]:

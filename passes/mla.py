@@ -60,7 +60,7 @@ from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import Target
 from kiln.passes.base import Pass, PassContext, PassResult
 from kiln.passes.graph import ModelGraph
-from kiln.passes.weight_quant import TUNE_BUDGET, linear_weight_count
+from kiln.passes.weight_quant import TUNE_BUDGET, check_tune_budget, over_budget
 from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, RotarySpec
 
 BF16_BYTES = 2
@@ -317,8 +317,7 @@ class MlaConversion(Pass):
         if self.rope_dim is not None and (isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int)
                                           or self.rope_dim < 0 or self.rope_dim % 2):
             raise KilnError(f"rope_dim must be an even non-negative integer, got {self.rope_dim!r}")
-        if not isinstance(self.heal_budget, int | float) or not self.heal_budget > 0:
-            raise KilnError(f"heal_budget must be positive, got {self.heal_budget!r}")
+        check_tune_budget(self.heal_budget, "heal_budget")
         for field_name in ("heal_steps", "heal_batch_tokens", "sensitivity_paragraphs"):
             value = getattr(self, field_name)
             least = 0 if field_name == "heal_steps" else 1
@@ -369,13 +368,13 @@ class MlaConversion(Pass):
             if b.index not in options:
                 result.skipped[f"{b.prefix}.self_attn"] = "no rotary width and latent rank fit under its KV values"
         fixed = sum(_cached_values(b.attention) for b in graph.blocks if b.index not in options)
-        budget = self.budget(graph) - fixed
-        if budget < 0:
-            raise KilnError(f"KV budget of {self.budget(graph)} values per token is below the {fixed} the layers "
-                            "this pass cannot convert keep")
+        stated = self.budget(graph)
+        if stated < fixed:
+            raise KilnError(f"KV budget of {stated} values per token is below the {fixed} the layers this pass "
+                            "cannot convert keep")
         if not options:
             return result
-        choice = choose_ranks(options, budget, self.budget(graph))
+        choice = choose_ranks(options, stated - fixed, stated)
         eps = graph.spec.rms_norm_eps
         converted, record = [], {}
         for i, picked in choice.items():
@@ -492,12 +491,9 @@ class MlaConversion(Pass):
 
     def _heal(self, graph: ModelGraph, session, layers: list[int], ctx: PassContext) -> str:
         """Distil the converted layers' new projections and latent norms toward the source's logits."""
-        weights = linear_weight_count(graph)
-        cost = self.heal_steps * self.heal_batch_tokens * weights
-        if cost > self.heal_budget:
-            note = (f"not healed: {self.heal_steps} steps of {self.heal_batch_tokens} tokens on {weights / 1e6:.1f}M "
-                    f"weights is {cost:.2g} token-weights, over the healing budget of {self.heal_budget:.2g} "
-                    "(heal_budget)")
+        note = over_budget(graph, self.heal_steps, self.heal_batch_tokens, self.heal_budget, "not healed", "healing",
+                           "heal_budget")
+        if note is not None:
             ctx.log(note)
             return note
         start = time.perf_counter()

@@ -159,9 +159,21 @@ class TunedWeights:
     note: str
 
 
-def check_tune_budget(value: object) -> None:
+def check_tune_budget(value: object, field_name: str = "tune_budget") -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise KilnError(f"tune_budget must be a positive number (token-weights), got {value!r}")
+        raise KilnError(f"{field_name} must be a positive number (token-weights), got {value!r}")
+
+
+def over_budget(graph: ModelGraph, steps: int, batch_tokens: int, budget: float, skipped: str = "not tuned",
+                kind: str = "tuning", field_name: str = "tune_budget") -> str | None:
+    """Why a distillation of `steps` x `batch_tokens` on this model's linear weights is skipped (its cost in
+    token-weights is over `budget`: both models whole in fp32, step after step), or None when it fits."""
+    weights = linear_weight_count(graph)
+    cost = steps * batch_tokens * weights
+    if cost <= budget:
+        return None
+    return (f"{skipped}: {steps} steps of {batch_tokens} tokens on {weights / 1e6:.1f}M weights is {cost:.2g} "
+            f"token-weights, over the {kind} budget of {budget:.2g} ({field_name})")
 
 
 AWQ_EXACT_FLOPS = 2e10
@@ -179,11 +191,8 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
 
     Nothing is tuned when steps x batch tokens x the model's linear weights exceed `budget` (TUNE_BUDGET):
     the note says so."""
-    weights = linear_weight_count(graph)
-    cost = steps * batch_tokens * weights
-    if cost > budget:
-        note = (f"not tuned: {steps} steps of {batch_tokens} tokens on {weights / 1e6:.1f}M weights is {cost:.2g} "
-                f"token-weights, over the tuning budget of {budget:.2g} (tune_budget)")
+    note = over_budget(graph, steps, batch_tokens, budget)
+    if note is not None:
         log(note)
         return TunedWeights({}, {}, note)
     latents: dict[str, FakeQuantWeight] = {}
