@@ -97,6 +97,26 @@ one). For scale: stories260K on TinyStories ~5 of 512 (limit 64), on this reposi
 ~15 of 49152 (limit 6144)."""
 
 
+@dataclass(frozen=True)
+class Check:
+    """One pass/fail figure of `optimize gate`, as CI reports it (one JSON entry, one JUnit test case).
+    `relation` says how `value` is held to `floor`: ">=" a floor, "<=" a ceiling."""
+
+    name: str
+    value: float
+    floor: float
+    relation: str = ">="
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.value >= self.floor if self.relation == ">=" else self.value <= self.floor
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "value": self.value, "floor": self.floor, "relation": self.relation,
+                "passed": self.passed, "detail": self.detail}
+
+
 @dataclass
 class Score:
     nll: float  # summed over tokens
