@@ -347,21 +347,65 @@ def gate(
     min_top1: Annotated[float | None, typer.Option(help="floor on top-1 agreement (default: 1 less the agreement "
                                                    "the artifact's passes were each allowed to lose)")] = None,
     paragraphs: Annotated[int, typer.Option(help="first N paragraphs")] = 600,
+    decision: Annotated[str, typer.Option(help="point: the recovery figure must clear --min-recovery; lower: "
+                                          "the lower end of its 95% interval must")] = "point",
+    resamples: Annotated[int, typer.Option(help="bootstrap resamples for the recovery interval")] = 2000,
+    seed: Annotated[int, typer.Option(help="bootstrap seed (the interval is deterministic for a seed)")] = 0,
+    generate: Annotated[int, typer.Option(help="long-generation check: prompts (each paragraph's first 16 "
+                                          "tokens) decoded greedily by both models; 0 skips it")] = 32,
+    generate_tokens: Annotated[int, typer.Option(help="tokens each long generation decodes")] = 256,
+    min_gen_agreement: Annotated[float | None, typer.Option(help="floor, each quarter of the generation: fraction "
+                                                            "of the artifact's tokens the baseline would pick "
+                                                            "(default 0.8)")] = None,
+    min_distinct_ratio: Annotated[float | None, typer.Option(help="floor: the artifact's distinct-4 over the "
+                                                             "baseline's; a loop repeats its 4-grams (default "
+                                                             "0.75)")] = None,
+    min_first_divergence: Annotated[float | None, typer.Option(help="floor: median token where the generations "
+                                                               "first differ (default 4)")] = None,
+    tasks: Annotated[Path | None, typer.Option(help="lm-eval task YAML (local tasks, a floor per task in its "
+                                               "metadata) run on both models through the runtime")] = None,
+    task_limit: Annotated[int | None, typer.Option(help="first N documents of each task")] = None,
     any_baseline: Annotated[bool, typer.Option(help="compare against BASELINE even when it is not the "
                                                "artifact's recorded source")] = False,
     force: Annotated[bool, typer.Option(help="score text the baseline cannot read (perplexity above 1/8 of "
                                         "the vocabulary), with a warning")] = False,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    fmt: Annotated[str, typer.Option("--format", help="text (tables), json, markdown or junit (XML, one test "
+                                     "case per check), on stdout")] = "text",
+    as_json: Annotated[bool, typer.Option("--json", help="same as --format json")] = False,
+    junit: Annotated[Path | None, typer.Option(help="also write JUnit XML, one test case per check, to FILE")] = None,
 ) -> None:
-    """CI gate: exit 1 when the artifact against BASELINE falls below --min-recovery, above --max-kl or below
-    --min-top1."""
+    """CI gate: exit 1 when a check fails (recovery, KL, top-1, long generation, tasks), 2 on bad input.
+
+    Recovery comes with a 95% paired-bootstrap interval over the paragraphs; --decision lower holds its lower
+    end to the floor."""
     from kiln.optimizer.gate import check_floors
+    from kiln.optimizer.gate_report import FORMATS
 
     check_floors(min_recovery, max_kl, min_top1)
+    fmt = "json" if as_json else fmt
+    if fmt not in FORMATS:
+        raise KilnError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if decision not in ("point", "lower"):
+        raise KilnError(f"--decision must be point or lower, got {decision!r}")
+    if generate < 0:
+        raise KilnError(f"--generate must be >= 0 prompts, got {generate}")
+    if resamples < 1:
+        raise KilnError(f"--resamples must be >= 1, got {resamples}")
+    from kiln.optimizer.generation_check import GenerationFloors
+
+    given = {"agreement": min_gen_agreement, "distinct4_ratio": min_distinct_ratio,
+             "first_divergence": min_first_divergence}
+    gen_floors = GenerationFloors(**{name: value for name, value in given.items() if value is not None})
+    if tasks is not None and not tasks.is_file():
+        raise KilnError(f"--tasks {tasks}: no such file")
+    import time
+
+    started = time.perf_counter()
     from kiln import runtime
     from kiln.calibration.data import load_token_lists, token_cap
     from kiln.optimizer.gate import (
         AccuracyGate,
+        Check,
         artifact_floors,
         check_baseline,
         check_native_text,
@@ -376,42 +420,85 @@ def gate(
     recorded_kl, recorded_top1 = artifact_floors(engine.manifest)
     max_kl = recorded_kl if max_kl is None else max_kl
     min_top1 = recorded_top1 if min_top1 is None else min_top1
-    reference = engine_from_graph(source)
+    from kiln.runtime.engine import read_generation_defaults
+
+    reference = engine_from_graph(source, engine.tokenizer)
+    # the source decodes with its own generation defaults, as the artifact does with those it shipped
+    reference.repetition_penalty = read_generation_defaults(source.source.path / "generation_config.json").get(
+        "repetition_penalty", 1.0)
     if reference.spec.vocab_size != engine.spec.vocab_size:
         raise KilnError(f"baseline {baseline} has a vocabulary of {reference.spec.vocab_size} tokens, the artifact "
                         f"{engine.spec.vocab_size}: they are different models")
     context = min(reference.spec.max_position_embeddings, engine.spec.max_position_embeddings)
     tokens = load_token_lists(engine._tokenizer(), data, paragraphs, token_cap(context), log=_log)
     _log(f"scoring {len(tokens)} paragraphs of {data}: baseline, then artifact")
-    checker = AccuracyGate(reference, tokens)
+    checker = AccuracyGate(reference, tokens, resamples=resamples, seed=seed)
     check_native_text(checker.baseline.perplexity, reference.spec.vocab_size, f"the text {data.name}", force, _log)
     result = checker.compare(engine, min_recovery, max_kl, min_top1)
-    fields = {"recovery": result.recovery, "perplexity": result.perplexity,
+    low, high = result.recovery_interval
+    checks = [Check("recovery" if decision == "point" else "recovery (95% lower bound)",
+                    result.recovery if decision == "point" else low, min_recovery,
+                    detail=f"point {result.recovery:.5f}, 95% interval [{low:.5f}, {high:.5f}]"),
+              Check("KL (nats/token)", result.kl, max_kl, relation="<="),
+              Check("top-1 agreement", result.top1, min_top1)]
+    fields = {"recovery": result.recovery, "recovery_low": low, "recovery_high": high,
+              "confidence": 0.95, "resamples": resamples, "seed": seed, "documents": len(tokens),
+              "decision": decision, "perplexity": result.perplexity,
               "baseline_perplexity": result.baseline_perplexity, "kl": result.kl, "top1": result.top1,
               "tokens": result.tokens, "min_recovery": min_recovery, "max_kl": max_kl, "min_top1": min_top1,
-              "held": result.floors_held, "passed": result.passed, "suspect": result.suspect}
-    if as_json:
+              "suspect": result.suspect}
+    if generate:
+        from kiln.optimizer.generation_check import generation_prompts, long_generation
+
+        _log(f"long generation: {generate} prompts x {generate_tokens} tokens, baseline and artifact")
+        long = long_generation(engine, reference, generation_prompts(tokens, generate), generate_tokens)
+        checks += long.checks(gen_floors)
+        fields["generation"] = long.to_json()
+    if tasks is not None:
+        from kiln.optimizer.tasks import run_tasks
+
+        task_checks, task_results = run_tasks(tasks, engine, reference, limit=task_limit, log=_log)
+        checks += task_checks
+        fields["tasks"] = task_results
+    passed = all(c.passed for c in checks) and result.suspect is None
+    fields.update(held={"recovery": checks[0].passed, "kl": checks[1].passed, "top1": checks[2].passed},
+                  passed=passed, checks=[c.as_json() for c in checks])
+    seconds = time.perf_counter() - started
+    if junit is not None:
+        from kiln.optimizer.gate_report import junit_xml
+
+        junit.write_text(junit_xml(checks, f"gate {artifact.name}", seconds, result.suspect))
+    if fmt == "json":
         print(json.dumps(fields, indent=2))
+    elif fmt == "junit":
+        from kiln.optimizer.gate_report import junit_xml
+
+        print(junit_xml(checks, f"gate {artifact.name}", seconds, result.suspect), end="")
+    elif fmt == "markdown":
+        from kiln.optimizer.gate_report import markdown
+
+        print(markdown(fields, checks, f"Kiln gate: {artifact.name} against {baseline}"), end="")
     else:
-        held = result.floors_held
-        table = Table(title=f"gate: {artifact} against {baseline}", show_header=False)
-        table.add_column("figure")
-        table.add_column("value", justify="right")
-        table.add_column("floor", justify="right")
-        table.add_row("recovery (baseline ppl / artifact ppl)", f"{result.recovery:.5f}",
-                      f">= {min_recovery} ({'held' if held['recovery'] else 'FAILED'})")
-        table.add_row("KL (nats/token)", f"{result.kl:.5f}", f"<= {max_kl:g} ({'held' if held['kl'] else 'FAILED'})")
-        table.add_row("top-1 agreement", f"{result.top1:.5f}",
-                      f">= {min_top1:g} ({'held' if held['top1'] else 'FAILED'})")
-        table.add_row("artifact perplexity", f"{result.perplexity:.5f}", "")
-        table.add_row("baseline perplexity", f"{result.baseline_perplexity:.5f}", "")
-        table.add_row("tokens scored", str(result.tokens), "")
-        table.add_row("result", "passed" if result.passed else "FAILED", "")
-        out.print(table)
+        out.print(_checks_table(checks, f"gate: {artifact} against {baseline}", passed))
+        out.print(f"recovery {result.recovery:.5f}, 95% interval [{low:.5f}, {high:.5f}] ({resamples} paired "
+                  f"bootstrap resamples over {len(tokens)} paragraphs, seed {seed}); perplexity "
+                  f"{result.perplexity:.5f} vs baseline {result.baseline_perplexity:.5f} over {result.tokens} tokens")
     if result.suspect:
         raise BelowFloor(f"implausible result, not a pass: {result.suspect}")
-    if not result.passed:
-        raise BelowFloor("; ".join(result.failures))
+    failed = [c.failure for c in checks if not c.passed]
+    if failed:
+        raise BelowFloor(f"{len(failed)} of {len(checks)} checks failed: " + "; ".join(failed))
+
+
+def _checks_table(checks, title: str, passed: bool) -> Table:
+    table = Table(title=title)
+    for col in ("check", "value", "floor", "result", "detail"):
+        table.add_column(col, justify="right" if col in ("value", "floor") else "left", overflow="fold")
+    for c in checks:
+        table.add_row(c.name, f"{c.value:.5g}", f"{c.relation} {c.floor:g}", "pass" if c.passed else "FAILED",
+                      c.detail)
+    table.caption = "passed" if passed else "FAILED"
+    return table
 
 
 @app.command("export")
@@ -429,6 +516,46 @@ def export_(
     from kiln.optimizer.export import export, export_summary
 
     out.print(export_summary(export(artifact, fmt, output, overwrite), fmt))
+
+
+@app.command("report")
+def report_(
+    target: Annotated[Path, typer.Argument(help="artifact directory, or a Hugging Face config.json (or a directory "
+                                          "holding one) for figures without weights")],
+    gpu: Annotated[str, typer.Option("--gpu", help="GPUs to price, comma-separated: h100, h200, b200")] = "h100,h200,b200",
+    price_per_hour: Annotated[str | None, typer.Option(
+        "--price-per-hour", help="$ per GPU-hour: one number for every GPU, or pairs like h100=3.1,b200=6 (default: "
+        "neocloud on-demand rates, H100 $3.40)")] = None,
+    context: Annotated[int, typer.Option(help="decode context: KV tokens each sequence holds")] = 4096,
+    weights: Annotated[str | None, typer.Option(help="config only: assumed weights bf16, fp8 (W8A8) or nvfp4")] = None,
+    kv: Annotated[str | None, typer.Option(help="config only: assumed KV cache bf16, fp8 or nvfp4")] = None,
+    tau: Annotated[float | None, typer.Option(help="speculation: mean tokens a verification step yields (overrides "
+                                              "an artifact's recorded tau)")] = None,
+    draft_tokens: Annotated[int, typer.Option(help="speculation: draft tokens verified per step")] = 3,
+    gpus_per_replica: Annotated[int, typer.Option(help="GPUs serving one copy of the model (their HBM, bandwidth "
+                                                  "and FLOPs added up; price multiplied)")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="directory to write report.md and "
+                                                "economics_waterfall.png into")] = None,
+) -> None:
+    """Economics: weight and KV bytes, concurrency, decode roofline tokens/s and $/Mtok per GPU, and what each pass
+    buys against its honest baseline."""
+    from kiln.optimizer import economics as econ
+
+    gpus = econ.parse_gpus(gpu)
+    prices = econ.parse_prices(price_per_hour, gpus)
+    speculation = econ.Speculation(tau, draft_tokens) if tau is not None else None
+    scenario = econ.load_scenario(target, weights, kv, speculation)
+    report = econ.economics_report(scenario, gpus, prices, context, gpus_per_replica)
+    if output is not None:
+        paths = econ.write_report(report, output)
+        console.print(f"wrote {', '.join(map(str, paths))}")
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    for table in econ.economics_tables(report):
+        out.print(table)
+    out.print(econ.not_modelled_text(report))
 
 
 def _click_exception_type() -> type[Exception]:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.calibration.data import FORWARD_BATCH_TOKENS, length_batches
@@ -112,6 +113,12 @@ class Check:
     def passed(self) -> bool:
         return self.value >= self.floor if self.relation == ">=" else self.value <= self.floor
 
+    @property
+    def failure(self) -> str:
+        """The phrase CI prints when the check fails."""
+        return (f"{self.name} {self.value:.5g} is "
+                f"{'below the floor' if self.relation == '>=' else 'above the ceiling'} {self.floor:g}")
+
     def as_json(self) -> dict:
         return {"name": self.name, "value": self.value, "floor": self.floor, "relation": self.relation,
                 "passed": self.passed, "detail": self.detail}
@@ -172,44 +179,86 @@ def score(engine: Engine, token_lists: Sequence[Sequence[int]], progress=None) -
     return Score(nll, count)
 
 
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+CONFIDENCE = 0.95
+
+
+def recovery_interval(baseline_nll: Sequence[float], candidate_nll: Sequence[float], tokens: Sequence[int],
+                      resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
+                      confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Percentile interval on recovery = exp(-(NLL_candidate - NLL_baseline) / tokens) by a paired bootstrap
+    over documents: each resample draws len(tokens) documents with replacement and keeps each one's baseline
+    and candidate NLL together, so what the two models share (a hard document is hard for both) cancels.
+    Deterministic for a given seed (numpy's PCG64)."""
+    if resamples < 1:
+        raise KilnError(f"--resamples must be >= 1, got {resamples}")
+    diff = np.asarray(candidate_nll, dtype=np.float64) - np.asarray(baseline_nll, dtype=np.float64)
+    counts = np.asarray(tokens, dtype=np.float64)
+    if diff.shape != counts.shape or diff.ndim != 1 or len(diff) == 0:
+        raise ValueError("one NLL pair and one token count per document are needed")
+    rng = np.random.default_rng(seed)
+    stats = np.empty(resamples)
+    block = max(1, 2**22 // len(diff))  # resamples per draw: [block, documents] indices stay under 32 MiB
+    for start in range(0, resamples, block):
+        picks = rng.integers(0, len(diff), size=(min(block, resamples - start), len(diff)))
+        stats[start:start + len(picks)] = np.exp(-diff[picks].sum(1) / counts[picks].sum(1))
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(stats, [tail, 1 - tail])
+    return float(low), float(high)
+
+
 class AccuracyGate:
     """Callable gate: holds the baseline's final hidden states and lm_head once, and scores each candidate graph
     against them, baseline and candidate logits side by side a HEAD_CHUNK of positions at a time.
 
     Only the baseline's lm_head is kept, not its model, so a build holds one model beside the candidate's."""
 
-    def __init__(self, baseline: Engine, token_lists: Sequence[Sequence[int]], progress=None):
+    def __init__(self, baseline: Engine, token_lists: Sequence[Sequence[int]], progress=None,
+                 resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED):
         self.token_lists = list(token_lists)
         self.progress = progress
+        self.resamples, self.seed = resamples, seed
         self.baseline_head = baseline.model.lm_head
         self.baseline_hidden: list[torch.Tensor | None] = [None] * len(self.token_lists)  # [n-1, C] per list
-        nll, count = 0.0, 0
+        self.scored = np.array([len(t) - 1 for t in self.token_lists])  # tokens scored per document
+        self.baseline_nll = np.zeros(len(self.token_lists))  # per document, for the paired bootstrap
         for batch, hidden, targets in next_token_states(baseline, self.token_lists, progress):
             start = 0
             for i in batch:
                 self.baseline_hidden[i] = hidden[start:start + len(self.token_lists[i]) - 1]
                 start += len(self.token_lists[i]) - 1
-            for rows, lp in head_log_probs(self.baseline_head, hidden):
-                nll -= float(lp.gather(1, targets[rows, None]).sum())
-            count += len(targets)
-        self.baseline = Score(nll, count)
+            nll = torch.cat([-lp.gather(1, targets[rows, None])[:, 0]
+                             for rows, lp in head_log_probs(self.baseline_head, hidden)])
+            self._add_per_document(self.baseline_nll, batch, nll)
+        self.baseline = Score(float(self.baseline_nll.sum()), int(self.scored.sum()))
+
+    def _add_per_document(self, into: np.ndarray, batch: Sequence[int], per_token: torch.Tensor) -> None:
+        """Sum a batch's per-token figures ([N], documents one after another in `batch` order) per document."""
+        sums = torch.split(per_token.double(), [int(self.scored[i]) for i in batch])
+        for i, part in zip(batch, sums, strict=True):
+            into[i] += float(part.sum())
 
     def compare(self, candidate: Engine, floor: float, max_kl: float | None = None,
                 min_top1: float | None = None) -> GateResult:
         start = time.perf_counter()
-        nll, kl, agree, count = 0.0, 0.0, 0, 0
+        kl, agree = 0.0, 0
+        nll = np.zeros(len(self.token_lists))
         for batch, hidden, targets in next_token_states(candidate, self.token_lists, self.progress):
             base_hidden = torch.cat([self.baseline_hidden[i] for i in batch])
+            token_nll = []
             for (rows, lp), (_, base) in zip(head_log_probs(candidate.head_logits, hidden),
                                              head_log_probs(self.baseline_head, base_hidden), strict=True):
-                nll -= float(lp.gather(1, targets[rows, None]).sum())
+                token_nll.append(-lp.gather(1, targets[rows, None])[:, 0])
                 kl += float(kl_terms(base, lp).sum())
                 agree += int((base.argmax(-1) == lp.argmax(-1)).sum())
-            count += len(targets)
+            self._add_per_document(nll, batch, torch.cat(token_nll))
+        count = self.baseline.tokens
         return GateResult(
-            perplexity=math.exp(nll / count), baseline_perplexity=self.baseline.perplexity,
+            perplexity=math.exp(nll.sum() / count), baseline_perplexity=self.baseline.perplexity,
             kl=kl / count, top1=agree / count, tokens=count, floor=floor, max_kl=max_kl, min_top1=min_top1,
             seconds=time.perf_counter() - start,
+            recovery_interval=recovery_interval(self.baseline_nll, nll, self.scored, self.resamples, self.seed),
         )
 
     def __call__(self, graph: ModelGraph, floor: float, metrics: Sequence[PassMetric] = (),

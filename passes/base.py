@@ -110,6 +110,8 @@ class GateResult:
     min_top1: float | None = None  # least pass_top1
     reference_kl: float = 0.0  # KL and top-1 of the graph this pass started from (0 and 1 for the first pass)
     reference_top1: float = 1.0
+    # 95% paired-bootstrap interval on `recovery` over the scored documents (optimizer.gate.recovery_interval)
+    recovery_interval: tuple[float, float] | None = None
 
     @property
     def recovery(self) -> float:
@@ -174,6 +176,8 @@ class GateResult:
                "kl": round(self.kl, 8), "pass_kl": round(self.pass_kl, 8), "top1": round(self.top1, 6),
                "pass_top1": round(self.pass_top1, 6), "tokens": self.tokens, "floor": self.floor,
                "max_kl": self.max_kl, "min_top1": self.min_top1, "held": self.floors_held, "passed": self.passed}
+        if self.recovery_interval is not None:
+            out["recovery_low"], out["recovery_high"] = (round(x, 6) for x in self.recovery_interval)
         if self.suspect:
             out["suspect"] = self.suspect
         if self.metrics:

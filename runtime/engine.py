@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,26 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def penalize_repeats(logits: torch.Tensor, seen: Sequence[Sequence[int]], penalty: float) -> torch.Tensor:
+    """The repetition penalty of transformers and vLLM: for each row's tokens already in its prompt or output,
+    a positive logit is divided by `penalty` and a negative one multiplied (above 1 discourages repeats, below
+    1 encourages them, 1 changes nothing)."""
+    if penalty == 1.0:
+        return logits
+    logits = logits.clone()
+    for row, tokens in enumerate(seen):
+        index = torch.as_tensor(sorted(set(tokens)), dtype=torch.long)
+        picked = logits[row, index]
+        logits[row, index] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def check_repetition_penalty(penalty) -> float:
+    if isinstance(penalty, bool) or not isinstance(penalty, int | float) or not 0 < penalty < float("inf"):
+        raise KilnError(f"repetition_penalty must be a finite number > 0 (1 = off), got {penalty!r}")
+    return float(penalty)
+
+
 @dataclass
 class Generation:
     text: str
@@ -65,8 +86,11 @@ class Engine:
 
     def __init__(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping],
                  tokenizer=None, manifest: dict | None = None, kv_cache: Mapping | None = None,
-                 kv_block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_blocks: int | None = None):
+                 kv_block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_blocks: int | None = None,
+                 repetition_penalty: float = 1.0):
         self.spec = spec
+        # the default for generate_ids, as the artifact's generation_config.json sets it for every server
+        self.repetition_penalty = check_repetition_penalty(repetition_penalty)
         self.model = Transformer(spec, tensors, formats).eval()
         self.tokenizer = tokenizer
         self.manifest = manifest or {}
@@ -149,7 +173,11 @@ class Engine:
     @torch.inference_mode()
     def generate_ids(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                      top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int | None = None,
-                     stop_check=None) -> list[tuple[list[int], str]]:
+                     stop_check=None, repetition_penalty: float | None = None) -> list[tuple[list[int], str]]:
+        """Continue each prompt (token ids). Greedy when temperature is 0. `repetition_penalty` None: the
+        engine's (the artifact's generation_config.json, else 1)."""
+        penalty = check_repetition_penalty(self.repetition_penalty if repetition_penalty is None
+                                           else repetition_penalty)
         if max_new_tokens < 0:
             raise KilnError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if not 0 < top_p <= 1:
@@ -194,8 +222,9 @@ class Engine:
                     for row, logits in zip(admitted, self._prefill_rows(cache, admitted, prompts), strict=True):
                         next_logits[row], position[row] = logits, len(prompts[row])
                 active = sorted(running + admitted)
-                next_tokens = sample(torch.stack([next_logits.pop(row) for row in active]), temperature, top_p,
-                                     generator).tolist()
+                logits = penalize_repeats(torch.stack([next_logits.pop(row) for row in active]),
+                                          [list(prompts[row]) + outputs[row] for row in active], penalty)
+                next_tokens = sample(logits, temperature, top_p, generator).tolist()
                 running = []
                 for row, token in zip(active, next_tokens, strict=True):
                     if token in stop_ids:
@@ -236,7 +265,8 @@ class Engine:
         return logits[torch.arange(len(rows)), lengths - 1]
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None) -> list[Generation]:
+                 top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
+                 repetition_penalty: float | None = None) -> list[Generation]:
         """Generate continuations for a batch of prompts of any lengths. Greedy when temperature is 0."""
         tok = self._tokenizer()
         if isinstance(prompts, str):
@@ -249,7 +279,7 @@ class Engine:
             return any(s in text for s in stop)
 
         results = self.generate_ids(ids, max_new_tokens, temperature, top_p, self.spec.eos_token_ids, seed,
-                                    stop_check if stop else None)
+                                    stop_check if stop else None, repetition_penalty)
         generations = []
         for prompt_ids, (out, reason) in zip(ids, results, strict=True):
             # decode prompt + continuation together so word-boundary spaces survive, then drop the prompt
@@ -292,4 +322,32 @@ def load(path: Path | str) -> Engine:
         raise KilnError(f"{clip(weights)}: cannot read weights: {clip(str(exc).strip(), 120)}") from None
     spec = spec_from_json(manifest["architecture"])  # the structure the passes left, not the source's config
     tokenizer = load_tokenizer(root) if has_tokenizer(manifest) else None
-    return Engine(spec, tensors, manifest["formats"], tokenizer, manifest)
+    return Engine(spec, tensors, manifest["formats"], tokenizer, manifest,
+                  repetition_penalty=generation_defaults(root, manifest).get("repetition_penalty", 1.0))
+
+
+def generation_defaults(root: Path, manifest: dict) -> dict:
+    """The sampling defaults of the artifact's generation_config.json that the runtime applies (as vLLM does
+    with --generation-config auto): repetition_penalty."""
+    if "generation_config.json" not in (manifest.get("files") or {}):
+        return {}
+    return read_generation_defaults(artifact_file(root, manifest, "generation_config.json"))
+
+
+def read_generation_defaults(path: Path) -> dict:
+    """generation_config.json's defaults the runtime applies ({} when the file is absent)."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KilnError(f"{clip(path)}: not valid JSON: {clip(str(exc), 100)}") from None
+    if not isinstance(data, dict):
+        raise KilnError(f"{clip(path)}: must hold a JSON object")
+    out = {}
+    if data.get("repetition_penalty") is not None:
+        try:
+            out["repetition_penalty"] = check_repetition_penalty(data["repetition_penalty"])
+        except KilnError as exc:
+            raise KilnError(f"{clip(path)}: {exc}") from None
+    return out

@@ -170,7 +170,8 @@ def test_foreign_text_is_refused_unless_forced(cli, stories_artifact, tmp_path):
     assert "of 512 tokens" in error and "--force" in error and "Traceback" not in stderr
     code, stdout, stderr = cli("eval", stories_artifact, "--data", text, "--force", "--json")
     assert code == 0 and "warning:" in stderr and json.loads(stdout)["perplexity"] > 512 / 8
-    gate_args = ("gate", stories_artifact, "--baseline", STORIES, "--data", text, "--min-recovery", "0.9")
+    gate_args = ("gate", stories_artifact, "--baseline", STORIES, "--data", text, "--min-recovery", "0.9",
+                 "--generate", "0")
     code, _, stderr = cli(*gate_args)
     assert code == 2 and "foreign to the model" in stderr.strip().splitlines()[-1]
     assert cli(*gate_args, "--force")[0] == 0  # the artifact is its source: every floor holds
@@ -185,7 +186,7 @@ def test_foreign_text_is_refused_unless_forced(cli, stories_artifact, tmp_path):
 @needs_stories
 def test_gate_json_shows_every_floor_and_fails_on_any(cli, stories_artifact):
     args = ("gate", stories_artifact, "--baseline", STORIES, "--data", EVAL_TEXT, "--paragraphs", "20",
-            "--min-recovery", "0.9", "--json")
+            "--min-recovery", "0.9", "--json", "--generate", "0")
     code, stdout, _ = cli(*args)
     result = json.loads(stdout)
     assert code == 0 and (result["max_kl"], result["min_top1"]) == (0.0, 1.0)  # no passes: identical required
