@@ -19,6 +19,7 @@ from kiln.kernels.errors import BelowFloor, KilnError
 from kiln.kernels.progress import stage
 from kiln.kernels.targets import get_target
 from kiln.optimizer.defaults import default_data
+from kiln.optimizer.economics import build_economics
 from kiln.optimizer.gate import AccuracyGate, check_floors, check_native_text, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, write_artifact
@@ -181,6 +182,9 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     path = None
     if output is not None:
         with stage("write artifact"):
-            path = write_artifact(graph, Path(output), manifest, render_report(manifest_preview), overwrite,
-                                  extra_files=precision_files(manifest.get("precision")), inputs=inputs)
+            economics, economics_files = build_economics(manifest_preview, graph.spec, source_spec)
+            report = render_report(manifest_preview) + "\n" + "\n".join(economics) + "\n"
+            path = write_artifact(graph, Path(output), manifest, report, overwrite,
+                                  extra_files={**precision_files(manifest.get("precision")), **economics_files},
+                                  inputs=inputs)
     return BuildResult(path, graph, records, manifest_preview, weight_bytes)

@@ -70,6 +70,8 @@ def _gate_table(records_json: list[dict]) -> Table:
             ("baseline ppl", lambda p, g: f"{g['baseline_perplexity']:.4f}"),
             ("perplexity", lambda p, g: f"{g['perplexity']:.4f}"),
             ("recovery", lambda p, g: f"{g['recovery']:.4f}"),
+            ("recovery 95% interval", lambda p, g: f"{g['recovery_low']:.4f}-{g['recovery_high']:.4f}"
+             if "recovery_low" in g else ""),
             ("pass recovery", lambda p, g: f"{g.get('pass_recovery', g['recovery']):.4f}"),
             ("KL nats/token", lambda p, g: f"{g['kl']:.5f}"),
             ("pass KL", lambda p, g: f"{g.get('pass_kl', g['kl']):.5f}"),
@@ -522,7 +524,8 @@ def export_(
 def report_(
     target: Annotated[Path, typer.Argument(help="artifact directory, or a Hugging Face config.json (or a directory "
                                           "holding one) for figures without weights")],
-    gpu: Annotated[str, typer.Option("--gpu", help="GPUs to price, comma-separated: h100, h200, b200")] = "h100,h200,b200",
+    gpu: Annotated[str, typer.Option("--gpu", help="GPUs to price, comma-separated: h100, h200, b200")] = \
+        "h100,h200,b200",
     price_per_hour: Annotated[str | None, typer.Option(
         "--price-per-hour", help="$ per GPU-hour: one number for every GPU, or pairs like h100=3.1,b200=6 (default: "
         "neocloud on-demand rates, H100 $3.40)")] = None,

@@ -53,6 +53,11 @@ def floor_cell(gate: dict, key: str, relation: str, floor: float | None) -> str:
     return f"{relation} {floor:g}" + ("" if held is None else " held" if held else " FAILED")
 
 
+def _interval(gate: dict) -> str:
+    """ (low-high): the 95% paired-bootstrap interval on recovery, where the gate recorded one."""
+    return f" ({gate['recovery_low']:.4f}-{gate['recovery_high']:.4f})" if "recovery_low" in gate else ""
+
+
 def render_report(manifest: dict) -> str:
     sizes = manifest["sizes"]
     src, now = sizes["source_weight_bytes"], sizes["weight_bytes"]
@@ -75,7 +80,8 @@ def render_report(manifest: dict) -> str:
         "## Gate",
         "",
     ]
-    lines += [("Recovery, KL and top-1 are against the source; the floors apply to what each pass costs itself "
+    lines += [("Recovery, KL and top-1 are against the source (recovery with its 95% paired-bootstrap interval over "
+               "the scored paragraphs); the floors apply to what each pass costs itself "
                "(its figures against the graph it started from: the pass columns)."), "",
               ("| pass | decision | baseline ppl | ppl | recovery | pass recovery | KL | pass KL | top-1 | pass top-1 "
                "| recovery floor | KL ceiling | top-1 floor |"),
@@ -86,7 +92,7 @@ def render_report(manifest: dict) -> str:
             lines.append(f"| {p['name']} | {p['decision']} |" + " |" * 11)
         else:
             lines.append(f"| {p['name']} | {p['decision']} | {g['baseline_perplexity']:.4f} | {g['perplexity']:.4f} | "
-                         f"{g['recovery']:.4f} | {g.get('pass_recovery', g['recovery']):.4f} | {g['kl']:.5f} | "
+                         f"{g['recovery']:.4f}{_interval(g)} | {g.get('pass_recovery', g['recovery']):.4f} | {g['kl']:.5f} | "
                          f"{g.get('pass_kl', g['kl']):.5f} | {g['top1']:.4f} | {g.get('pass_top1', g['top1']):.4f} | "
                          f"{floor_cell(g, 'recovery', '≥', g['floor'])} | {floor_cell(g, 'kl', '≤', g.get('max_kl'))} | "
                          f"{floor_cell(g, 'top1', '≥', g.get('min_top1'))} |")
