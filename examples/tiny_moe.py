@@ -14,6 +14,9 @@ smaller blocks to have several, and kv_a_proj_with_mqa's 24 rows end in a partia
 embedding and lm_head in bfloat16, and quantization_config {"quant_method": "fp8", "fmt": "e4m3",
 "activation_scheme": "dynamic", "weight_block_size": [16, 16]}. `optimize build` reads it back as its
 dequantized weights (optimizer/prequantized.py).
+
+OUT_DIR/deepseek_v3 carries one multi-token-prediction layer (`add_mtp_layer`, random like the rest), which
+the runtime drafts with: `optimize generate ART PROMPT --speculative`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,38 @@ from tests.tiny_models import TINY_CONFIGS, make_tiny_checkpoint
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 FP8_BLOCK = (16, 16)
+
+
+def add_mtp_layer(path: Path, seed: int = 1) -> Path:
+    """Give the DeepSeek-V3 checkpoint at `path` one multi-token-prediction layer, laid out as DeepSeek's
+    official checkpoint stores it (transformers drops MTP weights when it saves): `num_nextn_predict_layers: 1`
+    and, as layer N (N = num_hidden_layers), a decoder layer shaped like layer N-1 (random), enorm, hnorm,
+    eh_proj [hidden, 2 hidden], shared_head.norm and shared_head.head, and its copy of the embedding."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    last, new = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    for name in [t for t in tensors if t.startswith(last)]:
+        like = tensors[name]
+        value = (torch.ones_like(like) if name.endswith("norm.weight") or "layernorm" in name
+                 else torch.randn(like.shape, generator=gen, dtype=torch.float32).to(like.dtype) * float(like.float().std()))
+        tensors[new + name[len(last):]] = value
+    ones = torch.ones(hidden, dtype=tensors["model.norm.weight"].dtype)
+    tensors.update({f"{new}enorm.weight": ones.clone(), f"{new}hnorm.weight": ones.clone(),
+                    f"{new}shared_head.norm.weight": ones.clone(),
+                    f"{new}eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen) * (2 * hidden) ** -0.5,
+                    f"{new}shared_head.head.weight": tensors["lm_head.weight"].clone(),
+                    f"{new}embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
 
 
 def is_fp8_linear(name: str) -> bool:
@@ -88,6 +123,8 @@ def main(out: Path, fp8_block: bool = False) -> None:
             write_fp8_block_deepseek(path, overrides={"vocab_size": vocab})
         else:
             make_tiny_checkpoint(model_type, path, overrides={"vocab_size": vocab})
+            if model_type == "deepseek_v3":
+                add_mtp_layer(path)  # speculative decoding drafts with it
         for file in TOKENIZER_FILES:
             if (source / file).is_file():
                 shutil.copy(source / file, path / file)

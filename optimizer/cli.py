@@ -307,15 +307,52 @@ def eval_(
     force: Annotated[bool, typer.Option(help="score text the model cannot read (perplexity above 1/8 of the "
                                         "vocabulary), with a warning")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    speculative: Annotated[bool, typer.Option(help="also decode each paragraph's first 16 tokens greedily for 64 "
+                                              "tokens, with and without speculative decoding: tau, identical "
+                                              "outputs, tokens/s")] = False,
+    draft_tokens: Annotated[int, typer.Option(help="speculative: tokens drafted per target forward")] = 4,
+    draft: Annotated[str, typer.Option(help="speculative drafter: auto, head, prompt-lookup")] = "auto",
 ) -> None:
     """Perplexity of an artifact on a text file, through the runtime, within the model's context."""
-    _, tokens, s = _score_artifact(artifact, data, paragraphs, force)
+    engine, tokens, s = _score_artifact(artifact, data, paragraphs, force)
     result = {"perplexity": s.perplexity, "nll_per_token": s.nll / s.tokens, "tokens": s.tokens,
               "paragraphs": len(tokens)}
+    if speculative:
+        result.update(_speculative_eval(engine, tokens, draft, draft_tokens))
     if as_json:
         print(json.dumps(result, indent=2))
     else:
         out.print(f"perplexity {s.perplexity:.4f} over {s.tokens} tokens ({len(tokens)} paragraphs)")
+        if speculative:
+            out.print(f"speculative ({result['drafter']}, k={draft_tokens}): tau {result['tau']:.3f}, "
+                      f"{result['identical']}/{result['prompts']} outputs identical to plain greedy decoding, "
+                      f"{result['tokens_per_s']:.1f} vs {result['plain_tokens_per_s']:.1f} tokens/s")
+
+
+SPECULATIVE_PROMPT_TOKENS, SPECULATIVE_NEW_TOKENS = 16, 64
+
+
+def _speculative_eval(engine, tokens, draft: str, draft_tokens: int) -> dict:
+    """Greedy decoding of each paragraph's first 16 tokens, 64 new, plain and speculative, all prompts in one
+    batch: tau, how many outputs are identical, and tokens/s of each."""
+    import time
+
+    prompts = [t[:SPECULATIVE_PROMPT_TOKENS] for t in tokens if len(t) >= SPECULATIVE_PROMPT_TOKENS]
+    if not prompts:
+        raise KilnError(f"--speculative needs paragraphs of at least {SPECULATIVE_PROMPT_TOKENS} tokens")
+    drafter = engine.drafter(draft)
+    start = time.perf_counter()
+    plain = engine.generate_ids(prompts, SPECULATIVE_NEW_TOKENS, stop_ids=engine.spec.eos_token_ids)
+    plain_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    spec, stats = engine.speculative_ids(prompts, SPECULATIVE_NEW_TOKENS, draft_tokens, drafter,
+                                         stop_ids=engine.spec.eos_token_ids)
+    spec_seconds = time.perf_counter() - start
+    count = sum(len(o) for o, _ in plain)
+    return {"drafter": type(drafter).__name__, "draft_tokens": draft_tokens, "prompts": len(prompts),
+            "identical": sum(a == b for a, b in zip(plain, spec, strict=True)), "tau": stats.tau,
+            "acceptance": stats.acceptance, "tokens_per_s": sum(len(o) for o, _ in spec) / spec_seconds,
+            "plain_tokens_per_s": count / plain_seconds}
 
 
 @app.command()
@@ -327,6 +364,14 @@ def generate(
     top_p: Annotated[float, typer.Option(help="nucleus sampling")] = 1.0,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
     seed: Annotated[int | None, typer.Option(help="sampling seed")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(help="above 1 discourages repeats, below 1 "
+                                                             "encourages them (default: the artifact's "
+                                                             "generation_config.json, else 1)")] = None,
+    speculative: Annotated[bool, typer.Option(help="speculative decoding: draft tokens, verify them in one "
+                                              "target forward (greedy output is plain decoding's)")] = False,
+    draft_tokens: Annotated[int, typer.Option(help="speculative: tokens drafted per target forward")] = 4,
+    draft: Annotated[str, typer.Option(help="speculative drafter: auto (the artifact's draft head or MTP layer, "
+                                       "else prompt-lookup), head, prompt-lookup")] = "auto",
 ) -> None:
     """Generate text from an artifact with the slim runtime."""
     from kiln import runtime
@@ -334,8 +379,14 @@ def generate(
     if temperature < 0:
         raise KilnError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
     engine = runtime.load(artifact)
-    for p, g in zip(prompt, engine.generate(prompt, max_new_tokens, temperature, top_p, stop, seed), strict=True):
+    drafter = engine.drafter(draft) if speculative else None
+    for p, g in zip(prompt, engine.generate(prompt, max_new_tokens, temperature, top_p, stop, seed,
+                                            repetition_penalty, speculative, draft_tokens, drafter), strict=True):
         print(p + g.text)
+    if speculative:
+        stats = engine.last_speculative
+        _log(f"speculative ({draft}): tau {stats.tau:.3f} tokens per target call over {stats.steps} verifications, "
+             f"{stats.accepted} of {stats.drafted} drafts accepted")
 
 
 @app.command()

@@ -35,6 +35,7 @@ import yaml
 from kiln.kernels.errors import KilnError
 from kiln.passes.auto_precision import AutoPrecision
 from kiln.passes.base import Pass
+from kiln.passes.draft_head import DraftHead
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.passes.mla import MlaConversion
 from kiln.passes.production_precision import ProductionPrecision
@@ -47,6 +48,7 @@ BUILTIN_PASSES: dict[str, type[Pass]] = {
     AutoPrecision.name: AutoPrecision,
     ProductionPrecision.name: ProductionPrecision,
     MlaConversion.name: MlaConversion,
+    DraftHead.name: DraftHead,
 }
 
 BEST_TUNE_STEPS = 200  # end-to-end tuning steps of the FP4 recipes (weight-quant, production)
@@ -84,6 +86,9 @@ BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
     # GPTQ values, then 200 steps of end-to-end tuning (the best calibration there is; a recipe file with
     # method: rtn and tune_steps: 0 builds in seconds)
     "production": lambda: [ProductionPrecision(method="gptq", tune_steps=BEST_TUNE_STEPS)],
+    # an EAGLE-style draft head self-distilled from the target (after the passes that change the target), or a
+    # DeepSeek-V3 checkpoint's own MTP layer; its gate metric is tau, tokens per target call
+    "draft-head": lambda: [DraftHead()],
 }
 
 # Recipes that take the weight budget (--weight-bits / --weight-bytes); the budget matches nothing else.

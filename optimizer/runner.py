@@ -9,6 +9,9 @@ modules on the calibration tokens.
     runner.estimated_kl(graph, candidates, n)   each candidate's KL from one gradient pass (optimizer.fisher):
                                      what precision passes use where measuring every probe costs too much
     runner.logits(graph, lists)      full-sequence logits through the runtime (optimizer.gate.engine_from_graph)
+    runner.generate(graph, prompts, n)   greedy continuations through the runtime
+    runner.draft_distillation(graph, module, init, extra)   a draft head's self-distillation objective on all
+                                     the calibration text plus `extra` token lists (optimizer.draft_training)
 
 The source is the graph as it stands when the runner is made (before any pass): passes replace tensors, never
 change them in place, so holding it by reference costs nothing.
@@ -65,3 +68,14 @@ class RuntimeRunner:
     @torch.inference_mode()
     def logits(self, graph: ModelGraph, token_lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         return engine_from_graph(graph).logits(token_lists)
+
+    @torch.inference_mode()
+    def generate(self, graph: ModelGraph, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        engine = engine_from_graph(graph)
+        return [tokens for tokens, _ in engine.generate_ids(prompts, max_new_tokens, stop_ids=())]
+
+    def draft_distillation(self, graph: ModelGraph, module, init, extra_token_lists, max_batch_tokens: int = 2048):
+        from kiln.optimizer.draft_training import DraftDistillation
+
+        text = [*self._calibrator.token_lists, *extra_token_lists]  # every calibration paragraph, then the extra
+        return DraftDistillation(graph, module, init, text, max_batch_tokens)

@@ -248,6 +248,16 @@ class ModelRunner(Protocol):
     def logits(self, graph: ModelGraph, token_lists: Sequence[Sequence[int]]) -> list[Any]:
         """Full-sequence logits [len, vocab] of the graph as it stands, per token list."""
 
+    def generate(self, graph: ModelGraph, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuations (token ids) of `prompts` by the graph as it stands, through the runtime."""
+
+    def draft_distillation(self, graph: ModelGraph, module: Any, init: Mapping[str, Any],
+                           extra_token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 2048) -> Any:
+        """A draft module's self-distillation objective on every calibration paragraph plus `extra_token_lists`
+        (e.g. the graph's own generations), against the graph as it stands:
+        `.parameters` (tensor name -> trainable tensor, from `init`), `.loss(step)` (forward and backward on one
+        batch), `len()` and `.batch_tokens(step)` (optimizer.draft_training)."""
+
 
 @dataclass
 class PassContext:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -102,6 +103,61 @@ class Engine:
             kv_cache_blocks = max(1, DEFAULT_KV_CACHE_BYTES // block_bytes)
         self.kv_cache_blocks = kv_cache_blocks
         self._kv_pool: PagedKVCache | None = None
+        self._tensors, self._formats = tensors, formats
+        self._draft = None
+        self.last_speculative = None  # SpeculativeStats of the last speculative `generate`
+
+    def draft_module(self):
+        """The artifact's draft module (a DeepSeek MTP layer or a Kiln draft head: runtime.draft), built on
+        first use; None when it has none."""
+        if self._draft is None:
+            from kiln.runtime.draft import DRAFT_KINDS, DraftModule
+            from kiln.runtime.model import Weights
+
+            module = next((m for m in self.spec.extra_modules if m.kind in DRAFT_KINDS), None)
+            if module is None:
+                return None
+            self._draft = DraftModule(module, Weights(self._tensors, self._formats, self.spec), self.model).eval()
+        return self._draft
+
+    def drafter(self, kind: str = "auto", corpus: Sequence[Sequence[int]] | None = None):
+        """A drafter for speculative decoding: "head" (the artifact's MTP layer or draft head), "prompt-lookup",
+        "trigram" (a table of `corpus`), or "auto" (head when the artifact has one, else prompt lookup)."""
+        from kiln.runtime import speculative as sp
+
+        if kind == "auto":
+            kind = "head" if self.draft_module() is not None else "prompt-lookup"
+        if kind == "head":
+            module = self.draft_module()
+            if module is None:
+                raise KilnError("this artifact has no draft head or MTP layer: build it with the draft-head pass, "
+                                "or use --draft prompt-lookup")
+            from kiln.runtime.kv_format import resolve_kv_streams
+
+            streams = resolve_kv_streams(
+                dataclasses.replace(self.spec, layers=(module.spec.layer,), extra_modules=()), {})[0]
+            return sp.DraftHeadDrafter(module, self.kv_cache_blocks, self.kv_block_size, streams)
+        if kind == "prompt-lookup":
+            return sp.PromptLookupDrafter()
+        if kind == "trigram":
+            if corpus is None:
+                raise KilnError("the trigram drafter needs a corpus (token lists) to count")
+            return sp.NgramTableDrafter.from_corpus(corpus)
+        raise KilnError(f"unknown drafter {kind!r}: auto, head, prompt-lookup or trigram")
+
+    def speculative_ids(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, draft_tokens: int = 4,
+                        drafter=None, temperature: float = 0.0, top_p: float = 1.0, stop_ids: Sequence[int] = (),
+                        seed: int | None = None, repetition_penalty: float | None = None):
+        """`generate_ids` with speculative decoding: ([(tokens, reason)], SpeculativeStats). Greedy output is
+        generate_ids' token for token; sampled output has its distribution (runtime.speculative)."""
+        from kiln.runtime.speculative import speculative_generate
+
+        if not 0 < top_p <= 1:
+            raise KilnError(f"top_p must be in (0, 1], got {top_p}")
+        penalty = check_repetition_penalty(self.repetition_penalty if repetition_penalty is None
+                                           else repetition_penalty)
+        return speculative_generate(self, prompts, max_new_tokens, drafter or self.drafter(), draft_tokens,
+                                    temperature, top_p, stop_ids, seed, penalty)
 
     def new_kv_cache(self, num_blocks: int, block_size: int | None = None) -> PagedKVCache:
         """An empty paged cache in this engine's KV formats."""
@@ -266,8 +322,11 @@ class Engine:
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,
-                 repetition_penalty: float | None = None) -> list[Generation]:
-        """Generate continuations for a batch of prompts of any lengths. Greedy when temperature is 0."""
+                 repetition_penalty: float | None = None, speculative: bool = False, draft_tokens: int = 4,
+                 drafter=None) -> list[Generation]:
+        """Generate continuations for a batch of prompts of any lengths. Greedy when temperature is 0.
+        `speculative`: draft `draft_tokens` a step with `drafter` (default: the artifact's draft head or MTP
+        layer, else prompt lookup) and verify them in one forward; `self.last_speculative` keeps the stats."""
         tok = self._tokenizer()
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -278,8 +337,16 @@ class Engine:
             text = tok.decode(out, skip_special_tokens=True)
             return any(s in text for s in stop)
 
-        results = self.generate_ids(ids, max_new_tokens, temperature, top_p, self.spec.eos_token_ids, seed,
-                                    stop_check if stop else None, repetition_penalty)
+        if speculative:
+            results, self.last_speculative = self.speculative_ids(
+                ids, max_new_tokens, draft_tokens, drafter, temperature, top_p, self.spec.eos_token_ids, seed,
+                repetition_penalty)
+            if stop:  # where plain decoding would have stopped: the first token that completes a stop string
+                results = [next(((out[:n], "stop") for n in range(1, len(out) + 1) if stop_check(out[:n])),
+                                (out, reason)) for out, reason in results]
+        else:
+            results = self.generate_ids(ids, max_new_tokens, temperature, top_p, self.spec.eos_token_ids, seed,
+                                        stop_check if stop else None, repetition_penalty)
         generations = []
         for prompt_ids, (out, reason) in zip(ids, results, strict=True):
             # decode prompt + continuation together so word-boundary spaces survive, then drop the prompt

@@ -374,13 +374,18 @@ class Transformer(nn.Module):
     def stream_shapes(self) -> list[tuple[tuple[int, int], ...]]:
         return [b.attention.stream_shapes() for b in self.blocks]
 
-    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
-        # tokens, positions: [B, T] -> the final norm's output [B, T, C]
+    def features(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        # tokens, positions: [B, T] -> the last layer's output before the final norm [B, T, C] (what an MTP
+        # layer or a draft head reads: transformers' hidden_states[-1] is after the norm)
         x = F.embedding(tokens, self.embed)
         ropes = self.rotary(positions)
         for i, block in enumerate(self.blocks):
             x = block(x, ropes[i], positions, cache, i)
-        return self.norm(x)
+        return x
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        # tokens, positions: [B, T] -> the final norm's output [B, T, C]
+        return self.norm(self.features(tokens, positions, cache))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
         # tokens, positions: [B, T] -> logits [B, T, V]

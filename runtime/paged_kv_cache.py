@@ -255,6 +255,20 @@ class PagedKVCache:
         del self.block_tables[seq_id], self.lengths[seq_id]
         self._step = None
 
+    def truncate(self, seq_id: Hashable, length: int) -> None:
+        """Keep the sequence's first `length` positions (speculative decoding rolls back rejected drafts):
+        blocks past them go back to the free list; what a kept block holds past `length` is never read (reads
+        stop at the sequence's length) and is overwritten by the next tokens."""
+        table = self._table(seq_id)
+        if not 0 <= length <= self.lengths[seq_id]:
+            raise KilnError(f"truncate: sequence {seq_id!r} holds {self.lengths[seq_id]} positions, cannot keep "
+                            f"{length}")
+        keep = self.blocks_for(length)
+        self.allocator.release(table[keep:])
+        del table[keep:]
+        self.lengths[seq_id] = length
+        self._step = None
+
     def _table(self, seq_id: Hashable) -> list[int]:
         try:
             return self.block_tables[seq_id]

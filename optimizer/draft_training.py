@@ -1,0 +1,134 @@
+"""The draft head's training objective (`ModelRunner.draft_distillation`): self-distillation from the target.
+
+For each position t of a training sequence, the draft module reads the target's feature f_t (its last layer's
+output before the final norm) and the token at t+1, and is trained to give the target's own distribution of
+the token at t+2 (KL to the target's logits there, not the text's next token) and to reproduce the target's
+feature f_{t+1} (smooth L1, EAGLE's regression term), so its output can stand in for the feature when it drafts
+the next token. Features get uniform noise (EAGLE) so the head tolerates its own imprecise features.
+
+A second, unrolled step (EAGLE-3's "training-time test", simplified) feeds the head its own output features at
+every position and trains the token after: what it sees from its second draft on.
+
+The training text is the calibration paragraphs and the target's own greedy continuations of their first 16
+tokens: the head learns the target's behaviour, which is what it must predict when drafting for it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kiln.calibration.data import length_batches
+from kiln.calibration.metrics import kl_terms
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.lower import lower_tensors
+from kiln.passes.graph import ModelGraph
+from kiln.runtime.draft import DraftModule
+from kiln.runtime.model import Transformer, Weights
+from kiln.runtime.spec import ExtraModuleSpec
+
+FEATURE_WEIGHT = 1.0
+NOISE = 0.2  # uniform feature noise, +-NOISE/2 in units of the features' RMS (EAGLE: U(-0.1, 0.1) on ~unit RMS)
+UNROLL_WEIGHT = 0.5
+
+
+class _Batch:
+    def __init__(self, lists: Sequence[Sequence[int]]):
+        T = max(len(t) for t in lists)
+        self.tokens = torch.zeros(len(lists), T, dtype=torch.long)
+        self.mask = torch.zeros(len(lists), T, dtype=torch.bool)
+        for i, t in enumerate(lists):
+            self.tokens[i, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+            self.mask[i, :len(t)] = True
+        self.positions = torch.arange(T).expand(len(lists), -1)
+        self.real = int(self.mask.sum())
+
+
+class DraftDistillation:
+    """`loss(step)` runs forward and backward on one batch (the caller zeroes gradients and steps Adam over
+    `parameters`, tensor name -> trainable fp32 tensor)."""
+
+    def __init__(self, graph: ModelGraph, module: ExtraModuleSpec, init: Mapping[str, torch.Tensor],
+                 token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 2048, seed: int = 0):
+        tensors, formats = lower_tensors(graph)
+        spec = graph.spec
+        weights = Weights({**tensors, **{n: t.float() for n, t in init.items()}}, formats, spec)
+        self.target = Transformer(spec, weights=weights).eval()
+        for p in self.target.parameters():
+            p.requires_grad_(False)
+        self.module = DraftModule(module, weights, self.target)
+        own = {**{n: self.module.enorm.weight for n in module.norms[:1]},
+               **{n: self.module.hnorm.weight for n in module.norms[1:2]},
+               f"{module.linears['eh_proj'].name}.weight": self.module.eh_proj.weight}
+        block = self.module.block
+        for lin in module.layer.linears():
+            own[f"{lin.name}.weight"] = _find_linear(block, lin.name, module)
+        own[module.layer.norms[0]], own[module.layer.norms[1]] = block.input_norm.weight, block.post_norm.weight
+        missing = sorted(set(init) - set(own))
+        if missing:
+            raise KilnError(f"draft head: no trainable tensor for {missing[0]}")
+        self.parameters: dict[str, torch.nn.Parameter] = {}
+        for name, param in own.items():
+            param.requires_grad_(True)
+            self.parameters[name] = param
+        lists = [list(t) for t in token_lists if len(t) >= 3]
+        if not lists:
+            raise KilnError("draft head: no training sequence of 3 tokens or more")
+        groups = length_batches(lists, max_batch_tokens)
+        random.Random(seed).shuffle(groups)
+        self.batches = [_Batch([lists[i] for i in g]) for g in groups]
+        self._features: list[torch.Tensor | None] = [None] * len(self.batches)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def batch_tokens(self, step: int) -> int:
+        return self.batches[step % len(self.batches)].real
+
+    def loss(self, step: int) -> float:
+        i = step % len(self.batches)
+        b = self.batches[i]
+        if self._features[i] is None:
+            with torch.no_grad():
+                self._features[i] = self.target.features(b.tokens, b.positions)
+        feats = self._features[i]
+        with torch.no_grad():
+            teacher = torch.log_softmax(self.target.lm_head(self.target.norm(feats)), dim=-1)
+            scale = feats.pow(2).mean().sqrt()
+            noise = (torch.rand(feats.shape, generator=self.generator) - 0.5) * NOISE * scale
+        # step 1: (f_t + noise, token t+1) at position t -> f̂_{t+1}, the distribution of token t+2
+        x = (feats + noise)[:, :-1]
+        out = self.module(x, b.tokens[:, 1:], b.positions[:, :-1])
+        valid = b.mask[:, 2:]  # token t+2 exists
+        total = self._terms(out[:, :-1], feats[:, 1:-1], teacher[:, 1:-1], valid)
+        # step 2: the head's own features at every position, the token after
+        out2 = self.module(out[:, :-1], b.tokens[:, 2:], b.positions[:, 1:-1])
+        valid2 = b.mask[:, 3:]
+        if valid2.any():
+            total = total + UNROLL_WEIGHT * self._terms(out2[:, :-1], feats[:, 2:-1], teacher[:, 2:-1], valid2)
+        total.backward()
+        return float(total.detach())
+
+    def _terms(self, out: torch.Tensor, target_features: torch.Tensor, teacher: torch.Tensor,
+               valid: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(self.module.logits(out[valid]), dim=-1)
+        kl = kl_terms(teacher[valid], logp).sum(-1).mean()
+        scale = target_features[valid].pow(2).mean().sqrt().clamp_min(1e-6)
+        regression = F.smooth_l1_loss(out[valid] / scale, target_features[valid] / scale)
+        return kl + FEATURE_WEIGHT * regression
+
+
+def _find_linear(block, name: str, module: ExtraModuleSpec) -> torch.nn.Parameter:
+    """The weight parameter of the draft layer's linear `name` (built by build_block from the layer spec)."""
+    a, m = module.layer.attention, module.layer.mlp
+    for role, lin in a.linears.items():
+        if lin.name == name:
+            return getattr(block.attention, f"{role}_proj").weight
+    for role, lin in m.linears.items():
+        if lin.name == name:
+            return getattr(block.mlp, f"{role}_proj").weight
+    raise KilnError(f"draft head: linear {name} is not in its decoder layer")

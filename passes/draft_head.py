@@ -1,0 +1,181 @@
+"""Pass `draft-head`: attach an EAGLE-style draft head for speculative decoding, trained by self-distillation.
+
+The head has DeepSeek-V3's multi-token-prediction shape (runtime.draft), so the runtime drafts with a Kiln
+head and a DeepSeek MTP layer alike:
+
+    eh_proj([enorm(embed(token t+1)), hnorm(target feature t)]) -> one decoder layer -> the target's final
+    norm and lm_head (shared, not copied)
+
+The decoder layer has the target's last layer's shape (attention and a dense MLP), initialised at random
+(initialising it from the target's last layer did not help: the issue's measurement). Training
+(optimizer.draft_training) distils the target itself: KL to its logits and regression on its features, on
+calibration.txt and on the target's own greedy continuations of calibration prompts, after every pass that
+changes the target (so the head drafts for the model that ships). The target is untouched: the gate's
+recovery is exact, and the pass's own gate metric is tau, tokens per target call at `draft_tokens` drafts
+(greedy, on the gate's held-out paragraphs: each one's first 16 tokens, 64 new tokens).
+
+A DeepSeek-V3 checkpoint with an MTP layer keeps it as its draft: nothing is trained, tau is measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kiln.calibration.tuning import tune
+from kiln.kernels.errors import KilnError
+from kiln.passes.base import Pass, PassContext, PassMetric, PassResult
+from kiln.passes.graph import ModelGraph
+from kiln.runtime.spec import ExtraModuleSpec, LayerSpec, LinearSpec
+
+PREFIX = "draft_head"
+DRAFT_KINDS = ("mtp", "draft_head")
+PROMPT_TOKENS = 16
+TAU_NEW_TOKENS = 64
+TAU_PROMPTS = 64  # held-out paragraphs tau is measured on
+
+
+def _tau(k: int, prompts: int):
+    def measure(candidate, before, token_lists: Sequence[Sequence[int]]) -> float:
+        heads = [list(t[:PROMPT_TOKENS]) for t in token_lists if len(t) >= PROMPT_TOKENS][:prompts]
+        if not heads:
+            raise KilnError(f"tau needs held-out paragraphs of at least {PROMPT_TOKENS} tokens")
+        _, stats = candidate.speculative_ids(heads, TAU_NEW_TOKENS, k)
+        return stats.tau
+    return measure
+
+
+def draft_layer(graph: ModelGraph, prefix: str = f"{PREFIX}.layer") -> LayerSpec:
+    """A decoder layer shaped like the target's last, renamed under `prefix`, with a dense MLP."""
+    last = graph.spec.layers[-1]
+    index = len(graph.spec.layers)
+    if last.attention.kind != "gqa":
+        raise KilnError(f"draft-head copies the shape of the target's last layer, which has {last.attention.kind} "
+                        "attention; only GQA/MHA is supported (a DeepSeek-V3 checkpoint brings its MTP layer)")
+    if last.mlp.kind != "dense":
+        raise KilnError("draft-head copies the shape of the target's last layer, whose MLP is a mixture of experts; "
+                        "only a dense MLP is supported (a DeepSeek-V3 checkpoint brings its MTP layer)")
+
+    def rename(lin: LinearSpec) -> LinearSpec:
+        return dataclasses.replace(lin, name=lin.name.replace(last.prefix, prefix, 1), layer=index)
+
+    attention = dataclasses.replace(last.attention, linears={r: rename(lin) for r, lin in last.attention.linears.items()},
+                                    sliding_window=None)
+    mlp = dataclasses.replace(last.mlp, linears={r: rename(lin) for r, lin in last.mlp.linears.items()})
+    norms = tuple(n.replace(last.prefix, prefix, 1) for n in last.norms)
+    return LayerSpec(index, prefix, attention, mlp, norms)
+
+
+def head_module(graph: ModelGraph) -> ExtraModuleSpec:
+    """The draft head's spec for `graph`: eh_proj, enorm, hnorm and a decoder layer (`draft_layer`)."""
+    hidden = graph.spec.hidden_size
+    layer = draft_layer(graph)
+    return ExtraModuleSpec(
+        "draft_head", PREFIX, layer,
+        {"eh_proj": LinearSpec(f"{PREFIX}.eh_proj", "draft_proj", 2 * hidden, hidden, layer.index)},
+        (f"{PREFIX}.enorm.weight", f"{PREFIX}.hnorm.weight"))
+
+
+def attach(graph: ModelGraph, module: ExtraModuleSpec, tensors: dict[str, torch.Tensor]) -> None:
+    """Put the head's tensors (stored in the embedding's dtype) and spec into `graph`."""
+    dtype = graph.tensors[graph.embedding].dtype
+    for name, value in tensors.items():
+        graph.tensors[name] = value.detach().to(dtype).contiguous()
+    graph.set_spec(dataclasses.replace(graph.spec, extra_modules=(*graph.spec.extra_modules, module)))
+
+
+def init_tensors(module: ExtraModuleSpec, hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random linears (std 0.02, the usual init), unit norms; eh_proj starts as [0, I]: the target's feature
+    passes through, so the untrained head predicts what the target's own head would say at t+1's input."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for lin in module.layer.linears():
+        out[f"{lin.name}.weight"] = torch.randn(lin.out_features, lin.in_features, generator=gen) * 0.02
+    for name in (*module.layer.norms, *module.norms):
+        out[name] = torch.ones(hidden)
+    eh = torch.zeros(hidden, 2 * hidden)
+    eh[:, hidden:] = torch.eye(hidden)
+    out[f"{module.linears['eh_proj'].name}.weight"] = eh + torch.randn(hidden, 2 * hidden, generator=gen) * 0.02
+    return out
+
+
+@dataclass(frozen=True)
+class DraftHead(Pass):
+    draft_tokens: int = 4  # k: drafts per verification, for the gate's tau
+    train_steps: int = 1200
+    batch_tokens: int = 2048
+    lr: float = 2e-3
+    generated: int = 512  # calibration prompts the target continues greedily for the training text
+    generated_tokens: int = 128
+    min_tau: float = 1.5  # the gate's floor on tau
+    seed: int = 0
+
+    name: ClassVar[str] = "draft-head"
+    default_floor: ClassVar[float] = 0.9999  # the target is untouched: its figures must not move
+    default_max_kl: ClassVar[float] = 1e-6
+    default_min_top1: ClassVar[float] = 0.9999
+    # the head drafts for the model that ships: every pass that changes the target runs first
+    runs_after: ClassVar[frozenset[str]] = frozenset({"mla", "weight-quant", "kv-cache", "auto-precision",
+                                                      "production-precision"})
+
+    def __post_init__(self):
+        for name in ("draft_tokens", "train_steps", "batch_tokens", "generated", "generated_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise KilnError(f"draft-head: {name} must be an integer >= 0, got {value!r}")
+        if not 1 <= self.draft_tokens <= 16:
+            raise KilnError(f"draft-head: draft_tokens must be in [1, 16], got {self.draft_tokens}")
+        if not self.lr > 0:
+            raise KilnError(f"draft-head: lr must be > 0, got {self.lr}")
+        if not self.min_tau >= 1:
+            raise KilnError(f"draft-head: min_tau must be >= 1 (tau counts the target's own token), got {self.min_tau}")
+
+    def metrics(self) -> tuple[PassMetric, ...]:
+        return (PassMetric("tau", self.min_tau, _tau(self.draft_tokens, TAU_PROMPTS)),)
+
+    def check(self, graph: ModelGraph, target) -> None:
+        if not any(m.kind in DRAFT_KINDS for m in graph.spec.extra_modules):
+            draft_layer(graph)  # refuses a shape it cannot copy, before anything runs
+
+    def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
+        result = PassResult(self.name)
+        existing = [m for m in graph.spec.extra_modules if m.kind in DRAFT_KINDS]
+        if existing:
+            result.changed[existing[0].name] = (f"the checkpoint's own {existing[0].kind} module is the draft; "
+                                                "nothing trained")
+            result.notes.append(f"speculative decoding drafts with {existing[0].name} ({existing[0].kind})")
+            return result
+        if ctx.runner is None:
+            raise KilnError("draft-head trains on calibration text: give --calib-data (or keep ../shared's)")
+        hidden = graph.spec.hidden_size
+        module = head_module(graph)
+        started = time.perf_counter()
+        calibration = [list(t) for t in ctx.runner.calibration_tokens]
+        prompts = [t[:PROMPT_TOKENS] for t in calibration if len(t) >= PROMPT_TOKENS][: self.generated]
+        generations = []
+        if prompts and self.generated_tokens:
+            context = graph.spec.max_position_embeddings
+            new = max(0, min(self.generated_tokens, context - PROMPT_TOKENS))
+            generations = [p + g for p, g in zip(prompts, ctx.runner.generate(graph, prompts, new), strict=True)]
+        objective = ctx.runner.draft_distillation(graph, module, init_tensors(module, hidden, self.seed),
+                                                  generations, self.batch_tokens)
+        history = tune(list(objective.parameters.values()), objective.loss, self.train_steps, self.lr,
+                       log=ctx.log)
+        attach(graph, module, objective.parameters)
+        seconds = time.perf_counter() - started
+        params = sum(p.numel() for p in objective.parameters.values())
+        tokens = sum(objective.batch_tokens(s) for s in range(self.train_steps))
+        result.changed[PREFIX] = f"draft head attached: {params} parameters (decoder layer + eh_proj + 2 norms)"
+        result.metrics.update({"parameters": params, "train_steps": self.train_steps, "train_tokens": tokens,
+                               "train_seconds": round(seconds, 1)})
+        if history:
+            result.metrics["final_loss"] = history[-1]
+        result.notes.append(f"self-distilled on the calibration text and {len(generations)} "
+                            f"of the target's own continuations: {self.train_steps} steps, {tokens} tokens, "
+                            f"{seconds:.0f} s; lm_head and final norm shared with the target")
+        return result

@@ -1,0 +1,54 @@
+"""Draft modules the runtime runs for speculative decoding: a DeepSeek-V3 multi-token-prediction layer, or the
+EAGLE-style draft head Kiln's `draft-head` pass attaches. Both have one shape (ExtraModuleSpec):
+
+    x   = eh_proj([enorm(embed(token[t+1])), hnorm(feature[t])])     # [2C] -> [C]
+    f̂   = decoder layer(x), causal attention over the module's own KV cache, rotary at position t
+    logits of token[t+2] = head(head_norm(f̂))                       # the target's norm and lm_head unless
+                                                                     # the module has its own (MTP's shared head)
+
+feature[t] is the target's last-layer output at position t before its final norm (Transformer.features). The
+module's output f̂ stands in for feature[t+1] when it drafts the next token, so one module drafts k tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.kernels.errors import KilnError
+from kiln.runtime.model import Rotary, Transformer, Weights, build_block
+from kiln.runtime.spec import ExtraModuleSpec
+
+DRAFT_KINDS = ("mtp", "draft_head")
+
+
+class DraftModule(nn.Module):
+    def __init__(self, module: ExtraModuleSpec, weights: Weights, target: Transformer):
+        super().__init__()
+        if module.kind not in DRAFT_KINDS or module.layer is None or "eh_proj" not in module.linears:
+            raise KilnError(f"extra module {module.name!r} ({module.kind}) is not a draft module: it needs a "
+                            "decoder layer and an eh_proj")
+        self.spec = module
+        self.enorm, self.hnorm = weights.norm(module.norms[0]), weights.norm(module.norms[1])
+        self.eh_proj = weights.linear(module.linears["eh_proj"])
+        self.block = build_block(module.layer, weights)
+        self.rotary = Rotary(module.layer.attention.rotary)
+        self.head_norm = weights.norm(module.norms[2]) if len(module.norms) > 2 else target.norm
+        self.head = weights.linear(module.linears["head"]) if "head" in module.linears else target.lm_head
+        own = [t for t in module.tensors if t.endswith("embed_tokens.weight")]
+        self.embed = (nn.Parameter(weights.tensor(own[0], tuple(target.embed.shape), "the MTP embedding"),
+                                   requires_grad=False) if own else target.embed)
+
+    def stream_shapes(self) -> tuple[tuple[int, int], ...]:
+        return self.block.attention.stream_shapes()
+
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                cache=None) -> torch.Tensor:
+        """features [B, T, C] at `positions`, the tokens one position later [B, T] -> draft features [B, T, C]
+        (each standing in for the target's feature one position later)."""
+        x = self.eh_proj(torch.cat([self.enorm(F.embedding(next_tokens, self.embed)), self.hnorm(features)], -1))
+        return self.block(x, self.rotary(positions), positions, cache, 0)
+
+    def logits(self, draft_features: torch.Tensor) -> torch.Tensor:
+        return self.head(self.head_norm(draft_features))

@@ -1,0 +1,412 @@
+"""Speculative decoding: a drafter proposes k tokens per sequence, one target forward verifies them all.
+
+    tokens, stats = speculative_generate(engine, prompts, max_new_tokens, drafter, k=4)
+
+Each step feeds the target [last token, d1..dk] at the sequence's next k+1 positions (one forward, through
+the paged KV cache in the artifact's KV format) and accepts, per sequence:
+
+- greedy (temperature 0): the longest prefix of drafts equal to the target's argmax after each, plus the
+  target's own next token: the output is plain greedy decoding's, token for token.
+- sampling: draft d_i with probability min(1, p(d_i) / q(d_i)); at the first rejection a token from
+  norm(max(0, p - q)); after k acceptances one more from p (Leviathan et al. 2023, Chen et al. 2023). p and q
+  are the target's and the drafter's distributions after temperature and top-p; a drafter that proposes
+  tokens without a distribution (n-gram lookup) has q = one-hot. Each emitted token is then distributed
+  exactly as the target's own sample would be.
+
+Rejected drafts are rolled back in the paged cache (`PagedKVCache.truncate`: lengths shrink, blocks past
+them are freed) and in the drafter's own cache. Rows accept independently; a finished row leaves the batch.
+
+tau = tokens emitted by verification steps / verification steps (the first token comes from the prefill).
+
+Drafters: `DraftHeadDrafter` (an MTP layer or a Kiln draft head in the artifact: runtime.draft),
+`PromptLookupDrafter` (copy what followed the latest earlier occurrence of the context's last n-gram, as
+vLLM's ngram speculator) and `NgramTableDrafter` (a corpus n-gram table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.kernels.errors import KilnError
+from kiln.runtime.paged_kv_cache import PagedKVCache
+
+# --- distributions ------------------------------------------------------------------------------------------
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The sampling distribution of `runtime.engine.sample` for logits [..., V]."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def accept_greedy(drafts: Sequence[int], target_logits: torch.Tensor) -> tuple[int, list[int]]:
+    """(drafts accepted, tokens emitted) for target logits [k+1, V] after [last, d1..dk]."""
+    choice = target_logits.argmax(-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == choice[n]:
+        n += 1
+    return n, [*drafts[:n], choice[n]]
+
+
+def accept_sampled(drafts: Sequence[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[int, list[int]]:
+    """The rejection rule: (drafts accepted, tokens emitted). target_probs [k+1, V]; draft_probs [k, V] or None
+    (one-hot proposals)."""
+    out = []
+    for i, d in enumerate(drafts):
+        p = target_probs[i]
+        q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
+        if q_d > 0 and float(torch.rand((), generator=generator)) * q_d < float(p[d]):
+            out.append(d)
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[d] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp_min(0.0)
+        total = float(residual.sum())
+        residual = residual / total if total > 0 else p
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return i, out
+    out.append(int(torch.multinomial(target_probs[len(drafts)], 1, generator=generator)))
+    return len(drafts), out
+
+
+# --- drafters -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Proposal:
+    tokens: list[list[int]]  # per row, at most k
+    probs: list[torch.Tensor | None]  # per row, [len(tokens), V] or None (one-hot proposals)
+
+
+class Drafter:
+    """Proposes tokens. The engine calls `start` after a row's prefill, `propose` before each verification,
+    `accept` after it, `finish` when the row leaves."""
+
+    needs_features = False
+
+    def start(self, row: Hashable, tokens: Sequence[int], features: torch.Tensor | None) -> None:
+        """`tokens`: the prompt plus the first token; `features` [len(prompt), C] (needs_features only)."""
+
+    def propose(self, rows: Sequence[Hashable], contexts: Sequence[Sequence[int]], k: int, temperature: float,
+                top_p: float, generator: torch.Generator | None) -> Proposal:
+        raise NotImplementedError
+
+    def accept(self, row: Hashable, accepted: int, emitted: Sequence[int], features: torch.Tensor | None) -> None:
+        """`features` [accepted + 1, C]: the target's at the positions verified and kept."""
+
+    def finish(self, row: Hashable) -> None:
+        pass
+
+
+class PromptLookupDrafter(Drafter):
+    """Copy the k tokens that followed the latest earlier occurrence of the context's last n tokens, for n from
+    `max_ngram` down to `min_ngram` (no proposal when none recurs)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, rows, contexts, k, temperature, top_p, generator) -> Proposal:
+        out = []
+        for context in contexts:
+            found: list[int] = []
+            for n in range(self.max_ngram, self.min_ngram - 1, -1):
+                if len(context) <= n:
+                    continue
+                tail = list(context[-n:])
+                for start in range(len(context) - n - 1, -1, -1):
+                    if list(context[start:start + n]) == tail:
+                        found = list(context[start + n:start + n + k])
+                        break
+                if found:
+                    break
+            out.append(found)
+        return Proposal(out, [None] * len(out))
+
+
+class NgramTableDrafter(Drafter):
+    """Chain the most frequent next token of the last n-1 tokens in a corpus (a trigram table by default)."""
+
+    def __init__(self, table: Mapping[tuple[int, ...], int], n: int = 3):
+        self.table, self.n = table, n
+
+    @classmethod
+    def from_corpus(cls, token_lists: Sequence[Sequence[int]], n: int = 3) -> NgramTableDrafter:
+        counts: dict[tuple[int, ...], dict[int, int]] = {}
+        for tokens in token_lists:
+            for i in range(len(tokens) - n + 1):
+                key, nxt = tuple(tokens[i:i + n - 1]), tokens[i + n - 1]
+                row = counts.setdefault(key, {})
+                row[nxt] = row.get(nxt, 0) + 1
+        return cls({key: max(row, key=row.get) for key, row in counts.items()}, n)
+
+    def propose(self, rows, contexts, k, temperature, top_p, generator) -> Proposal:
+        out = []
+        for context in contexts:
+            seq, drafts = list(context), []
+            for _ in range(k):
+                nxt = self.table.get(tuple(seq[len(seq) - self.n + 1:]))
+                if nxt is None:
+                    break
+                drafts.append(nxt)
+                seq.append(nxt)
+            out.append(drafts)
+        return Proposal(out, [None] * len(out))
+
+
+@dataclass
+class _HeadRow:
+    pending: torch.Tensor  # [P, C] target features of positions start..start+P-1 not yet run by the draft
+    start: int  # position of pending[0]; the draft cache holds positions < start
+    tokens: list[int] = field(default_factory=list)  # every token of the row, prompt first
+
+
+class DraftHeadDrafter(Drafter):
+    """An MTP layer or a Kiln draft head (runtime.draft.DraftModule) with its own paged KV cache."""
+
+    needs_features = True
+
+    def __init__(self, module, num_blocks: int, block_size: int, kv_streams):
+        self.module = module
+        self.cache = PagedKVCache([kv_streams], num_blocks, block_size)
+        self.rows: dict[Hashable, _HeadRow] = {}
+
+    def start(self, row, tokens, features):
+        self.cache.add_sequence(row)
+        self.rows[row] = _HeadRow(features, 0, list(tokens))
+
+    def finish(self, row):
+        if row in self.rows:
+            self.cache.free_sequence(row)
+            del self.rows[row]
+
+    @torch.inference_mode()
+    def propose(self, rows, contexts, k, temperature, top_p, generator) -> Proposal:
+        states = [self.rows[r] for r in rows]
+        # 1. the pending positions, with the target's true features: their last output drafts token 1
+        width = max(len(s.pending) for s in states)
+        C = states[0].pending.shape[-1]
+        features = torch.zeros(len(rows), width, C)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, s in enumerate(states):
+            n = len(s.pending)
+            features[i, :n] = s.pending
+            tokens[i, :n] = torch.as_tensor(s.tokens[s.start + 1:s.start + 1 + n])
+            positions[i, :n] = torch.arange(s.start, s.start + n)
+            positions[i, n:] = s.start + n - 1  # padding: masked, never written
+            valid[i, :n] = True
+        self.cache.prepare(list(rows), positions, valid)
+        out = self.module(features, tokens, positions, self.cache)
+        last = torch.stack([out[i, len(s.pending) - 1] for i, s in enumerate(states)])  # [B, C]
+        ends = [s.start + len(s.pending) for s in states]  # the next position to run
+        for s, end in zip(states, ends, strict=True):
+            s.start, s.pending = end, s.pending[:0]
+        drafts: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        for step in range(k):
+            logits = self.module.logits(last)
+            if temperature <= 0:
+                picked = logits.argmax(-1)
+            else:
+                q = probabilities(logits, temperature, top_p)
+                picked = torch.multinomial(q, 1, generator=generator)[:, 0]
+                for i in range(len(rows)):
+                    probs[i].append(q[i])
+            for i, t in enumerate(picked.tolist()):
+                drafts[i].append(t)
+            if step == k - 1:
+                break
+            positions = torch.tensor([[end + step] for end in ends])
+            self.cache.prepare(list(rows), positions)
+            last = self.module(last[:, None], picked[:, None], positions, self.cache)[:, 0]
+        return Proposal(drafts, [torch.stack(p) if p else None for p in probs])
+
+    def accept(self, row, accepted, emitted, features):
+        s = self.rows[row]
+        # drop what the draft wrote from its own guesses (positions >= s.start); rerun them with true features
+        self.cache.truncate(row, min(s.start, self.cache.lengths[row]))
+        s.tokens.extend(emitted)
+        s.pending = features
+
+
+# --- the loop ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeStats:
+    steps: int = 0  # verification forwards
+    emitted: int = 0  # tokens emitted by verification steps
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def _penalized(logits: torch.Tensor, seen: list[int], drafts: Sequence[int], penalty: float) -> torch.Tensor:
+    """Per verified position i, the repetition penalty over what plain decoding would have seen there: the
+    context plus drafts[:i]."""
+    if penalty == 1.0:
+        return logits
+    from kiln.runtime.engine import penalize_repeats
+
+    return torch.cat([penalize_repeats(logits[i:i + 1], [seen + list(drafts[:i])], penalty)
+                      for i in range(logits.shape[0])])
+
+
+@torch.inference_mode()
+def speculative_generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, drafter: Drafter,
+                         k: int = 4, temperature: float = 0.0, top_p: float = 1.0, stop_ids: Sequence[int] = (),
+                         seed: int | None = None, repetition_penalty: float = 1.0
+                         ) -> tuple[list[tuple[list[int], str]], SpeculativeStats]:
+    """Decode `prompts` (token ids) with `drafter` proposing up to `k` tokens a step; ([(tokens, reason)], stats).
+    Rows run together while the engine's KV pool holds them (each reserves prompt + max_new_tokens + k
+    positions), in waves otherwise."""
+    k = check_draft_tokens(k)
+    model, cache = engine.model, engine.kv_pool
+    context = engine.spec.max_position_embeddings
+    for row, p in enumerate(prompts):
+        if not p:
+            raise KilnError("every prompt needs at least one token")
+        if len(p) + max_new_tokens + k > context:
+            raise KilnError(f"prompt {row}: {len(p)} tokens + {max_new_tokens} new + {k} drafts exceed the model's "
+                            f"context {context}")
+    need = [cache.blocks_for(len(p) + max_new_tokens + k) for p in prompts]
+    if any(n > cache.num_blocks for n in need):
+        raise KilnError(f"a request needs more KV-cache blocks than the cache's {cache.num_blocks}")
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    stop_ids = set(stop_ids)
+    results: list[tuple[list[int], str]] = [([], "length") for _ in prompts]
+    stats = SpeculativeStats()
+    pending = list(range(len(prompts)))
+    while pending:
+        wave, used = [], 0
+        while pending and used + need[pending[0]] <= cache.num_blocks:
+            used += need[pending[0]]
+            wave.append(pending.pop(0))
+        _run_wave(engine, model, cache, prompts, wave, max_new_tokens, drafter, k, temperature, top_p, stop_ids,
+                  generator, repetition_penalty, results, stats)
+    return results, stats
+
+
+def _emit(emitted: list[int], out: list[int], stop_ids: set[int], max_new_tokens: int) -> tuple[int, str | None]:
+    """Append `emitted` to `out` up to a stop token or the length limit: (tokens appended, finish reason)."""
+    for i, token in enumerate(emitted):
+        if token in stop_ids:
+            return i, "eos"
+        out.append(token)
+        if len(out) >= max_new_tokens:
+            return i + 1, "length"
+    return len(emitted), None
+
+
+def _run_wave(engine, model, cache, prompts, rows, max_new_tokens, drafter, k, temperature, top_p, stop_ids,
+              generator, penalty, results, stats) -> None:
+    from kiln.runtime.engine import penalize_repeats, sample
+
+    live: set[int] = set()
+    try:
+        # prefill: the prompts, right-padded (padding never cached); the first token from the last position
+        lengths = torch.tensor([len(prompts[r]) for r in rows])
+        T = int(lengths.max())
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, :len(prompts[r])] = torch.as_tensor(prompts[r], dtype=torch.long)
+            cache.add_sequence(r)
+            live.add(r)
+        positions = torch.arange(T).expand(len(rows), -1)
+        cache.prepare(rows, positions, positions < lengths.unsqueeze(1))
+        features = model.features(tokens, positions, cache)
+        last_logits = model.lm_head(model.norm(features[torch.arange(len(rows)), lengths - 1]))
+        last_logits = penalize_repeats(last_logits, [list(prompts[r]) for r in rows], penalty)
+        first = sample(last_logits, temperature, top_p, generator).tolist()
+        position, last, active = {}, {}, []
+        for i, r in enumerate(rows):
+            out = results[r][0]
+            if max_new_tokens == 0:
+                continue
+            _, reason = _emit([first[i]], out, stop_ids, max_new_tokens)
+            if reason is not None:
+                results[r] = (out, reason)
+                continue
+            position[r], last[r] = len(prompts[r]), first[i]
+            drafter.start(r, [*prompts[r], first[i]], features[i, :len(prompts[r])] if drafter.needs_features
+                          else None)
+            active.append(r)
+        for r in rows:
+            if r not in active:
+                cache.free_sequence(r)
+                live.discard(r)
+        while active:
+            budget = {r: min(k, max_new_tokens - len(results[r][0]) - 1) for r in active}
+            proposal = drafter.propose(active, [[*prompts[r], *results[r][0]] for r in active], k, temperature,
+                                       top_p, generator)
+            drafts = {r: list(t[:budget[r]]) for r, t in zip(active, proposal.tokens, strict=True)}
+            draft_probs = {r: (q[:budget[r]] if q is not None else None)
+                           for r, q in zip(active, proposal.probs, strict=True)}
+            width = 1 + max(len(d) for d in drafts.values())
+            tokens = torch.zeros(len(active), width, dtype=torch.long)
+            positions = torch.zeros(len(active), width, dtype=torch.long)
+            valid = torch.zeros(len(active), width, dtype=torch.bool)
+            for i, r in enumerate(active):
+                row_tokens = [last[r], *drafts[r]]
+                tokens[i, :len(row_tokens)] = torch.tensor(row_tokens)
+                positions[i] = position[r] + torch.arange(width).clamp(max=len(row_tokens) - 1)
+                valid[i, :len(row_tokens)] = True
+            cache.prepare(active, positions, valid)
+            features = model.features(tokens, positions, cache)
+            logits = model.lm_head(model.norm(features))
+            still = []
+            for i, r in enumerate(active):
+                d = drafts[r]
+                row_logits = _penalized(logits[i, :len(d) + 1], [*prompts[r], *results[r][0]], d, penalty)
+                if temperature <= 0:
+                    n, emitted = accept_greedy(d, row_logits)
+                else:
+                    n, emitted = accept_sampled(d, draft_probs[r], probabilities(row_logits, temperature, top_p),
+                                                generator)
+                stats.steps += 1
+                stats.drafted += len(d)
+                stats.accepted += n
+                out = results[r][0]
+                appended, reason = _emit(emitted, out, stop_ids, max_new_tokens)
+                stats.emitted += appended
+                if reason is not None:
+                    results[r] = (out, reason)
+                    drafter.finish(r)
+                    cache.free_sequence(r)
+                    live.discard(r)
+                    continue
+                cache.truncate(r, position[r] + n + 1)  # [last, d1..dn] stay; rejected drafts roll back
+                position[r] += n + 1
+                last[r] = emitted[-1]
+                drafter.accept(r, n, emitted, features[i, :n + 1] if drafter.needs_features else None)
+                still.append(r)
+            active = still
+    finally:
+        for r in live:
+            drafter.finish(r)
+            cache.free_sequence(r)
+
+
+def check_draft_tokens(k: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+        raise KilnError(f"--draft-tokens must be an integer in [1, 16], got {k!r}")
+    return k

@@ -1,0 +1,93 @@
+"""The draft-head pass: a head trained by self-distillation, its gate metric (tau), the CLI's speculative
+generation and evaluation, recipe ordering, and a DeepSeek-V3 checkpoint's own MTP layer as the draft."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.recipes import Recipe, resolve_recipe
+from kiln.passes.draft_head import DraftHead
+from tests.conftest import EVAL_TEXT, STORIES, needs_stories
+
+
+@pytest.fixture(scope="module")
+def head_artifact(tmp_path_factory):
+    if not (STORIES / "config.json").is_file():
+        pytest.skip("../shared/models absent")
+    from kiln.optimizer.build import build
+
+    recipe = Recipe("draft-head", (DraftHead(train_steps=150, generated=64, generated_tokens=64, min_tau=1.3),))
+    return build(STORIES, "hopper", recipe, tmp_path_factory.mktemp("draft") / "art", eval_data=EVAL_TEXT,
+                 paragraphs=80)
+
+
+@needs_stories
+def test_a_short_training_beats_prompt_lookup_and_leaves_the_target_alone(head_artifact):
+    record = head_artifact.manifest["passes"][0]
+    gate = record["gate"]
+    assert record["decision"] == "kept" and gate["recovery"] == 1.0 and gate["kl"] == 0.0
+    tau = next(m for m in gate["metrics"] if m["name"] == "tau")
+    assert tau["passed"] and tau["value"] > 1.3  # prompt lookup: about 1.23 here
+    metrics = record["result"]["metrics"]
+    assert metrics["train_steps"] == 150 and metrics["train_tokens"] > 150 * 1000 and metrics["parameters"] > 40_000
+    stored = json.loads((head_artifact.path / "manifest.json").read_text())
+    modules = stored["architecture"]["extra_modules"]
+    assert [(m["kind"], m["name"]) for m in modules] == [("draft_head", "draft_head")]
+
+
+@needs_stories
+def test_cli_speculative_generate_and_eval(cli, head_artifact):
+    prompt = "Once upon a time, there was a little dog"
+    code, plain, _ = cli("generate", head_artifact.path, prompt, "--max-new-tokens", "40")
+    code2, spec, stderr = cli("generate", head_artifact.path, prompt, "--max-new-tokens", "40", "--speculative",
+                              "--draft-tokens", "3")
+    assert code == code2 == 0 and spec == plain and "tokens per target call" in stderr
+    code, stdout, _ = cli("eval", head_artifact.path, "--data", EVAL_TEXT, "--paragraphs", "40", "--speculative",
+                          "--json")
+    result = json.loads(stdout)
+    assert code == 0 and result["identical"] == result["prompts"] == 40 and result["tau"] > 1.3
+    code, _, stderr = cli("generate", head_artifact.path, prompt, "--speculative", "--draft-tokens", "0")
+    assert code == 2 and "--draft-tokens must be an integer in [1, 16]" in stderr
+
+
+def test_the_head_drafts_for_the_model_that_ships():
+    from kiln.passes.base import Pipeline
+
+    with pytest.raises(KilnError, match="'draft-head' must run after 'weight-quant'"):
+        Pipeline(list(resolve_recipe("draft-head,fp8-weights").passes))
+    assert [p.name for p in Pipeline(list(resolve_recipe("fp8-weights,draft-head").passes)).flat()] == [
+        "weight-quant", "draft-head"]
+    with pytest.raises(KilnError, match="min_tau must be >= 1"):
+        DraftHead(min_tau=0.5)
+
+
+def test_deepseek_v3_keeps_its_mtp_layer_as_the_draft(tmp_path, cli, generated_checkpoint):
+    import shutil
+
+    from examples.tiny_moe import TOKENIZER_FILES, add_mtp_layer
+    from kiln import runtime
+    from tests.tiny_models import make_tiny_checkpoint
+
+    vocab = json.loads((generated_checkpoint / "config.json").read_text())["vocab_size"]
+    ckpt = add_mtp_layer(make_tiny_checkpoint("deepseek_v3", tmp_path / "dsv3", overrides={"vocab_size": vocab}))
+    for name in TOKENIZER_FILES:
+        if (generated_checkpoint / name).is_file():
+            shutil.copy(generated_checkpoint / name, ckpt / name)
+    text = tmp_path / "t.txt"
+    text.write_text("\n\n".join(" ".join(str(i * j % 97) for j in range(40)) for i in range(1, 30)))
+    out = tmp_path / "art"
+    code, _, stderr = cli("build", ckpt, "--recipe", "draft-head", "-o", out, "--force", "--eval-data", text,
+                          "--calib-data", text)
+    assert code in (0, 1), stderr  # random weights: tau may miss its floor; the MTP layer stays either way
+    manifest = json.loads((out / "manifest.json").read_text())
+    record = manifest["passes"][0]
+    assert "the checkpoint's own mtp module is the draft" in json.dumps(record["result"]["changed"])
+    engine = runtime.load(out)
+    assert engine.draft_module() is not None and engine.draft_module().spec.kind == "mtp"
+    prompts = [[1, 5, 9, 14], [3, 3, 8]]
+    plain = engine.generate_ids(prompts, 20)
+    spec, stats = engine.speculative_ids(prompts, 20, 3)
+    assert spec == plain and stats.steps > 0
