@@ -312,13 +312,15 @@ def eval_(
                                               "outputs, tokens/s")] = False,
     draft_tokens: Annotated[int, typer.Option(help="speculative: tokens drafted per target forward")] = 4,
     draft: Annotated[str, typer.Option(help="speculative drafter: auto, head, prompt-lookup")] = "auto",
+    tree_width: Annotated[int | None, typer.Option(help="speculative, head: candidates per depth verified as a "
+                                                   "tree (default: the artifact's; 1: a chain)")] = None,
 ) -> None:
     """Perplexity of an artifact on a text file, through the runtime, within the model's context."""
     engine, tokens, s = _score_artifact(artifact, data, paragraphs, force)
     result = {"perplexity": s.perplexity, "nll_per_token": s.nll / s.tokens, "tokens": s.tokens,
               "paragraphs": len(tokens)}
     if speculative:
-        result.update(_speculative_eval(engine, tokens, draft, draft_tokens))
+        result.update(_speculative_eval(engine, tokens, draft, draft_tokens, tree_width))
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -332,7 +334,7 @@ def eval_(
 SPECULATIVE_PROMPT_TOKENS, SPECULATIVE_NEW_TOKENS = 16, 64
 
 
-def _speculative_eval(engine, tokens, draft: str, draft_tokens: int) -> dict:
+def _speculative_eval(engine, tokens, draft: str, draft_tokens: int, tree_width: int | None = None) -> dict:
     """Greedy decoding of each paragraph's first 16 tokens, 64 new, plain and speculative, all prompts in one
     batch: tau, how many outputs are identical, and tokens/s of each."""
     import time
@@ -340,7 +342,7 @@ def _speculative_eval(engine, tokens, draft: str, draft_tokens: int) -> dict:
     prompts = [t[:SPECULATIVE_PROMPT_TOKENS] for t in tokens if len(t) >= SPECULATIVE_PROMPT_TOKENS]
     if not prompts:
         raise KilnError(f"--speculative needs paragraphs of at least {SPECULATIVE_PROMPT_TOKENS} tokens")
-    drafter = engine.drafter(draft)
+    drafter = engine.drafter(draft, tree_width=tree_width)
     start = time.perf_counter()
     plain = engine.generate_ids(prompts, SPECULATIVE_NEW_TOKENS, stop_ids=engine.spec.eos_token_ids)
     plain_seconds = time.perf_counter() - start
@@ -349,7 +351,8 @@ def _speculative_eval(engine, tokens, draft: str, draft_tokens: int) -> dict:
                                          stop_ids=engine.spec.eos_token_ids)
     spec_seconds = time.perf_counter() - start
     count = sum(len(o) for o, _ in plain)
-    return {"drafter": type(drafter).__name__, "draft_tokens": draft_tokens, "prompts": len(prompts),
+    return {"drafter": type(drafter).__name__, "draft_tokens": draft_tokens,
+            "tree_width": getattr(drafter, "tree_width", 1), "prompts": len(prompts),
             "identical": sum(a == b for a, b in zip(plain, spec, strict=True)), "tau": stats.tau,
             "acceptance": stats.acceptance, "tokens_per_s": sum(len(o) for o, _ in spec) / spec_seconds,
             "plain_tokens_per_s": count / plain_seconds}
@@ -372,6 +375,8 @@ def generate(
     draft_tokens: Annotated[int, typer.Option(help="speculative: tokens drafted per target forward")] = 4,
     draft: Annotated[str, typer.Option(help="speculative drafter: auto (the artifact's draft head or MTP layer, "
                                        "else prompt-lookup), head, prompt-lookup")] = "auto",
+    tree_width: Annotated[int | None, typer.Option(help="speculative, greedy, head: candidates per depth verified "
+                                                   "as a tree (default: the artifact's; 1: a chain)")] = None,
 ) -> None:
     """Generate text from an artifact with the slim runtime."""
     from kiln import runtime
@@ -379,7 +384,7 @@ def generate(
     if temperature < 0:
         raise KilnError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
     engine = runtime.load(artifact)
-    drafter = engine.drafter(draft) if speculative else None
+    drafter = engine.drafter(draft, tree_width=tree_width) if speculative else None
     for p, g in zip(prompt, engine.generate(prompt, max_new_tokens, temperature, top_p, stop, seed,
                                             repetition_penalty, speculative, draft_tokens, drafter), strict=True):
         print(p + g.text)

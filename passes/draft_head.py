@@ -12,7 +12,8 @@ The decoder layer has the target's last layer's shape (attention and a dense MLP
 calibration.txt and on the target's own greedy continuations of calibration prompts, after every pass that
 changes the target (so the head drafts for the model that ships). The target is untouched: the gate's
 recovery is exact, and the pass's own gate metric is tau, tokens per target call at `draft_tokens` drafts
-(greedy, on the gate's held-out paragraphs: each one's first 16 tokens, 64 new tokens).
+(greedy, on the gate's held-out paragraphs: each one's first 16 tokens, 64 new tokens), drafting a tree of
+`tree_width` candidates per depth (the runtime's default for an artifact built with it).
 
 A DeepSeek-V3 checkpoint with an MTP layer keeps it as its draft: nothing is trained, tau is measured.
 """
@@ -40,12 +41,12 @@ TAU_NEW_TOKENS = 64
 TAU_PROMPTS = 64  # held-out paragraphs tau is measured on
 
 
-def _tau(k: int, prompts: int):
+def _tau(k: int, prompts: int, tree_width: int):
     def measure(candidate, before, token_lists: Sequence[Sequence[int]]) -> float:
         heads = [list(t[:PROMPT_TOKENS]) for t in token_lists if len(t) >= PROMPT_TOKENS][:prompts]
         if not heads:
             raise KilnError(f"tau needs held-out paragraphs of at least {PROMPT_TOKENS} tokens")
-        _, stats = candidate.speculative_ids(heads, TAU_NEW_TOKENS, k)
+        _, stats = candidate.speculative_ids(heads, TAU_NEW_TOKENS, k, candidate.drafter("head", tree_width=tree_width))
         return stats.tau
     return measure
 
@@ -107,6 +108,7 @@ def init_tensors(module: ExtraModuleSpec, hidden: int, seed: int) -> dict[str, t
 @dataclass(frozen=True)
 class DraftHead(Pass):
     draft_tokens: int = 4  # k: drafts per verification, for the gate's tau
+    tree_width: int = 3  # greedy tree drafting: the top-3 tokens at each depth verified together (1: a chain)
     train_steps: int = 1200
     batch_tokens: int = 2048
     lr: float = 2e-3
@@ -128,6 +130,8 @@ class DraftHead(Pass):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise KilnError(f"draft-head: {name} must be an integer >= 0, got {value!r}")
+        if not 1 <= self.tree_width <= 8:
+            raise KilnError(f"draft-head: tree_width must be in [1, 8] (1: a chain), got {self.tree_width}")
         if not 1 <= self.draft_tokens <= 16:
             raise KilnError(f"draft-head: draft_tokens must be in [1, 16], got {self.draft_tokens}")
         if not self.lr > 0:
@@ -136,7 +140,7 @@ class DraftHead(Pass):
             raise KilnError(f"draft-head: min_tau must be >= 1 (tau counts the target's own token), got {self.min_tau}")
 
     def metrics(self) -> tuple[PassMetric, ...]:
-        return (PassMetric("tau", self.min_tau, _tau(self.draft_tokens, TAU_PROMPTS)),)
+        return (PassMetric("tau", self.min_tau, _tau(self.draft_tokens, TAU_PROMPTS, self.tree_width)),)
 
     def check(self, graph: ModelGraph, target) -> None:
         if not any(m.kind in DRAFT_KINDS for m in graph.spec.extra_modules):

@@ -120,9 +120,18 @@ class Engine:
             self._draft = DraftModule(module, Weights(self._tensors, self._formats, self.spec), self.model).eval()
         return self._draft
 
-    def drafter(self, kind: str = "auto", corpus: Sequence[Sequence[int]] | None = None):
+    def drafter(self, kind: str = "auto", corpus: Sequence[Sequence[int]] | None = None,
+                tree_width: int | None = None):
         """A drafter for speculative decoding: "head" (the artifact's MTP layer or draft head), "prompt-lookup",
-        "trigram" (a table of `corpus`), or "auto" (head when the artifact has one, else prompt lookup)."""
+        "trigram" (a table of `corpus`), or "auto" (head when the artifact has one, else prompt lookup).
+        `tree_width` > 1 (head, greedy): the top-`tree_width` tokens at each depth are verified as a tree;
+        None: the width the artifact's draft-head pass was gated with, else 1."""
+        from kiln.runtime.speculative import check_tree_width
+
+        if tree_width is None:
+            tree_width = next((p["config"].get("tree_width", 1) for p in self.manifest.get("passes") or ()
+                               if p.get("name") == "draft-head" and p.get("decision") != "reverted"), 1)
+        check_tree_width(tree_width)
         from kiln.runtime import speculative as sp
 
         if kind == "auto":
@@ -136,7 +145,7 @@ class Engine:
 
             streams = resolve_kv_streams(
                 dataclasses.replace(self.spec, layers=(module.spec.layer,), extra_modules=()), {})[0]
-            return sp.DraftHeadDrafter(module, self.kv_cache_blocks, self.kv_block_size, streams)
+            return sp.DraftHeadDrafter(module, self.kv_cache_blocks, self.kv_block_size, streams, tree_width)
         if kind == "prompt-lookup":
             return sp.PromptLookupDrafter()
         if kind == "trigram":

@@ -133,6 +133,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return x * cos + _rotate_half(x) * sin
 
 
+def step_mask(cache, positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The cache's explicit mask for this forward (tree verification: each node sees the cached prefix and its
+    own ancestors), else causal by position."""
+    explicit = getattr(cache, "explicit_mask", None) if cache is not None else None
+    return explicit if explicit is not None else attention_mask(positions, key_positions, window)
+
+
 def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
     # [B, 1, T, S]: a query attends keys at positions <= its own (and within the sliding window)
     q = query_positions[:, None, :, None]
@@ -169,7 +176,7 @@ class GqaAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, (k, v), positions)
             key_positions = torch.arange(k.shape[1]).expand(B, -1)
-        out = _attend(q, k, v, attention_mask(positions, key_positions, s.sliding_window), s.softmax_scale)
+        out = _attend(q, k, v, step_mask(cache, positions, key_positions, s.sliding_window), s.softmax_scale)
         return self.o_proj(out.reshape(B, T, s.num_heads * s.v_head_dim))
 
 
@@ -233,7 +240,7 @@ class MlaAttention(nn.Module):
             latent, k_rot = cache.update(layer, (latent, k_rot), positions)
             key_positions = torch.arange(latent.shape[1]).expand(B, -1)
         S = latent.shape[1]
-        mask = attention_mask(positions, key_positions, None)
+        mask = step_mask(cache, positions, key_positions, None)
         absorb = self.absorb if self.absorb is not None else (cache is not None and S > T)
         if absorb and self.kv_b_proj.bias is None:
             out = self._absorbed(q_pass, q_rot, latent.view(B, S, s.kv_lora_rank), k_rot.view(B, S, rope_dim), mask)

@@ -81,8 +81,16 @@ class BlockAllocator:
 
 
 # --- storage per stream -----------------------------------------------------------------------------------
+def copy_rows(t: Tensor, src: Tensor, dst: Tensor) -> None:
+    """t[dst] = t[src], bytes as they are (float8 has no CPU index_copy: its bytes are copied)."""
+    view = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    view.index_copy_(0, dst, view.index_select(0, src))
+
+
 class _DensePool:
     """Unquantized (BF16 at deployment): the model's compute dtype, so reads equal the uncached values."""
+
+    storage = ("data",)
 
     def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
         self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=dtype)
@@ -111,6 +119,8 @@ class _QuantizedPool:
 class _Fp8StaticPool(_QuantizedPool):
     """float8_e4m3fn bytes with a calibrated per-tensor (0-dim) or per-head ([H, 1]) scale."""
 
+    storage = ("data",)
+
     def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
         super().__init__(stream)
         if stream.scale is None:
@@ -129,6 +139,8 @@ class _Fp8StaticPool(_QuantizedPool):
 class _Fp8DynamicPool(_QuantizedPool):
     """float8_e4m3fn bytes with one fp32 scale per token (amax over the token's heads and dims / 448)."""
 
+    storage = ("data", "token_scale")
+
     def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
         super().__init__(stream)
         self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=torch.float8_e4m3fn)
@@ -145,6 +157,8 @@ class _Fp8DynamicPool(_QuantizedPool):
 
 class _Nvfp4Pool(_QuantizedPool):
     """Packed E2M1 codes [H, D/2] and E4M3 block scales [H, D/16] per token; a calibrated global scale."""
+
+    storage = ("packed", "block_scale")
 
     def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
         super().__init__(stream)
@@ -191,12 +205,14 @@ def stored_bytes_per_token(streams: Sequence[Sequence[KvStream]], dtype: torch.d
 class _Step:
     """Index tensors for one forward, computed once in `prepare` and used by every layer."""
 
-    positions: Tensor  # [B, T]
+    positions: Tensor  # [B, T] storage positions (where each token is written)
     valid: Tensor | None  # [B, T] bool, None when every token is written
     write_slots: Tensor  # [N] slot of each written token, in row-major order of the valid tokens
     read_slots: Tensor  # [B * S]
     batch: int
     length: int  # S
+    rope_positions: Tensor | None = None  # [B, T] the model's positions when they differ (tree verification)
+    attend: Tensor | None = None  # [B, 1, T, S] bool: an explicit attention mask (tree verification)
 
 
 class PagedKVCache:
@@ -276,11 +292,14 @@ class PagedKVCache:
             raise KilnError(f"sequence {seq_id!r} is not in the KV cache; add_sequence it first") from None
 
     # --- one forward -----------------------------------------------------------------------------------------
-    def prepare(self, seq_ids: Sequence[Hashable], positions: Tensor, valid: Tensor | None = None) -> None:
+    def prepare(self, seq_ids: Sequence[Hashable], positions: Tensor, valid: Tensor | None = None,
+                rope_positions: Tensor | None = None, attend: Tensor | None = None) -> None:
         """Bind the rows of the next forward to sequences and allocate the blocks their valid positions need.
 
         positions: [B, T] absolute positions; valid: [B, T] bool, False for padding (never written).
         All or nothing: raises KvCacheFull, with nothing allocated or written, when the blocks run out.
+        Tree verification writes each node at its own storage position (`positions`) while the model runs it at
+        its depth's position (`rope_positions`), and sees its ancestors only (`attend`, [B, 1, T, S]).
         """
         B, T = positions.shape
         if len(seq_ids) != B:
@@ -318,12 +337,40 @@ class PagedKVCache:
         read = block_ids[:, k // bs] * bs + k % bs  # [B, S]
         held = torch.tensor([self.lengths[s] for s in seq_ids]).unsqueeze(1)
         read = torch.where(k < held, read, self.null_slot)
-        self._step = _Step(positions, valid, write_slots, read.reshape(-1), B, S)
+        if attend is not None and attend.shape != (B, 1, T, S):
+            raise KilnError(f"prepare: attend must be [{B}, 1, {T}, {S}], got {list(attend.shape)}")
+        self._step = _Step(positions, valid, write_slots, read.reshape(-1), B, S, rope_positions, attend)
+
+    @property
+    def explicit_mask(self) -> Tensor | None:
+        """The prepared forward's explicit attention mask, or None (causal by position)."""
+        return None if self._step is None else self._step.attend
+
+    def move(self, seq_id: Hashable, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy what the sequence holds at positions `src` to positions `dst` (stored bytes as they are, every
+        layer and stream): a tree verification's accepted path moves to consecutive positions."""
+        table = self._table(seq_id)
+        bs = self.block_size
+
+        def slots(positions):
+            return torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.long)
+
+        if any(p >= self.lengths[seq_id] for p in (*src, *dst)):
+            raise KilnError(f"move: positions past sequence {seq_id!r}'s length {self.lengths[seq_id]}")
+        if not src:
+            return
+        src_slots, dst_slots = slots(src), slots(dst)
+        for layer in self.pools:
+            for pool in layer:
+                for name in pool.storage:
+                    copy_rows(getattr(pool, name), src_slots, dst_slots)
+        self._step = None
 
     def update(self, layer: int, new: tuple[Tensor, ...], positions: Tensor) -> tuple[Tensor, ...]:
         # new[i]: [B, T, H, D] -> every stream of the batch's sequences, fp32 [B, S, H, D]
         step = self._step
-        if step is None or not (positions is step.positions or torch.equal(positions, step.positions)):
+        expected = None if step is None else step.positions if step.rope_positions is None else step.rope_positions
+        if step is None or not (positions is expected or torch.equal(positions, expected)):
             raise KilnError("PagedKVCache.update: call prepare(seq_ids, positions) before this forward")
         out = []
         for pool, value in zip(self.pools[layer], new, strict=True):

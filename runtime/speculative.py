@@ -56,6 +56,40 @@ def accept_greedy(drafts: Sequence[int], target_logits: torch.Tensor) -> tuple[i
     return n, [*drafts[:n], choice[n]]
 
 
+def draft_tree(chain: Sequence[int], siblings: Sequence[Sequence[int]] | None) -> tuple[list[int], list[int]]:
+    """The verified nodes as (tokens, parents), node 0 the last accepted token: the chain's node at depth d is
+    the child of its node at depth d-1, and that depth's alternatives are its siblings (leaves). Nodes are in
+    depth order, each after its parent."""
+    tokens, parents, previous = [-1], [-1], 0
+    for depth, token in enumerate(chain):
+        here = len(tokens)
+        tokens.append(token)
+        parents.append(previous)
+        for alternative in (siblings[depth] if siblings is not None and depth < len(siblings) else ()):
+            if alternative != token:
+                tokens.append(alternative)
+                parents.append(previous)
+        previous = here
+    return tokens, parents
+
+
+def accept_tree(tokens: Sequence[int], parents: Sequence[int], target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy acceptance on a tree: from node 0, follow the child holding the target's argmax while there is
+    one. (accepted node indices, the target's next token after the last of them)."""
+    choice = target_logits.argmax(-1).tolist()
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        if node:
+            children.setdefault(parent, []).append(node)
+    path, current = [], 0
+    while True:
+        nxt = next((j for j in children.get(current, ()) if tokens[j] == choice[current]), None)
+        if nxt is None:
+            return path, choice[current]
+        path.append(nxt)
+        current = nxt
+
+
 def accept_sampled(drafts: Sequence[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                    generator: torch.Generator | None) -> tuple[int, list[int]]:
     """The rejection rule: (drafts accepted, tokens emitted). target_probs [k+1, V]; draft_probs [k, V] or None
@@ -85,8 +119,11 @@ def accept_sampled(drafts: Sequence[int], draft_probs: torch.Tensor | None, targ
 
 @dataclass
 class Proposal:
-    tokens: list[list[int]]  # per row, at most k
+    tokens: list[list[int]]  # per row, at most k: the chain
     probs: list[torch.Tensor | None]  # per row, [len(tokens), V] or None (one-hot proposals)
+    # per row and depth, alternatives to the chain's token there (children of the chain's previous node):
+    # greedy verification checks them in the same forward (a tree); None: a chain
+    siblings: list[list[list[int]]] | None = None
 
 
 class Drafter:
@@ -176,8 +213,9 @@ class DraftHeadDrafter(Drafter):
 
     needs_features = True
 
-    def __init__(self, module, num_blocks: int, block_size: int, kv_streams):
+    def __init__(self, module, num_blocks: int, block_size: int, kv_streams, tree_width: int = 1):
         self.module = module
+        self.tree_width = tree_width  # greedy: the top-`tree_width` tokens at each depth go to verification
         self.cache = PagedKVCache([kv_streams], num_blocks, block_size)
         self.rows: dict[Hashable, _HeadRow] = {}
 
@@ -215,10 +253,14 @@ class DraftHeadDrafter(Drafter):
             s.start, s.pending = end, s.pending[:0]
         drafts: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        siblings: list[list[list[int]]] = [[] for _ in rows]
         for step in range(k):
             logits = self.module.logits(last)
             if temperature <= 0:
-                picked = logits.argmax(-1)
+                top = logits.topk(self.tree_width, dim=-1).indices  # [B, w], best first
+                picked = top[:, 0]
+                for i, alternatives in enumerate(top[:, 1:].tolist()):
+                    siblings[i].append(alternatives)
             else:
                 q = probabilities(logits, temperature, top_p)
                 picked = torch.multinomial(q, 1, generator=generator)[:, 0]
@@ -231,7 +273,8 @@ class DraftHeadDrafter(Drafter):
             positions = torch.tensor([[end + step] for end in ends])
             self.cache.prepare(list(rows), positions)
             last = self.module(last[:, None], picked[:, None], positions, self.cache)[:, 0]
-        return Proposal(drafts, [torch.stack(p) if p else None for p in probs])
+        return Proposal(drafts, [torch.stack(p) if p else None for p in probs],
+                        siblings if temperature <= 0 and self.tree_width > 1 else None)
 
     def accept(self, row, accepted, emitted, features):
         s = self.rows[row]
@@ -260,15 +303,22 @@ class SpeculativeStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-def _penalized(logits: torch.Tensor, seen: list[int], drafts: Sequence[int], penalty: float) -> torch.Tensor:
-    """Per verified position i, the repetition penalty over what plain decoding would have seen there: the
-    context plus drafts[:i]."""
+def _penalized(logits: torch.Tensor, seen: list[int], tokens: Sequence[int], parents: Sequence[int],
+               penalty: float) -> torch.Tensor:
+    """Per verified node, the repetition penalty over what plain decoding would have seen there: the context
+    plus the node's ancestors' tokens (and its own)."""
     if penalty == 1.0:
         return logits
     from kiln.runtime.engine import penalize_repeats
 
-    return torch.cat([penalize_repeats(logits[i:i + 1], [seen + list(drafts[:i])], penalty)
-                      for i in range(logits.shape[0])])
+    rows = []
+    for node in range(logits.shape[0]):
+        path, j = [], node
+        while j > 0:
+            path.append(tokens[j])
+            j = parents[j]
+        rows.append(penalize_repeats(logits[node:node + 1], [seen + path[::-1]], penalty))
+    return torch.cat(rows)
 
 
 @torch.inference_mode()
@@ -361,29 +411,59 @@ def _run_wave(engine, model, cache, prompts, rows, max_new_tokens, drafter, k, t
             drafts = {r: list(t[:budget[r]]) for r, t in zip(active, proposal.tokens, strict=True)}
             draft_probs = {r: (q[:budget[r]] if q is not None else None)
                            for r, q in zip(active, proposal.probs, strict=True)}
-            width = 1 + max(len(d) for d in drafts.values())
+            tree = temperature <= 0 and proposal.siblings is not None
+            nodes = {r: draft_tree(drafts[r], proposal.siblings[i][:budget[r]] if tree else None)
+                     for i, r in enumerate(active)}
+            tree = tree and any(len(t) > len(drafts[r]) + 1 for r, (t, _) in nodes.items())
+            width = max(len(t) for t, _ in nodes.values())
             tokens = torch.zeros(len(active), width, dtype=torch.long)
             positions = torch.zeros(len(active), width, dtype=torch.long)
+            depth = torch.zeros(len(active), width, dtype=torch.long)
             valid = torch.zeros(len(active), width, dtype=torch.bool)
             for i, r in enumerate(active):
-                row_tokens = [last[r], *drafts[r]]
-                tokens[i, :len(row_tokens)] = torch.tensor(row_tokens)
-                positions[i] = position[r] + torch.arange(width).clamp(max=len(row_tokens) - 1)
-                valid[i, :len(row_tokens)] = True
-            cache.prepare(active, positions, valid)
-            features = model.features(tokens, positions, cache)
+                node_tokens, parents = nodes[r]
+                n = len(node_tokens)
+                tokens[i, :n] = torch.tensor([last[r], *node_tokens[1:]])
+                positions[i] = position[r] + torch.arange(width).clamp(max=n - 1)
+                for j in range(1, n):
+                    depth[i, j] = depth[i, parents[j]] + 1
+                depth[i, n:] = depth[i, n - 1]
+                valid[i, :n] = True
+            if tree:  # each node at its own slot, run at its depth's position, seeing its ancestors only
+                rope = torch.stack([position[r] + depth[i] for i, r in enumerate(active)])
+                ends = [position[r] + len(nodes[r][0]) for r in active]
+                S = max(max(cache.lengths[r] for r in active), *ends)
+                attend = torch.zeros(len(active), 1, width, S, dtype=torch.bool)
+                for i, r in enumerate(active):
+                    L, (node_tokens, parents) = position[r], nodes[r]
+                    attend[i, 0, :, :L] = True
+                    for j in range(len(node_tokens)):
+                        a = j
+                        while a >= 0:
+                            attend[i, 0, j, L + a] = True
+                            a = parents[a]
+                    attend[i, 0, len(node_tokens):, :L + 1] = True  # padding rows: anything valid
+                cache.prepare(active, positions, valid, rope_positions=rope, attend=attend)
+                features = model.features(tokens, rope, cache)
+            else:
+                cache.prepare(active, positions, valid)
+                features = model.features(tokens, positions, cache)
             logits = model.lm_head(model.norm(features))
             still = []
             for i, r in enumerate(active):
                 d = drafts[r]
-                row_logits = _penalized(logits[i, :len(d) + 1], [*prompts[r], *results[r][0]], d, penalty)
+                node_tokens, parents = nodes[r]
+                row_logits = _penalized(logits[i, :len(node_tokens)], [*prompts[r], *results[r][0]],
+                                        node_tokens, parents, penalty)
                 if temperature <= 0:
-                    n, emitted = accept_greedy(d, row_logits)
+                    path, bonus = accept_tree(node_tokens, parents, row_logits)
+                    n, emitted = len(path), [*(node_tokens[j] for j in path), bonus]
                 else:
                     n, emitted = accept_sampled(d, draft_probs[r], probabilities(row_logits, temperature, top_p),
                                                 generator)
+                    path = list(range(1, n + 1))
                 stats.steps += 1
-                stats.drafted += len(d)
+                stats.drafted += len(node_tokens) - 1
                 stats.accepted += n
                 out = results[r][0]
                 appended, reason = _emit(emitted, out, stop_ids, max_new_tokens)
@@ -394,16 +474,25 @@ def _run_wave(engine, model, cache, prompts, rows, max_new_tokens, drafter, k, t
                     cache.free_sequence(r)
                     live.discard(r)
                     continue
+                if path != list(range(1, n + 1)):  # a tree's accepted path moves to consecutive positions
+                    cache.move(r, [position[r] + j for j in path], [position[r] + 1 + j for j in range(n)])
                 cache.truncate(r, position[r] + n + 1)  # [last, d1..dn] stay; rejected drafts roll back
                 position[r] += n + 1
                 last[r] = emitted[-1]
-                drafter.accept(r, n, emitted, features[i, :n + 1] if drafter.needs_features else None)
+                kept = features[i, [0, *path]] if drafter.needs_features else None
+                drafter.accept(r, n, emitted, kept)
                 still.append(r)
             active = still
     finally:
         for r in live:
             drafter.finish(r)
             cache.free_sequence(r)
+
+
+def check_tree_width(width: int) -> int:
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= 8:
+        raise KilnError(f"--tree-width must be an integer in [1, 8] (1: a chain), got {width!r}")
+    return width
 
 
 def check_draft_tokens(k: int) -> int:

@@ -12,7 +12,14 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.passes.draft_head import attach, head_module, init_tensors
-from kiln.runtime.speculative import DraftHeadDrafter, Drafter, NgramTableDrafter, Proposal, accept_greedy
+from kiln.runtime.speculative import (
+    Drafter,
+    NgramTableDrafter,
+    Proposal,
+    accept_greedy,
+    accept_tree,
+    draft_tree,
+)
 from tests.conftest import CALIB_TEXT, EVAL_TEXT, STORIES, needs_stories
 
 P_FLOOR = 1e-3  # the chi-square tests pass when p > 0.001 (fixed seeds: deterministic)
@@ -75,6 +82,37 @@ def test_greedy_acceptance_rule():
     assert accept_greedy([], logits[:1]) == (0, [3])
 
 
+def test_tree_layout_and_greedy_walk():
+    tokens, parents = draft_tree([3, 5, 7], [[8, 9], [5, 1], [2]])  # depth 2's alternative 5 is the chain's
+    assert tokens == [-1, 3, 8, 9, 5, 1, 7, 2] and parents == [-1, 0, 0, 0, 1, 1, 4, 4]
+    logits = torch.zeros(8, 10)
+    for node, choice in enumerate([8, 0, 4, 0, 0, 0, 0, 0]):  # the target picks sibling 8, then 4 after it
+        logits[node, choice] = 1.0
+    assert accept_tree(tokens, parents, logits) == ([2], 4)
+    for node, choice in enumerate([3, 1, 0, 0, 0, 6, 0, 0]):  # chain's 3, then sibling 1 (leaf), then 6
+        logits[node] = 0
+        logits[node, choice] = 1.0
+    assert accept_tree(tokens, parents, logits) == ([1, 5], 6)
+
+
+def test_move_copies_stored_bytes_of_every_layer(generated_checkpoint):
+    engine = engine_from_graph(load_checkpoint(generated_checkpoint))
+    shapes = engine.model.stream_shapes()[0]
+    cache = engine.new_kv_cache(num_blocks=4, block_size=4)
+    cache.add_sequence("a")
+    gen = torch.Generator().manual_seed(0)
+    new = tuple(torch.randn(1, 9, h, d, generator=gen) for h, d in shapes)
+    cache.prepare(["a"], torch.arange(9)[None])
+    for layer in range(len(cache.pools)):
+        cache.update(layer, new, torch.arange(9)[None])
+    cache.move("a", [5, 8], [1, 2])  # an accepted tree path at slots 5 and 8 moves after position 0
+    cache.truncate("a", 3)
+    cache.prepare(["a"], torch.tensor([[3]]))
+    got = cache.update(0, tuple(torch.zeros(1, 1, h, d) for h, d in shapes), torch.tensor([[3]]))
+    for stream, value in zip(got, new, strict=True):
+        assert torch.equal(stream[0, :3], value[0, [0, 5, 8]])
+
+
 # --- greedy: identical to plain decoding -------------------------------------------------------------------
 
 
@@ -123,6 +161,7 @@ def test_greedy_speculative_is_plain_decoding_on_200_prompts(stories):
     plain = engine.generate_ids(prompts, 64, stop_ids=engine.spec.eos_token_ids)
     corpus = load_token_lists(tok, CALIB_TEXT, 400, 256)
     drafters = {"trigram": NgramTableDrafter.from_corpus(corpus), "random head": engine.drafter("head"),
+                "random head, tree of 3": engine.drafter("head", tree_width=3),
                 "oracle": Oracle({tuple(p): o for p, (o, _) in zip(prompts, plain, strict=True)},
                                  engine.spec.vocab_size)}
     for name, drafter in drafters.items():  # all 200 in one batch: rows accept independently
@@ -158,7 +197,7 @@ def test_greedy_speculative_with_an_fp8_kv_cache_and_a_repetition_penalty(storie
     gaps, compared = [], 0
     for penalty in (1.0, 1.3):
         plain = engine.generate_ids(prompts[:24], 48, repetition_penalty=penalty)
-        for drafter in (engine.drafter("prompt-lookup"), engine.drafter("head")):
+        for drafter in (engine.drafter("prompt-lookup"), engine.drafter("head"), engine.drafter("head", tree_width=3)):
             spec, _ = engine.speculative_ids(prompts[:24], 48, 3, drafter, repetition_penalty=penalty)
             for prompt, (want, _), (got, _) in zip(prompts, plain, spec, strict=False):
                 compared += 1
@@ -172,7 +211,7 @@ def test_greedy_speculative_with_an_fp8_kv_cache_and_a_repetition_penalty(storie
                 top = logits.topk(2).values
                 assert {want[j], got[j]} <= set(logits.topk(2).indices.tolist())
                 gaps.append(float(top[0] - top[1]))
-    assert compared == 96 and len(gaps) <= 8 and all(g < 0.25 for g in gaps), gaps
+    assert compared == 144 and len(gaps) <= 12 and all(g < 0.25 for g in gaps), gaps
 
 
 # --- the draft head's incremental cache --------------------------------------------------------------------
