@@ -566,7 +566,8 @@ def export_(
                                      "transformers), which also takes FP8 weight-only and mixed per-layer formats; "
                                      "hf-modelopt: ModelOpt's unified HF checkpoint (vLLM quantization='modelopt', "
                                      "SGLang, TensorRT-LLM); hf: an MLA-converted model, unquantized, in "
-                                     "DeepSeek-V3's layout")] = "compressed-tensors",
+                                     "DeepSeek-V3's layout; eagle3: the EAGLE-3 draft head for vLLM / "
+                                     "SGLang")] = "compressed-tensors",
     output: Annotated[Path, typer.Option("-o", "--output", help="directory to write")] = Path("artifacts/export"),
     overwrite: Annotated[bool, typer.Option(help="replace an earlier Kiln export there")] = False,
 ) -> None:

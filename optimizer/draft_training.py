@@ -26,7 +26,7 @@ from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
 from kiln.passes.graph import ModelGraph
-from kiln.runtime.draft import DraftModule
+from kiln.runtime.draft import draft_module
 from kiln.runtime.model import Transformer, Weights
 from kiln.runtime.spec import ExtraModuleSpec
 
@@ -59,14 +59,22 @@ class DraftDistillation:
         self.target = Transformer(spec, weights=weights).eval()
         for p in self.target.parameters():
             p.requires_grad_(False)
-        self.module = DraftModule(module, weights, self.target)
-        own = {**{n: self.module.enorm.weight for n in module.norms[:1]},
-               **{n: self.module.hnorm.weight for n in module.norms[1:2]},
-               f"{module.linears['eh_proj'].name}.weight": self.module.eh_proj.weight}
-        block = self.module.block
+        self.module = draft_module(module, weights, self.target)
+        self.spec = module
+        m = self.module
+        if module.kind == "eagle3":
+            own = {module.norms[0]: m.hidden_norm.weight, module.norms[1]: m.norm.weight,
+                   f"{module.linears['fc'].name}.weight": m.fc.weight}
+            layer_modules = m
+            own[module.layer.norms[0]], own[module.layer.norms[1]] = m.input_norm.weight, m.post_norm.weight
+        else:
+            own = {module.norms[0]: m.enorm.weight, module.norms[1]: m.hnorm.weight,
+                   f"{module.linears['eh_proj'].name}.weight": m.eh_proj.weight}
+            layer_modules = m.block
+            own[module.layer.norms[0]], own[module.layer.norms[1]] = (m.block.input_norm.weight,
+                                                                      m.block.post_norm.weight)
         for lin in module.layer.linears():
-            own[f"{lin.name}.weight"] = _find_linear(block, lin.name, module)
-        own[module.layer.norms[0]], own[module.layer.norms[1]] = block.input_norm.weight, block.post_norm.weight
+            own[f"{lin.name}.weight"] = _find_linear(layer_modules, lin.name, module)
         missing = sorted(set(init) - set(own))
         if missing:
             raise KilnError(f"draft head: no trainable tensor for {missing[0]}")
@@ -92,16 +100,17 @@ class DraftDistillation:
     def loss(self, step: int) -> float:
         i = step % len(self.batches)
         b = self.batches[i]
+        aux = self.module.aux_layers
         if self._features[i] is None:
             with torch.no_grad():
-                self._features[i] = self.target.features(b.tokens, b.positions)
-        feats = self._features[i]
+                self._features[i] = self.target.features(b.tokens, b.positions, collect=aux)
+        feats, inputs = self._features[i] if aux else (self._features[i], self._features[i])
         with torch.no_grad():
             teacher = torch.log_softmax(self.target.lm_head(self.target.norm(feats)), dim=-1)
-            scale = feats.pow(2).mean().sqrt()
-            noise = (torch.rand(feats.shape, generator=self.generator) - 0.5) * NOISE * scale
+            scale = inputs.pow(2).mean().sqrt()
+            noise = (torch.rand(inputs.shape, generator=self.generator) - 0.5) * NOISE * scale
         # step 1: (f_t + noise, token t+1) at position t -> f̂_{t+1}, the distribution of token t+2
-        x = (feats + noise)[:, :-1]
+        x = self.module.project((inputs + noise)[:, :-1])
         out = self.module(x, b.tokens[:, 1:], b.positions[:, :-1])
         valid = b.mask[:, 2:]  # token t+2 exists
         total = self._terms(out[:, :-1], feats[:, 1:-1], teacher[:, 1:-1], valid)
@@ -117,13 +126,15 @@ class DraftDistillation:
                valid: torch.Tensor) -> torch.Tensor:
         logp = torch.log_softmax(self.module.logits(out[valid]), dim=-1)
         kl = kl_terms(teacher[valid], logp).sum(-1).mean()
+        if self.spec.kind == "eagle3":  # its hidden state is its own, not the target's feature (EAGLE-3: KL only)
+            return kl
         scale = target_features[valid].pow(2).mean().sqrt().clamp_min(1e-6)
         regression = F.smooth_l1_loss(out[valid] / scale, target_features[valid] / scale)
         return kl + FEATURE_WEIGHT * regression
 
 
 def _find_linear(block, name: str, module: ExtraModuleSpec) -> torch.nn.Parameter:
-    """The weight parameter of the draft layer's linear `name` (built by build_block from the layer spec)."""
+    """The weight parameter of the draft layer's linear `name` (`block`: what holds .attention and .mlp)."""
     a, m = module.layer.attention, module.layer.mlp
     for role, lin in a.linears.items():
         if lin.name == name:

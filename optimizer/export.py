@@ -7,6 +7,8 @@
                          quantization="modelopt", SGLang, TensorRT-LLM)
     hf                   an MLA-converted model, unquantized, in DeepSeek-V3's layout (optimizer/export_deepseek.py;
                          transformers' DeepseekV3ForCausalLM)
+    eagle3               the artifact's EAGLE-3 draft head, as vLLM / SGLang load it beside the target
+                         (optimizer/export_eagle3.py; ModelOpt's speculative export layout)
 
 All write atomically, mark the directory as a Kiln export, and read the export back to check it: the quantized
 layouts dequantize to the artifact's weights, the DeepSeek-V3 one gives the runtime's logits in transformers.
@@ -22,7 +24,7 @@ from kiln.optimizer.export_compressed_tensors import describe, export_compressed
 from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, export_hf_modelopt
 from kiln.optimizer.output_dir import check_output
 
-FORMATS = ("compressed-tensors", "hf-modelopt", "hf")
+FORMATS = ("compressed-tensors", "hf-modelopt", "hf", "eagle3")
 
 
 def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool = False) -> Path:
@@ -33,6 +35,10 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
         from kiln.optimizer.export_deepseek import export_deepseek
 
         return export_deepseek(artifact, output, overwrite)
+    if fmt == "eagle3":
+        from kiln.optimizer.export_eagle3 import export_eagle3
+
+        return export_eagle3(artifact, output, overwrite)
     refuse_rewritten_structure(Path(artifact), fmt)
     writer = export_compressed_tensors if fmt == "compressed-tensors" else export_hf_modelopt
     return writer(artifact, output, overwrite)
@@ -62,6 +68,9 @@ def export_summary(path: Path | str, fmt: str) -> str:
     if fmt == "hf":
         return (f"wrote {path} (hf: DeepSeek-V3 layout, unquantized); transformers' logits on it match the "
                 "artifact's")
+    if fmt == "eagle3":
+        return (f"wrote {path} (eagle3: the draft head only, LlamaForCausalLMEagle3; serve it beside the target "
+                "with vLLM's speculative method eagle3)")
     if fmt == "compressed-tensors":
         summary = describe(path)
         note = (" (NVFP4: its codes and block scales, global scales stored as their reciprocals)"

@@ -35,7 +35,7 @@ from kiln.passes.graph import ModelGraph
 from kiln.runtime.spec import ExtraModuleSpec, LayerSpec, LinearSpec
 
 PREFIX = "draft_head"
-DRAFT_KINDS = ("mtp", "draft_head")
+DRAFT_KINDS = ("mtp", "draft_head", "eagle3")
 PROMPT_TOKENS = 16
 TAU_NEW_TOKENS = 64
 TAU_PROMPTS = 64  # held-out paragraphs tau is measured on
@@ -72,9 +72,40 @@ def draft_layer(graph: ModelGraph, prefix: str = f"{PREFIX}.layer") -> LayerSpec
     return LayerSpec(index, prefix, attention, mlp, norms)
 
 
-def head_module(graph: ModelGraph) -> ExtraModuleSpec:
-    """The draft head's spec for `graph`: eh_proj, enorm, hnorm and a decoder layer (`draft_layer`)."""
+ARCHITECTURES = ("mtp", "eagle3")
+
+
+def eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """The three target layers an EAGLE-3 head reads (their outputs, before the final norm): ModelOpt's
+    default {1, L//2 - 1, L - 4}, which vLLM's default (2, L//2, L-3), counted before the layer, names too;
+    three evenly spaced layers where that gives fewer than three (vLLM's fc takes exactly three)."""
+    ids = sorted({1, max(0, num_layers // 2 - 1), max(0, num_layers - 4)})
+    if len(ids) == 3 and ids[-1] < num_layers:
+        return tuple(ids)
+    if num_layers < 3:
+        raise KilnError(f"an EAGLE-3 head reads three target layers; this model has {num_layers}")
+    spread = sorted({round(1 + i * (num_layers - 3) / 2) for i in range(3)})
+    return tuple(spread) if len(spread) == 3 else (0, 1, 2)
+
+
+def head_module(graph: ModelGraph, architecture: str = "mtp") -> ExtraModuleSpec:
+    """The draft head's spec for `graph`.
+
+    "mtp": eh_proj, enorm, hnorm and a decoder layer shaped like the target's last (`draft_layer`).
+    "eagle3": EAGLE-3 as vLLM and SGLang load it: fc over three target layers' outputs, a decoder layer whose
+    q/k/v read [input_layernorm(embedding), hidden_norm(hidden)] (2 x hidden), a final norm; the target's
+    lm_head (the full vocabulary: no draft vocabulary mapping)."""
     hidden = graph.spec.hidden_size
+    if architecture == "eagle3":
+        layer = draft_layer(graph, f"{PREFIX}.layers.0")
+        wide = {role: dataclasses.replace(lin, in_features=2 * hidden) if role in ("q", "k", "v") else lin
+                for role, lin in layer.attention.linears.items()}
+        layer = dataclasses.replace(layer, attention=dataclasses.replace(layer.attention, linears=wide))
+        aux = eagle3_aux_layers(len(graph.spec.layers))
+        return ExtraModuleSpec(
+            "eagle3", PREFIX, layer,
+            {"fc": LinearSpec(f"{PREFIX}.fc", "draft_proj", len(aux) * hidden, hidden, layer.index)},
+            (f"{PREFIX}.layers.0.hidden_norm.weight", f"{PREFIX}.norm.weight"), aux_layers=aux)
     layer = draft_layer(graph)
     return ExtraModuleSpec(
         "draft_head", PREFIX, layer,
@@ -91,17 +122,19 @@ def attach(graph: ModelGraph, module: ExtraModuleSpec, tensors: dict[str, torch.
 
 
 def init_tensors(module: ExtraModuleSpec, hidden: int, seed: int) -> dict[str, torch.Tensor]:
-    """Random linears (std 0.02, the usual init), unit norms; eh_proj starts as [0, I]: the target's feature
-    passes through, so the untrained head predicts what the target's own head would say at t+1's input."""
+    """Random linears (std 0.02, the usual init), unit norms; the input projection starts by passing the
+    target's feature through (MTP shape: eh_proj = [0, I]; EAGLE-3: fc reads the last aux layer), so the
+    untrained head predicts what the target's own head would say at t+1's input."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for lin in module.layer.linears():
         out[f"{lin.name}.weight"] = torch.randn(lin.out_features, lin.in_features, generator=gen) * 0.02
     for name in (*module.layer.norms, *module.norms):
         out[name] = torch.ones(hidden)
-    eh = torch.zeros(hidden, 2 * hidden)
-    eh[:, hidden:] = torch.eye(hidden)
-    out[f"{module.linears['eh_proj'].name}.weight"] = eh + torch.randn(hidden, 2 * hidden, generator=gen) * 0.02
+    proj = module.linears["fc" if module.kind == "eagle3" else "eh_proj"]
+    weight = torch.randn(hidden, proj.in_features, generator=gen) * 0.02
+    weight[:, -hidden:] += torch.eye(hidden)
+    out[f"{proj.name}.weight"] = weight
     return out
 
 
@@ -109,6 +142,7 @@ def init_tensors(module: ExtraModuleSpec, hidden: int, seed: int) -> dict[str, t
 class DraftHead(Pass):
     draft_tokens: int = 4  # k: drafts per verification, for the gate's tau
     tree_width: int = 3  # greedy tree drafting: the top-3 tokens at each depth verified together (1: a chain)
+    architecture: str = "mtp"  # mtp (DeepSeek's MTP shape) or eagle3 (exports as EAGLE-3 for vLLM / SGLang)
     train_steps: int = 1200
     batch_tokens: int = 2048
     lr: float = 2e-3
@@ -130,6 +164,9 @@ class DraftHead(Pass):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise KilnError(f"draft-head: {name} must be an integer >= 0, got {value!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise KilnError(f"draft-head: architecture={self.architecture!r} is not allowed; choose one of "
+                            f"{', '.join(ARCHITECTURES)}")
         if not 1 <= self.tree_width <= 8:
             raise KilnError(f"draft-head: tree_width must be in [1, 8] (1: a chain), got {self.tree_width}")
         if not 1 <= self.draft_tokens <= 16:
@@ -144,7 +181,7 @@ class DraftHead(Pass):
 
     def check(self, graph: ModelGraph, target) -> None:
         if not any(m.kind in DRAFT_KINDS for m in graph.spec.extra_modules):
-            draft_layer(graph)  # refuses a shape it cannot copy, before anything runs
+            head_module(graph, self.architecture)  # refuses a shape it cannot copy, before anything runs
 
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
         result = PassResult(self.name)
@@ -157,7 +194,7 @@ class DraftHead(Pass):
         if ctx.runner is None:
             raise KilnError("draft-head trains on calibration text: give --calib-data (or keep ../shared's)")
         hidden = graph.spec.hidden_size
-        module = head_module(graph)
+        module = head_module(graph, self.architecture)
         started = time.perf_counter()
         calibration = [list(t) for t in ctx.runner.calibration_tokens]
         prompts = [t[:PROMPT_TOKENS] for t in calibration if len(t) >= PROMPT_TOKENS][: self.generated]
@@ -174,7 +211,8 @@ class DraftHead(Pass):
         seconds = time.perf_counter() - started
         params = sum(p.numel() for p in objective.parameters.values())
         tokens = sum(objective.batch_tokens(s) for s in range(self.train_steps))
-        result.changed[PREFIX] = f"draft head attached: {params} parameters (decoder layer + eh_proj + 2 norms)"
+        result.changed[PREFIX] = (f"{self.architecture} draft head attached: {params} parameters"
+                                  + (f", reading layers {list(module.aux_layers)}" if module.aux_layers else ""))
         result.metrics.update({"parameters": params, "train_steps": self.train_steps, "train_tokens": tokens,
                                "train_seconds": round(seconds, 1)})
         if history:

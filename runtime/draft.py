@@ -1,5 +1,7 @@
-"""Draft modules the runtime runs for speculative decoding: a DeepSeek-V3 multi-token-prediction layer, or the
-EAGLE-style draft head Kiln's `draft-head` pass attaches. Both have one shape (ExtraModuleSpec):
+"""Draft modules the runtime runs for speculative decoding: a DeepSeek-V3 multi-token-prediction layer, or a
+draft head Kiln's `draft-head` pass attaches. Two shapes (ExtraModuleSpec.kind):
+
+"mtp" and "draft_head" (DeepSeek's MTP shape):
 
     x   = eh_proj([enorm(embed(token[t+1])), hnorm(feature[t])])     # [2C] -> [C]
     f̂   = decoder layer(x), causal attention over the module's own KV cache, rotary at position t
@@ -8,6 +10,16 @@ EAGLE-style draft head Kiln's `draft-head` pass attaches. Both have one shape (E
 
 feature[t] is the target's last-layer output at position t before its final norm (Transformer.features). The
 module's output f̂ stands in for feature[t+1] when it drafts the next token, so one module drafts k tokens.
+
+"eagle3" (EAGLE-3, as vLLM's Eagle3LlamaForCausalLM runs it):
+
+    h   = fc([output of target layer a, b, c])        # [3C] -> [C]; a chained step feeds its own h instead
+    x   = [input_layernorm(embed(token[t+1])), hidden_norm(h)]         # [2C]: q/k/v take 2C
+    h'  = h + attention(x);  out = h' + mlp(post_attention_layernorm(h'))
+    logits = lm_head(norm(out)); out is the next step's h
+
+`project(features)` maps what the target gives (its features, or the aux layers' outputs) to the module's
+input; a chained step passes the module's own output unprojected.
 """
 
 from __future__ import annotations
@@ -17,10 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.kernels.errors import KilnError
-from kiln.runtime.model import Rotary, Transformer, Weights, build_block
+from kiln.runtime.model import DenseMlp, GqaAttention, Rotary, Transformer, Weights, build_block
 from kiln.runtime.spec import ExtraModuleSpec
 
-DRAFT_KINDS = ("mtp", "draft_head")
+DRAFT_KINDS = ("mtp", "draft_head", "eagle3")
+
+
+def draft_module(module: ExtraModuleSpec, weights: Weights, target: Transformer) -> nn.Module:
+    return Eagle3Module(module, weights, target) if module.kind == "eagle3" else DraftModule(module, weights, target)
 
 
 class DraftModule(nn.Module):
@@ -40,8 +56,13 @@ class DraftModule(nn.Module):
         self.embed = (nn.Parameter(weights.tensor(own[0], tuple(target.embed.shape), "the MTP embedding"),
                                    requires_grad=False) if own else target.embed)
 
+    aux_layers: tuple[int, ...] = ()  # the target's last layer output is the feature
+
     def stream_shapes(self) -> tuple[tuple[int, int], ...]:
         return self.block.attention.stream_shapes()
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        return features
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 cache=None) -> torch.Tensor:
@@ -52,3 +73,37 @@ class DraftModule(nn.Module):
 
     def logits(self, draft_features: torch.Tensor) -> torch.Tensor:
         return self.head(self.head_norm(draft_features))
+
+
+class Eagle3Module(nn.Module):
+    def __init__(self, module: ExtraModuleSpec, weights: Weights, target: Transformer):
+        super().__init__()
+        layer = module.layer
+        if module.kind != "eagle3" or layer is None or "fc" not in module.linears or len(module.aux_layers) < 1:
+            raise KilnError(f"extra module {module.name!r} is not an EAGLE-3 head: it needs fc, a layer and aux layers")
+        self.spec = module
+        self.aux_layers = module.aux_layers
+        self.fc = weights.linear(module.linears["fc"])
+        self.input_norm, self.post_norm = weights.norm(layer.norms[0]), weights.norm(layer.norms[1])
+        self.hidden_norm, self.norm = weights.norm(module.norms[0]), weights.norm(module.norms[1])
+        self.attention = GqaAttention(layer.attention, weights, layer.prefix)
+        self.mlp = DenseMlp(layer.mlp.linears, weights)
+        self.rotary = Rotary(layer.attention.rotary)
+        self.head = weights.linear(module.linears["lm_head"]) if "lm_head" in module.linears else target.lm_head
+        self.embed = target.embed
+
+    def stream_shapes(self) -> tuple[tuple[int, int], ...]:
+        return self.attention.stream_shapes()
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """The aux layers' outputs [.., len(aux) * C] -> the module's hidden input [.., C]."""
+        return self.fc(features)
+
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                cache=None) -> torch.Tensor:
+        x = torch.cat([self.input_norm(F.embedding(next_tokens, self.embed)), self.hidden_norm(hidden)], -1)
+        h = hidden + self.attention(x, self.rotary(positions), positions, cache, 0)
+        return h + self.mlp(self.post_norm(h))
+
+    def logits(self, draft_features: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(draft_features))

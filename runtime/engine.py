@@ -111,13 +111,13 @@ class Engine:
         """The artifact's draft module (a DeepSeek MTP layer or a Kiln draft head: runtime.draft), built on
         first use; None when it has none."""
         if self._draft is None:
-            from kiln.runtime.draft import DRAFT_KINDS, DraftModule
+            from kiln.runtime.draft import DRAFT_KINDS, draft_module
             from kiln.runtime.model import Weights
 
             module = next((m for m in self.spec.extra_modules if m.kind in DRAFT_KINDS), None)
             if module is None:
                 return None
-            self._draft = DraftModule(module, Weights(self._tensors, self._formats, self.spec), self.model).eval()
+            self._draft = draft_module(module, Weights(self._tensors, self._formats, self.spec), self.model).eval()
         return self._draft
 
     def drafter(self, kind: str = "auto", corpus: Sequence[Sequence[int]] | None = None,

@@ -381,14 +381,19 @@ class Transformer(nn.Module):
     def stream_shapes(self) -> list[tuple[tuple[int, int], ...]]:
         return [b.attention.stream_shapes() for b in self.blocks]
 
-    def features(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
-        # tokens, positions: [B, T] -> the last layer's output before the final norm [B, T, C] (what an MTP
-        # layer or a draft head reads: transformers' hidden_states[-1] is after the norm)
+    def features(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None,
+                 collect: tuple[int, ...] = ()):
+        """tokens, positions: [B, T] -> the last layer's output before the final norm [B, T, C] (what an MTP
+        layer or a draft head reads: transformers' hidden_states[-1] is after the norm). With `collect`, also
+        the outputs of those layers concatenated ([B, T, len(collect) * C], an EAGLE-3 head's input)."""
         x = F.embedding(tokens, self.embed)
         ropes = self.rotary(positions)
+        kept = {}
         for i, block in enumerate(self.blocks):
             x = block(x, ropes[i], positions, cache, i)
-        return x
+            if i in collect:
+                kept[i] = x
+        return (x, torch.cat([kept[i] for i in collect], dim=-1)) if collect else x
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
         # tokens, positions: [B, T] -> the final norm's output [B, T, C]

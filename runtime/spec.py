@@ -106,12 +106,14 @@ class ExtraModuleSpec:
     DeepSeek multi-token-prediction layer (`num_nextn_predict_layers`) or a draft head a pass attaches.
     Speculative decoding (not yet in the runtime) runs them; the artifact stores their tensors."""
 
-    kind: str  # "mtp" or "draft_head"
+    kind: str  # "mtp", "draft_head" (MTP-shaped) or "eagle3"
     name: str  # module prefix, e.g. "model.layers.61"
     layer: LayerSpec | None  # the decoder layer it holds
     linears: dict[str, LinearSpec]  # its own linears beyond the layer's (e.g. eh_proj, head)
     norms: tuple[str, ...]  # e.g. enorm, hnorm, the head's norm
     tensors: tuple[str, ...] = ()  # any other tensor it holds (DeepSeek MTP: its copy of the embedding)
+    # EAGLE-3: the target layers whose outputs (before the final norm) it reads, concatenated, in this order
+    aux_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,8 @@ def spec_from_json(data: dict) -> ModelSpec:
     try:
         extras = tuple(ExtraModuleSpec(e["kind"], e["name"],
                                        _layer_from_json(e["layer"]) if e["layer"] is not None else None,
-                                       _linears_from_json(e["linears"]), tuple(e["norms"]), tuple(e["tensors"]))
+                                       _linears_from_json(e["linears"]), tuple(e["norms"]), tuple(e["tensors"]),
+                                       tuple(e.get("aux_layers", ())))
                        for e in data["extra_modules"])
         return ModelSpec(**{**data, "lm_head": _linear_from_json(data["lm_head"]),
                             "layers": tuple(_layer_from_json(layer) for layer in data["layers"]),

@@ -131,6 +131,7 @@ class Drafter:
     `accept` after it, `finish` when the row leaves."""
 
     needs_features = False
+    feature_layers: tuple[int, ...] = ()  # the target layers whose outputs it reads (else the last, pre-norm)
 
     def start(self, row: Hashable, tokens: Sequence[int], features: torch.Tensor | None) -> None:
         """`tokens`: the prompt plus the first token; `features` [len(prompt), C] (needs_features only)."""
@@ -215,6 +216,7 @@ class DraftHeadDrafter(Drafter):
 
     def __init__(self, module, num_blocks: int, block_size: int, kv_streams, tree_width: int = 1):
         self.module = module
+        self.feature_layers = tuple(module.aux_layers)
         self.tree_width = tree_width  # greedy: the top-`tree_width` tokens at each depth go to verification
         self.cache = PagedKVCache([kv_streams], num_blocks, block_size)
         self.rows: dict[Hashable, _HeadRow] = {}
@@ -246,7 +248,7 @@ class DraftHeadDrafter(Drafter):
             positions[i, n:] = s.start + n - 1  # padding: masked, never written
             valid[i, :n] = True
         self.cache.prepare(list(rows), positions, valid)
-        out = self.module(features, tokens, positions, self.cache)
+        out = self.module(self.module.project(features), tokens, positions, self.cache)
         last = torch.stack([out[i, len(s.pending) - 1] for i, s in enumerate(states)])  # [B, C]
         ends = [s.start + len(s.pending) for s in states]  # the next position to run
         for s, end in zip(states, ends, strict=True):
@@ -356,6 +358,14 @@ def speculative_generate(engine, prompts: Sequence[Sequence[int]], max_new_token
     return results, stats
 
 
+def _features(model, tokens, positions, cache, drafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the target's last features, what the drafter reads: the same, or its layers' outputs concatenated)."""
+    if drafter.feature_layers:
+        return model.features(tokens, positions, cache, collect=drafter.feature_layers)
+    features = model.features(tokens, positions, cache)
+    return features, features
+
+
 def _emit(emitted: list[int], out: list[int], stop_ids: set[int], max_new_tokens: int) -> tuple[int, str | None]:
     """Append `emitted` to `out` up to a stop token or the length limit: (tokens appended, finish reason)."""
     for i, token in enumerate(emitted):
@@ -383,7 +393,7 @@ def _run_wave(engine, model, cache, prompts, rows, max_new_tokens, drafter, k, t
             live.add(r)
         positions = torch.arange(T).expand(len(rows), -1)
         cache.prepare(rows, positions, positions < lengths.unsqueeze(1))
-        features = model.features(tokens, positions, cache)
+        features, drafted_from = _features(model, tokens, positions, cache, drafter)
         last_logits = model.lm_head(model.norm(features[torch.arange(len(rows)), lengths - 1]))
         last_logits = penalize_repeats(last_logits, [list(prompts[r]) for r in rows], penalty)
         first = sample(last_logits, temperature, top_p, generator).tolist()
@@ -397,7 +407,7 @@ def _run_wave(engine, model, cache, prompts, rows, max_new_tokens, drafter, k, t
                 results[r] = (out, reason)
                 continue
             position[r], last[r] = len(prompts[r]), first[i]
-            drafter.start(r, [*prompts[r], first[i]], features[i, :len(prompts[r])] if drafter.needs_features
+            drafter.start(r, [*prompts[r], first[i]], drafted_from[i, :len(prompts[r])] if drafter.needs_features
                           else None)
             active.append(r)
         for r in rows:
@@ -444,10 +454,10 @@ def _run_wave(engine, model, cache, prompts, rows, max_new_tokens, drafter, k, t
                             a = parents[a]
                     attend[i, 0, len(node_tokens):, :L + 1] = True  # padding rows: anything valid
                 cache.prepare(active, positions, valid, rope_positions=rope, attend=attend)
-                features = model.features(tokens, rope, cache)
+                features, drafted_from = _features(model, tokens, rope, cache, drafter)
             else:
                 cache.prepare(active, positions, valid)
-                features = model.features(tokens, positions, cache)
+                features, drafted_from = _features(model, tokens, positions, cache, drafter)
             logits = model.lm_head(model.norm(features))
             still = []
             for i, r in enumerate(active):
@@ -479,7 +489,7 @@ def _run_wave(engine, model, cache, prompts, rows, max_new_tokens, drafter, k, t
                 cache.truncate(r, position[r] + n + 1)  # [last, d1..dn] stay; rejected drafts roll back
                 position[r] += n + 1
                 last[r] = emitted[-1]
-                kept = features[i, [0, *path]] if drafter.needs_features else None
+                kept = drafted_from[i, [0, *path]] if drafter.needs_features else None
                 drafter.accept(r, n, emitted, kept)
                 still.append(r)
             active = still

@@ -250,8 +250,9 @@ class FromScratch(Drafter):
         for context in contexts:
             tokens = torch.tensor([context])
             positions = torch.arange(len(context))[None]
-            feats = self.engine.model.features(tokens[:, :-1], positions[:, :-1])  # features of 0..L-1
-            seq_f, seq_t = feats, tokens[:, 1:]
+            layers = self.module.aux_layers
+            feats = self.engine.model.features(tokens[:, :-1], positions[:, :-1], collect=layers)  # of 0..L-1
+            seq_f, seq_t = self.module.project(feats[1] if layers else feats), tokens[:, 1:]
             drafts = []
             for _ in range(k):
                 pos = torch.arange(seq_f.shape[1])[None]
