@@ -146,7 +146,7 @@ class DraftHead(Pass):
     train_steps: int = 1200
     batch_tokens: int = 2048
     lr: float = 2e-3
-    generated: int = 512  # calibration prompts the target continues greedily for the training text
+    generated: int = 256  # calibration prompts the target continues greedily for the training text
     generated_tokens: int = 128
     min_tau: float = 1.5  # the gate's floor on tau
     seed: int = 0
@@ -198,6 +198,9 @@ class DraftHead(Pass):
         started = time.perf_counter()
         calibration = [list(t) for t in ctx.runner.calibration_tokens]
         prompts = [t[:PROMPT_TOKENS] for t in calibration if len(t) >= PROMPT_TOKENS][: self.generated]
+        if len(prompts) < self.generated:
+            result.notes.append(f"generated {len(prompts)} continuations, not {self.generated}: the calibration text "
+                                f"has {len(prompts)} paragraphs of {PROMPT_TOKENS}+ tokens to prompt with")
         generations = []
         if prompts and self.generated_tokens:
             context = graph.spec.max_position_embeddings
