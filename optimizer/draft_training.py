@@ -5,6 +5,9 @@ output before the final norm) and the token at t+1, and is trained to give the t
 the token at t+2 (KL to the target's logits there, not the text's next token) and to reproduce the target's
 feature f_{t+1} (smooth L1, EAGLE's regression term), so its output can stand in for the feature when it drafts
 the next token. Features get uniform noise (EAGLE) so the head tolerates its own imprecise features.
+An EAGLE-3 head is held to the same regression, although EAGLE-3 trains on KL alone: its output is what it
+feeds back, and pulling it toward the target's feature drafted better on stories260K (600 steps, k=4, 200
+prompts: tau 2.05 chain / 2.44 tree of 3 on KL alone, 2.35 / 2.81 with the regression).
 
 A second, unrolled step (EAGLE-3's "training-time test", simplified) feeds the head its own output features at
 every position and trains the token after: what it sees from its second draft on.
@@ -126,8 +129,6 @@ class DraftDistillation:
                valid: torch.Tensor) -> torch.Tensor:
         logp = torch.log_softmax(self.module.logits(out[valid]), dim=-1)
         kl = kl_terms(teacher[valid], logp).sum(-1).mean()
-        if self.spec.kind == "eagle3":  # its hidden state is its own, not the target's feature (EAGLE-3: KL only)
-            return kl
         scale = target_features[valid].pow(2).mean().sqrt().clamp_min(1e-6)
         regression = F.smooth_l1_loss(out[valid] / scale, target_features[valid] / scale)
         return kl + FEATURE_WEIGHT * regression

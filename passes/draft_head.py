@@ -78,13 +78,13 @@ ARCHITECTURES = ("mtp", "eagle3")
 def eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
     """The three target layers an EAGLE-3 head reads (their outputs, before the final norm): ModelOpt's
     default {1, L//2 - 1, L - 4}, which vLLM's default (2, L//2, L-3), counted before the layer, names too;
-    three evenly spaced layers where that gives fewer than three (vLLM's fc takes exactly three)."""
+    where that gives fewer than three (vLLM's fc takes exactly three), L//4, L//2 and the last layer."""
     ids = sorted({1, max(0, num_layers // 2 - 1), max(0, num_layers - 4)})
     if len(ids) == 3 and ids[-1] < num_layers:
         return tuple(ids)
     if num_layers < 3:
         raise KilnError(f"an EAGLE-3 head reads three target layers; this model has {num_layers}")
-    spread = sorted({round(1 + i * (num_layers - 3) / 2) for i in range(3)})
+    spread = sorted({num_layers // 4, num_layers // 2, num_layers - 1})  # the last layer's output included
     return tuple(spread) if len(spread) == 3 else (0, 1, 2)
 
 
