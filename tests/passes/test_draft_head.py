@@ -35,7 +35,7 @@ def test_a_short_training_beats_prompt_lookup_and_leaves_the_target_alone(head_a
     assert metrics["train_steps"] == 150 and metrics["train_tokens"] > 150 * 1000 and metrics["parameters"] > 40_000
     stored = json.loads((head_artifact.path / "manifest.json").read_text())
     modules = stored["architecture"]["extra_modules"]
-    assert [(m["kind"], m["name"]) for m in modules] == [("draft_head", "draft_head")]
+    assert [(m["kind"], m["name"], m["aux_layers"]) for m in modules] == [("eagle3", "draft_head", [1, 2, 4])]
 
 
 @needs_stories
