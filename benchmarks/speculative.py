@@ -76,6 +76,7 @@ class TimedDrafter(Drafter):
 
     def __init__(self, inner: Drafter):
         self.inner, self.needs_features, self.seconds = inner, inner.needs_features, 0.0
+        self.feature_layers = inner.feature_layers  # an EAGLE-3 head reads these target layers
 
     def start(self, row, tokens, features):
         self.inner.start(row, tokens, features)

@@ -220,7 +220,7 @@ def test_greedy_speculative_with_an_fp8_kv_cache_and_a_repetition_penalty(storie
 class Recording(Drafter):
     def __init__(self, inner):
         self.inner, self.proposals = inner, []
-        self.needs_features = inner.needs_features
+        self.needs_features, self.feature_layers = inner.needs_features, inner.feature_layers
 
     def start(self, row, tokens, features):
         self.inner.start(row, tokens, features)
