@@ -25,9 +25,9 @@ from tests.conftest import CALIB_TEXT, EVAL_TEXT, STORIES, needs_stories
 P_FLOOR = 1e-3  # the chi-square tests pass when p > 0.001 (fixed seeds: deterministic)
 
 
-def with_random_head(graph, seed=0):
+def with_random_head(graph, seed=0, architecture="mtp"):
     """`graph` with an untrained draft head attached (its proposals are poor: most are rejected)."""
-    module = head_module(graph)
+    module = head_module(graph, architecture)
     tensors = init_tensors(module, graph.spec.hidden_size, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     for name, value in tensors.items():  # a head whose layer actually changes the features
@@ -266,9 +266,10 @@ class FromScratch(Drafter):
 
 
 @needs_stories
-def test_draft_head_cache_proposes_what_a_full_recomputation_does(stories):
+@pytest.mark.parametrize("architecture", ["mtp", "eagle3"])
+def test_draft_head_cache_proposes_what_a_full_recomputation_does(stories, architecture):
     _, prompts = stories
-    engine = engine_from_graph(with_random_head(load_checkpoint(STORIES)))
+    engine = engine_from_graph(with_random_head(load_checkpoint(STORIES), architecture=architecture))
     cached, scratch = Recording(engine.drafter("head")), Recording(FromScratch(engine))
     for drafter in (cached, scratch):
         engine.speculative_ids(prompts[:1], 40, 3, drafter)
