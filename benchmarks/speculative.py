@@ -156,9 +156,9 @@ def breakdown(engine, drafters: dict, prompts, batch: int, args) -> dict:
     forwards: list[float] = []  # seconds of each target forward through the layers (the first: the prefill)
     features = model.features
 
-    def timed_features(tokens, positions, cache=None):
+    def timed_features(tokens, positions, cache=None, **kwargs):
         start = time.perf_counter()
-        out = features(tokens, positions, cache)
+        out = features(tokens, positions, cache, **kwargs)
         forwards.append(time.perf_counter() - start)
         return out
 
