@@ -329,8 +329,8 @@ def speculative_generate(engine, prompts: Sequence[Sequence[int]], max_new_token
                          seed: int | None = None, repetition_penalty: float = 1.0
                          ) -> tuple[list[tuple[list[int], str]], SpeculativeStats]:
     """Decode `prompts` (token ids) with `drafter` proposing up to `k` tokens a step; ([(tokens, reason)], stats).
-    Rows run together while the engine's KV pool holds them (each reserves prompt + max_new_tokens + k
-    positions), in waves otherwise."""
+    Rows run together while the engine's KV pool holds them (each reserves prompt + max_new_tokens + k x tree
+    width positions), in waves otherwise."""
     k = check_draft_tokens(k)
     model, cache = engine.model, engine.kv_pool
     context = engine.spec.max_position_embeddings
@@ -340,7 +340,9 @@ def speculative_generate(engine, prompts: Sequence[Sequence[int]], max_new_token
         if len(p) + max_new_tokens + k > context:
             raise KilnError(f"prompt {row}: {len(p)} tokens + {max_new_tokens} new + {k} drafts exceed the model's "
                             f"context {context}")
-    need = [cache.blocks_for(len(p) + max_new_tokens + k) for p in prompts]
+    # a verification writes up to k x tree width nodes past the accepted tokens before the rollback
+    spare = k * (getattr(drafter, "tree_width", 1) if temperature <= 0 else 1)
+    need = [cache.blocks_for(len(p) + max_new_tokens + spare) for p in prompts]
     if any(n > cache.num_blocks for n in need):
         raise KilnError(f"a request needs more KV-cache blocks than the cache's {cache.num_blocks}")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None

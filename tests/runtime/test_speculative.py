@@ -337,3 +337,13 @@ def test_sampled_speculative_tokens_follow_the_target_distribution(tiny_checkpoi
     # and from a draft accepted without the rejection rule (the target's p mixed half and half with uniform q)
     assert _chi_square_p(tokens[:, 1], exact[0]) < P_FLOOR
     assert _chi_square_p(tokens[:, 1], 0.5 * exact[1] + 0.5 / len(exact[1])) < P_FLOOR
+
+
+@needs_stories
+def test_a_tight_pool_runs_rows_in_waves_with_room_for_the_tree(stories):
+    _, prompts = stories
+    engine = engine_from_graph(with_random_head(load_checkpoint(STORIES), architecture="eagle3"))
+    engine.kv_cache_blocks, engine._kv_pool = 3, None  # 48 slots: one row of 16 + 16 new + a 4 x 3 tree
+    plain = engine.generate_ids(prompts[:2], 16)
+    spec, _ = engine.speculative_ids(prompts[:2], 16, 4, engine.drafter("head", tree_width=3))
+    assert spec == plain and engine.kv_pool.num_used_blocks == 0
