@@ -430,14 +430,17 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
 
 # --- targets: an artifact, or a Hugging Face config ------------------------------------------------------------------
 def _speculation_of(manifest: Mapping) -> Speculation | None:
-    """A kept pass's gate metric named "tau" (and its config's draft_tokens), if the artifact records one."""
+    """A kept pass's gate metric named "tau", if the artifact records one, with the tokens a verification step
+    checks per sequence: its config's draft_tokens, times its tree_width when it drafts a tree (every node of
+    the tree is verified)."""
     for p in manifest.get("passes", ()):
         if p.get("decision") == "reverted" or not p.get("gate"):
             continue
         for metric in p["gate"].get("metrics", ()):
             if metric.get("name") == "tau":
-                return Speculation(float(metric["value"]),
-                                   int((p.get("config") or {}).get("draft_tokens", DEFAULT_DRAFT_TOKENS)))
+                config = p.get("config") or {}
+                nodes = int(config.get("draft_tokens", DEFAULT_DRAFT_TOKENS)) * int(config.get("tree_width", 1))
+                return Speculation(float(metric["value"]), nodes)
     return None
 
 
