@@ -32,17 +32,25 @@ def decode_one_token(model: Transformer, tokens: torch.Tensor, positions: torch.
     return model(tokens, positions, cache)[:, -1]
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
-    # logits: [B, V] -> [B]
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float, normalize: bool = True) -> torch.Tensor:
+    """The sampling distribution for logits [..., V]: softmax at `temperature`, cut to the top-p nucleus (the
+    top token always kept), renormalized unless `normalize` is False (multinomial needs no normalizing)."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p  # always keeps the top token
-        sorted_probs = sorted_probs * keep
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+        if normalize:
+            probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+    # logits: [B, V] -> [B]
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(probabilities(logits, temperature, top_p, normalize=False), 1,
+                             generator=generator).squeeze(-1)
 
 
 def penalize_repeats(logits: torch.Tensor, seen: Sequence[Sequence[int]], penalty: float) -> torch.Tensor:
@@ -317,8 +325,12 @@ class Engine:
                 cache.free_sequence(row)
         return list(zip(outputs, reasons, strict=True))
 
-    def _prefill_rows(self, cache: PagedKVCache, rows: list[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Prefill the prompts of `rows` (right-padded, padding never cached); the logits after each prompt."""
+    def _prefill_rows(self, cache: PagedKVCache, rows: Sequence, prompts: Sequence[Sequence[int]],
+                      collect: tuple[int, ...] | None = None):
+        """Prefill the prompts of `rows` (right-padded, padding never cached): the logits after each prompt,
+        [B, V] (the lm_head runs on those positions only). With `collect` (speculative decoding): (logits, the
+        last layer's features [B, T, C], what a drafter reads: the same, or the layers in `collect`
+        concatenated; see Transformer.features)."""
         lengths = torch.tensor([len(prompts[row]) for row in rows])
         T = int(lengths.max())
         tokens = torch.zeros(len(rows), T, dtype=torch.long)
@@ -326,8 +338,10 @@ class Engine:
             tokens[i, : len(prompts[row])] = torch.as_tensor(prompts[row], dtype=torch.long)
         positions = torch.arange(T).expand(len(rows), -1)
         cache.prepare(rows, positions, positions < lengths.unsqueeze(1))
-        logits = prefill(self.model, tokens, positions, cache)
-        return logits[torch.arange(len(rows)), lengths - 1]
+        features = self.model.features(tokens, positions, cache, collect=collect or ())
+        last, collected = features if collect else (features, features)
+        logits = self.model.lm_head(self.model.norm(last[torch.arange(len(rows)), lengths - 1]))
+        return logits if collect is None else (logits, last, collected)
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Sequence[str] | None = None, seed: int | None = None,

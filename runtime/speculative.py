@@ -31,20 +31,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.kernels.errors import KilnError
+from kiln.runtime.engine import penalize_repeats, probabilities, sample
 from kiln.runtime.paged_kv_cache import PagedKVCache
 
 # --- distributions ------------------------------------------------------------------------------------------
-
-
-def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The sampling distribution of `runtime.engine.sample` for logits [..., V]."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
 
 
 def accept_greedy(drafts: Sequence[int], target_logits: torch.Tensor) -> tuple[int, list[int]]:
@@ -311,8 +301,6 @@ def _penalized(logits: torch.Tensor, seen: list[int], tokens: Sequence[int], par
     plus the node's ancestors' tokens (and its own)."""
     if penalty == 1.0:
         return logits
-    from kiln.runtime.engine import penalize_repeats
-
     rows = []
     for node in range(logits.shape[0]):
         path, j = [], node
@@ -381,22 +369,13 @@ def _emit(emitted: list[int], out: list[int], stop_ids: set[int], max_new_tokens
 
 def _run_wave(engine, model, cache, prompts, rows, max_new_tokens, drafter, k, temperature, top_p, stop_ids,
               generator, penalty, results, stats) -> None:
-    from kiln.runtime.engine import penalize_repeats, sample
-
     live: set[int] = set()
     try:
-        # prefill: the prompts, right-padded (padding never cached); the first token from the last position
-        lengths = torch.tensor([len(prompts[r]) for r in rows])
-        T = int(lengths.max())
-        tokens = torch.zeros(len(rows), T, dtype=torch.long)
-        for i, r in enumerate(rows):
-            tokens[i, :len(prompts[r])] = torch.as_tensor(prompts[r], dtype=torch.long)
+        # prefill, as plain decoding's (Engine._prefill_rows); the first token from the last position
+        for r in rows:
             cache.add_sequence(r)
             live.add(r)
-        positions = torch.arange(T).expand(len(rows), -1)
-        cache.prepare(rows, positions, positions < lengths.unsqueeze(1))
-        features, drafted_from = _features(model, tokens, positions, cache, drafter)
-        last_logits = model.lm_head(model.norm(features[torch.arange(len(rows)), lengths - 1]))
+        last_logits, _, drafted_from = engine._prefill_rows(cache, rows, prompts, drafter.feature_layers)
         last_logits = penalize_repeats(last_logits, [list(prompts[r]) for r in rows], penalty)
         first = sample(last_logits, temperature, top_p, generator).tolist()
         position, last, active = {}, {}, []

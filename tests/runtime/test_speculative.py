@@ -282,7 +282,7 @@ def test_draft_head_cache_proposes_what_a_full_recomputation_does(stories, archi
 
 def _exact_marginals(engine, prompt, temperature):
     """p(x1), p(x2), p(x3) of the target's own sampling after `prompt`, summed exactly over the vocabulary."""
-    from kiln.runtime.speculative import probabilities
+    from kiln.runtime.engine import probabilities
 
     V = engine.spec.vocab_size
     with torch.inference_mode():
