@@ -80,6 +80,9 @@ class Generation:
     finish_reason: str  # "stop", "eos" or "length"
 
 
+GENERATE_BATCH_TOKENS = 4096
+"""Tokens `generate_ids` runs in one step at most (prompt chunks and decoding rows together)."""
+
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
 """Size of the runtime's KV block pool when the caller names no block count (CPU reference runtime)."""
 
@@ -176,9 +179,10 @@ class Engine:
         return speculative_generate(self, prompts, max_new_tokens, drafter or self.drafter(), draft_tokens,
                                     temperature, top_p, stop_ids, seed, penalty)
 
-    def new_kv_cache(self, num_blocks: int, block_size: int | None = None) -> PagedKVCache:
+    def new_kv_cache(self, num_blocks: int, block_size: int | None = None, prefix_caching: bool = False) -> PagedKVCache:
         """An empty paged cache in this engine's KV formats."""
-        return PagedKVCache(self.kv_streams, num_blocks, block_size or self.kv_block_size)
+        return PagedKVCache(self.kv_streams, num_blocks, block_size or self.kv_block_size,
+                            prefix_caching=prefix_caching)
 
     @property
     def kv_pool(self) -> PagedKVCache:
@@ -243,12 +247,25 @@ class Engine:
             raise KilnError("this engine has no tokenizer; pass token ids or load an artifact with tokenizer files")
         return self.tokenizer
 
-    @torch.inference_mode()
     def generate_ids(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                      top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int | None = None,
                      stop_check=None, repetition_penalty: float | None = None) -> list[tuple[list[int], str]]:
-        """Continue each prompt (token ids). Greedy when temperature is 0. `repetition_penalty` None: the
-        engine's (the artifact's generation_config.json, else 1)."""
+        """Continue each prompt (token ids): [(new tokens, "eos" | "stop" | "length")]. Greedy when temperature
+        is 0; with `seed`, prompt i samples with its own generator seeded `seed + i`. `repetition_penalty`
+        None: the engine's (the artifact's generation_config.json, else 1).
+
+        The prompts run through the continuous-batching scheduler (runtime.scheduler) on the engine's block
+        pool: they join as blocks allow, prefill in chunks next to the others' decoding, and the latest
+        admitted is preempted (and later recomputed) when blocks run out; a prompt that could never fit is
+        refused before anything runs."""
+        return self._generate(prompts, max_new_tokens, temperature, top_p, stop_ids, seed, stop_check,
+                              repetition_penalty)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_p: float,
+                  stop_ids: Sequence[int], seed: int | None, stop_check, repetition_penalty: float | None,
+                  stop: Sequence[str] = (), tokenizer=None):
+        from kiln.runtime.scheduler import SamplingParams, Scheduler
+
         penalty = check_repetition_penalty(self.repetition_penalty if repetition_penalty is None
                                            else repetition_penalty)
         if max_new_tokens < 0:
@@ -257,73 +274,28 @@ class Engine:
             raise KilnError(f"top_p must be in (0, 1], got {top_p}")
         if any(len(p) == 0 for p in prompts):
             raise KilnError("every prompt needs at least one token")
-        B = len(prompts)
         total = max(len(p) for p in prompts) + max_new_tokens if prompts else 0
         if total > self.spec.max_position_embeddings:
             raise KilnError(f"prompt + max_new_tokens = {total} exceeds the model's context "
                             f"{self.spec.max_position_embeddings}")
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        outputs: list[list[int]] = [[] for _ in range(B)]
-        reasons = ["length"] * B
-        if B == 0 or max_new_tokens == 0:
-            return list(zip(outputs, reasons, strict=True))
+        if not prompts or max_new_tokens == 0:
+            return [([], "length", None) if tokenizer else ([], "length") for _ in prompts]
         cache = self.kv_pool
-        # A sequence writes its prompt and every generated token but the last: reserve that many blocks.
-        need = [cache.blocks_for(len(p) + max_new_tokens - 1) for p in prompts]
-        for row, blocks in enumerate(need):
+        for row, prompt in enumerate(prompts):
+            blocks = cache.blocks_for(len(prompt) + max_new_tokens - 1)
             if blocks > cache.num_blocks:
-                raise KilnError(f"prompt {row} ({len(prompts[row])} tokens + {max_new_tokens} new) needs {blocks} "
+                raise KilnError(f"prompt {row} ({len(prompt)} tokens + {max_new_tokens} new) needs {blocks} "
                                 f"KV-cache blocks of {cache.block_size} tokens; the cache has {cache.num_blocks} "
                                 "(raise kv_cache_blocks or shorten the request)")
-        stop_ids = set(stop_ids)
-        waiting = deque(range(B))  # first come, first served: a request waits until its blocks are free
-        running: list[int] = []
-        reserved = 0
-        next_logits: dict[int, torch.Tensor] = {}
-        position: dict[int, int] = {}
-        live: set[int] = set()  # rows holding blocks; freed here even when a step raises
-        try:
-            while waiting or running:
-                admitted = []
-                while waiting and reserved + need[waiting[0]] <= cache.num_blocks:
-                    row = waiting.popleft()
-                    reserved += need[row]
-                    cache.add_sequence(row)
-                    live.add(row)
-                    admitted.append(row)
-                if admitted:
-                    for row, logits in zip(admitted, self._prefill_rows(cache, admitted, prompts), strict=True):
-                        next_logits[row], position[row] = logits, len(prompts[row])
-                active = sorted(running + admitted)
-                logits = penalize_repeats(torch.stack([next_logits.pop(row) for row in active]),
-                                          [list(prompts[row]) + outputs[row] for row in active], penalty)
-                next_tokens = sample(logits, temperature, top_p, generator).tolist()
-                running = []
-                for row, token in zip(active, next_tokens, strict=True):
-                    if token in stop_ids:
-                        reasons[row] = "eos"
-                    else:
-                        outputs[row].append(token)
-                        if stop_check is not None and stop_check(outputs[row]):
-                            reasons[row] = "stop"
-                        elif len(outputs[row]) < max_new_tokens:
-                            running.append(row)
-                            continue
-                    cache.free_sequence(row)  # finished: its blocks serve the waiting requests
-                    live.discard(row)
-                    reserved -= need[row]
-                if running:
-                    tokens = torch.tensor([[outputs[row][-1]] for row in running])
-                    positions = torch.tensor([[position[row]] for row in running])
-                    cache.prepare(running, positions)
-                    logits = decode_one_token(self.model, tokens, positions, cache)
-                    for row, row_logits in zip(running, logits, strict=True):
-                        next_logits[row] = row_logits
-                        position[row] += 1
-        finally:
-            for row in live:
-                cache.free_sequence(row)
-        return list(zip(outputs, reasons, strict=True))
+        scheduler = Scheduler(self, cache, max_num_seqs=len(prompts), max_num_batched_tokens=GENERATE_BATCH_TOKENS,
+                              max_queue=None, tokenizer=tokenizer)
+        requests = [scheduler.add_request(prompt, SamplingParams(
+            max_new_tokens, temperature, top_p, None if seed is None else seed + row, tuple(stop), tuple(stop_ids),
+            penalty), row, stop_check) for row, prompt in enumerate(prompts)]
+        scheduler.run()
+        if tokenizer is not None:
+            return [(r.output_ids, r.finish_reason, r.text) for r in requests]
+        return [(r.output_ids, r.finish_reason) for r in requests]
 
     def _prefill_rows(self, cache: PagedKVCache, rows: Sequence, prompts: Sequence[Sequence[int]],
                       collect: tuple[int, ...] | None = None):
@@ -360,16 +332,16 @@ class Engine:
             text = tok.decode(out, skip_special_tokens=True)
             return any(s in text for s in stop)
 
-        if speculative:
-            results, self.last_speculative = self.speculative_ids(
-                ids, max_new_tokens, draft_tokens, drafter, temperature, top_p, self.spec.eos_token_ids, seed,
-                repetition_penalty)
-            if stop:  # where plain decoding would have stopped: the first token that completes a stop string
-                results = [next(((out[:n], "stop") for n in range(1, len(out) + 1) if stop_check(out[:n])),
-                                (out, reason)) for out, reason in results]
-        else:
-            results = self.generate_ids(ids, max_new_tokens, temperature, top_p, self.spec.eos_token_ids, seed,
-                                        stop_check if stop else None, repetition_penalty)
+        if not speculative:  # the scheduler decodes the text as it goes and stops at a stop string
+            results = self._generate(ids, max_new_tokens, temperature, top_p, self.spec.eos_token_ids, seed, None,
+                                     repetition_penalty, stop, tok)
+            return [Generation(text, out, reason) for out, reason, text in results]
+        results, self.last_speculative = self.speculative_ids(
+            ids, max_new_tokens, draft_tokens, drafter, temperature, top_p, self.spec.eos_token_ids, seed,
+            repetition_penalty)
+        if stop:  # where plain decoding would have stopped: the first token that completes a stop string
+            results = [next(((out[:n], "stop") for n in range(1, len(out) + 1) if stop_check(out[:n])),
+                            (out, reason)) for out, reason in results]
         generations = []
         for prompt_ids, (out, reason) in zip(ids, results, strict=True):
             # decode prompt + continuation together so word-boundary spaces survive, then drop the prompt

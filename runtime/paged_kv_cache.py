@@ -21,6 +21,9 @@ so attention reads through it unchanged. When a step needs more blocks than are 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -47,37 +50,108 @@ class KvCacheFull(KilnError):
 
 
 class BlockAllocator:
-    """A free list of block ids 0..num_blocks-1; hands out the lowest free ids first."""
+    """Block ids 0..num_blocks-1 with reference counts, and the prefix index of block contents.
+
+    A block is free (on the free list, lowest ids first), in use (reference count >= 1: the sequences whose
+    tables hold it), or cached: no sequence holds it but it keeps a full block of tokens under its content
+    hash, so a later sequence with the same prefix takes it back (`share`) instead of recomputing it. Cached
+    blocks count as free: when the free list is empty, `allocate` evicts the least recently released one.
+    A block in use is never evicted, so sharing never exposes a block to being overwritten."""
 
     def __init__(self, num_blocks: int):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise KilnError(f"a KV cache needs at least one block, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # ref-0 blocks with a registered hash, LRU first
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks `allocate` can hand out: free plus cached (evictable)."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return len(self._refs)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def refs(self, block: int) -> int:
+        return self._refs.get(block, 0)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise KvCacheFull(f"KV cache out of blocks: {count} needed, {len(self._free)} of {self.num_blocks} free")
-        blocks = [self._free.pop() for _ in range(count)]
-        self._used.update(blocks)
+        if count > self.num_free:
+            raise KvCacheFull(f"KV cache out of blocks: {count} needed, {self.num_free} of {self.num_blocks} free")
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.pop()
+            else:  # evict the least recently used cached block: its prefix is forgotten
+                block, _ = self._cached.popitem(last=False)
+                del self._block_of[self._hash_of.pop(block)]
+                self.evictions += 1
+            self._refs[block] = 1
+            blocks.append(block)
         return blocks
 
+    def share(self, block: int) -> None:
+        """One more sequence holds `block` (a prefix hit): a cached block comes back into use."""
+        if block in self._cached:
+            del self._cached[block]
+        elif block not in self._refs:
+            raise ValueError(f"block {block} is neither in use nor cached")
+        self._refs[block] = self._refs.get(block, 0) + 1
+
     def release(self, blocks: Sequence[int]) -> None:
+        freed = False
         for block in blocks:
-            if block not in self._used:
+            if block not in self._refs:
                 raise ValueError(f"block {block} is not allocated (double free?)")
-            self._used.remove(block)
-            self._free.append(block)
-        self._free.sort(reverse=True)
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
+            del self._refs[block]
+            if block in self._hash_of:
+                self._cached[block] = None  # most recently used at the end
+            else:
+                self._free.append(block)
+                freed = True
+        if freed:
+            self._free.sort(reverse=True)
+
+    # --- the prefix index --------------------------------------------------------------------------------
+    def lookup(self, digest: bytes) -> int | None:
+        return self._block_of.get(digest)
+
+    def register(self, block: int, digest: bytes) -> bool:
+        """Record that `block` (in use) holds the full block of tokens `digest` names; False when another
+        block already does (the first stays the one later sequences find)."""
+        if digest in self._block_of or block in self._hash_of:
+            return False
+        self._block_of[digest], self._hash_of[block] = block, digest
+        return True
+
+    def unregister(self, block: int) -> None:
+        """`block` is about to change: it no longer holds the prefix it was registered under."""
+        digest = self._hash_of.pop(block, None)
+        if digest is not None:
+            del self._block_of[digest]
+
+    def is_registered(self, block: int) -> bool:
+        return block in self._hash_of
+
+
+def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The content hash of a full block: SHA-256 of its parent block's hash and its own token ids, so equal
+    hashes mean equal whole prefixes (vLLM's hash-chained blocks; SHA-256, as vLLM now defaults to, since a
+    crafted collision would serve one user's cached keys to another)."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
 # --- storage per stream -----------------------------------------------------------------------------------
@@ -216,10 +290,17 @@ class _Step:
 
 
 class PagedKVCache:
-    """Block pools per layer and stream, block tables per sequence, a shared block allocator."""
+    """Block pools per layer and stream, block tables per sequence, a shared block allocator.
+
+    With `prefix_caching`, full blocks are shared between sequences by content (vLLM's automatic prefix
+    caching): `add_sequence(id, tokens)` starts a sequence on the cached blocks of its longest cached prefix
+    and returns how many tokens it need not recompute; `commit(id, tokens)` registers the sequence's newly
+    filled blocks. A write into a block another sequence also holds copies it first (copy on write), and a
+    registered block that is about to change leaves the index, so a cached block's content never changes."""
 
     def __init__(self, streams: Sequence[Sequence[KvStream]], num_blocks: int,
-                 block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32):
+                 block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
+                 prefix_caching: bool = False):
         # streams[layer] = the layer's KvStreams (runtime.kv_format.resolve_kv_streams)
         if not isinstance(block_size, int) or block_size < 1:
             raise KilnError(f"block_size must be a positive integer, got {block_size!r}")
@@ -239,6 +320,12 @@ class PagedKVCache:
         self.block_tables: dict[Hashable, list[int]] = {}
         self.lengths: dict[Hashable, int] = {}  # highest written position + 1, per sequence
         self._step: _Step | None = None
+        self.prefix_caching = prefix_caching
+        self._hashes: dict[Hashable, list[bytes]] = {}  # chained hashes of each sequence's leading full blocks
+        self.prefix_queried = 0  # prompt tokens looked up, and of those found cached
+        self.prefix_hits = 0
+        self.copies_on_write = 0
+        self._forked = False  # whether fork has shared blocks (prefix caching shares them too)
 
     # --- bookkeeping -----------------------------------------------------------------------------------------
     @property
@@ -253,23 +340,103 @@ class PagedKVCache:
     def num_used_blocks(self) -> int:
         return self.allocator.num_used
 
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from cached blocks over prompt tokens looked up (0 before any lookup)."""
+        return self.prefix_hits / self.prefix_queried if self.prefix_queried else 0.0
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def sequences(self) -> list[Hashable]:
         return list(self.block_tables)
 
-    def add_sequence(self, seq_id: Hashable) -> None:
+    def add_sequence(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> int:
+        """Start a sequence. With prefix caching and its `tokens` (the prompt), its table starts with the cached
+        blocks of its longest cached prefix of full blocks, short of the last token (whose logits the caller
+        needs computed); returns the number of tokens so cached (0 without prefix caching)."""
         if seq_id in self.block_tables:
             raise KilnError(f"sequence {seq_id!r} is already in the KV cache")
-        self.block_tables[seq_id] = []
-        self.lengths[seq_id] = 0
+        table: list[int] = []
+        hashes: list[bytes] = []
+        if self.prefix_caching and tokens:
+            bs, parent = self.block_size, b""
+            for start in range(0, len(tokens) - 1 - bs + 1, bs):
+                parent = chain_hash(parent, tokens[start: start + bs])
+                block = self.allocator.lookup(parent)
+                if block is None:
+                    break
+                self.allocator.share(block)
+                table.append(block)
+                hashes.append(parent)
+            self.prefix_queried += len(tokens)
+            self.prefix_hits += len(table) * bs
+        self.block_tables[seq_id] = table
+        self.lengths[seq_id] = len(table) * self.block_size
+        self._hashes[seq_id] = hashes
+        return self.lengths[seq_id]
+
+    def commit(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """Register the sequence's full blocks written since the last commit under their content hashes
+        (`tokens`: the sequence's tokens, at least as many as it holds). A no-op without prefix caching."""
+        if not self.prefix_caching:
+            return
+        table, hashes, bs = self._table(seq_id), self._hashes[seq_id], self.block_size
+        if len(tokens) < self.lengths[seq_id]:
+            raise KilnError(f"commit: {len(tokens)} tokens for sequence {seq_id!r}, which holds "
+                            f"{self.lengths[seq_id]}")
+        for i in range(len(hashes), self.lengths[seq_id] // bs):
+            hashes.append(chain_hash(hashes[-1] if hashes else b"", tokens[i * bs: (i + 1) * bs]))
+            self.allocator.register(table[i], hashes[-1])
+
+    def fork(self, seq_id: Hashable, new_id: Hashable) -> None:
+        """A second sequence holding everything `seq_id` holds, sharing its blocks (parallel sampling of one
+        prompt); the first write into a shared block copies it."""
+        if new_id in self.block_tables:
+            raise KilnError(f"sequence {new_id!r} is already in the KV cache")
+        table = self._table(seq_id)
+        self._forked = True
+        for block in table:
+            self.allocator.share(block)
+        self.block_tables[new_id] = list(table)
+        self.lengths[new_id] = self.lengths[seq_id]
+        self._hashes[new_id] = list(self._hashes[seq_id])
 
     def free_sequence(self, seq_id: Hashable) -> None:
-        """The sequence ended: its blocks go back to the free list."""
+        """The sequence ended: its blocks go back to the free list (registered full blocks stay cached)."""
         self.allocator.release(self._table(seq_id))
-        del self.block_tables[seq_id], self.lengths[seq_id]
+        del self.block_tables[seq_id], self.lengths[seq_id], self._hashes[seq_id]
         self._step = None
+
+    def _writable(self, seq_id: Hashable, first: int, end: int, plan_only: bool = False) -> int:
+        """Make the blocks the sequence will write at positions first..end-1 its own: a block another sequence
+        holds is copied (copy on write), a registered one leaves the prefix index. Returns the number of
+        copies that needs (and makes none) when `plan_only`."""
+        table, bs = self.block_tables[seq_id], self.block_size
+        copies = 0
+        for i in range(first // bs, min(self.blocks_for(end), len(table))):
+            block = table[i]
+            if self.allocator.refs(block) > 1:
+                copies += 1
+                if not plan_only:
+                    (new,) = self.allocator.allocate(1)
+                    self._copy_block(block, new)
+                    self.allocator.release([block])
+                    table[i] = new
+                    self.copies_on_write += 1
+            elif not plan_only and self.allocator.is_registered(block):
+                self.allocator.unregister(block)
+        if not plan_only:
+            del self._hashes[seq_id][first // bs:]
+        return copies
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        bs = self.block_size
+        src_slots, dst_slots = torch.arange(src * bs, (src + 1) * bs), torch.arange(dst * bs, (dst + 1) * bs)
+        for layer in self.pools:
+            for pool in layer:
+                for name in pool.storage:
+                    copy_rows(getattr(pool, name), src_slots, dst_slots)
 
     def truncate(self, seq_id: Hashable, length: int) -> None:
         """Keep the sequence's first `length` positions (speculative decoding rolls back rejected drafts):
@@ -282,6 +449,7 @@ class PagedKVCache:
         keep = self.blocks_for(length)
         self.allocator.release(table[keep:])
         del table[keep:]
+        del self._hashes[seq_id][length // self.block_size:]
         self.lengths[seq_id] = length
         self._step = None
 
@@ -313,13 +481,22 @@ class PagedKVCache:
         ends = (masked.amax(dim=1) + 1).tolist() if T else [0] * B
         tables = [self._table(s) for s in seq_ids]
         needed = [max(0, self.blocks_for(end) - len(table)) for end, table in zip(ends, tables, strict=True)]
+        firsts = None
+        if self.prefix_caching or self._forked:  # writes into shared blocks copy them first: count the copies
+            firsts = (positions if valid is None else torch.where(valid, positions, 1 << 62)).amin(dim=1).tolist()
+            needed = [n + self._writable(s, first, end, plan_only=True)
+                      for s, n, first, end in zip(seq_ids, needed, firsts, ends, strict=True)]
         if sum(needed) > self.allocator.num_free:
             raise KvCacheFull(f"KV cache out of blocks: this step needs {sum(needed)} more blocks of "
                               f"{self.block_size} tokens and {self.allocator.num_free} of {self.num_blocks} are "
                               "free; nothing was written (wait for sequences to finish, or add blocks)")
-        for table, count in zip(tables, needed, strict=True):
-            if count:
-                table.extend(self.allocator.allocate(count))
+        if firsts is not None:
+            for seq_id, first, end in zip(seq_ids, firsts, ends, strict=True):
+                if first < end:
+                    self._writable(seq_id, first, end)
+        for table, end in zip(tables, ends, strict=True):
+            if self.blocks_for(end) > len(table):
+                table.extend(self.allocator.allocate(self.blocks_for(end) - len(table)))
         for seq_id, end in zip(seq_ids, ends, strict=True):
             self.lengths[seq_id] = max(self.lengths[seq_id], end)
 
@@ -359,6 +536,10 @@ class PagedKVCache:
             raise KilnError(f"move: positions past sequence {seq_id!r}'s length {self.lengths[seq_id]}")
         if not src:
             return
+        if self.prefix_caching or self._forked:
+            if self._writable(seq_id, min(dst), max(dst) + 1, plan_only=True) > self.allocator.num_free:
+                raise KvCacheFull("move: no free block to copy a shared block into; nothing was written")
+            self._writable(seq_id, min(dst), max(dst) + 1)
         src_slots, dst_slots = slots(src), slots(dst)
         for layer in self.pools:
             for pool in layer:

@@ -1,0 +1,387 @@
+"""Iteration-level scheduling over the paged KV cache: continuous batching, chunked prefill, preemption.
+
+    scheduler = Scheduler(engine, max_num_seqs=32, max_num_batched_tokens=512, prefix_caching=True)
+    request = scheduler.add_request(prompt_ids, SamplingParams(max_tokens=64))
+    while scheduler.has_work():
+        for event in scheduler.step():   # each running request's new tokens (and text) this step
+            ...
+
+Every `step` is one iteration (vLLM's and Orca's iteration-level scheduling): requests join and leave between
+any two steps.
+
+- **Budget.** A step runs at most `max_num_batched_tokens` tokens over at most `max_num_seqs` requests.
+  Decoding requests come first, one token each, in arrival order; the remaining budget goes to prompt chunks,
+  in arrival order (chunked prefill), so a long prompt never stalls the decoders for more than a chunk.
+- **Admission.** Requests wait in a bounded first-come-first-served queue (`max_queue`; `add_request` raises
+  `QueueFull` when it is full). The head of the queue is admitted when a sequence slot is free and the free
+  blocks hold its prompt; nothing behind it overtakes it.
+- **Prefix caching** (the cache's `prefix_caching`): an admitted request starts on the cached blocks of its
+  longest cached prefix and computes only the rest; its full blocks are registered as they fill.
+- **Preemption by recompute.** When a step's tokens need more blocks than are free, the most recently
+  admitted running request gives its blocks back and returns to the head of the queue, keeping its output.
+  Readmitted, it recomputes prompt + output so far (its full blocks may still be cached) and continues with
+  the tokens it would have produced: greedy decoding is deterministic, and a seeded request keeps its own
+  random generator.
+- **Stops.** A request ends at `max_tokens`, at a stop token (not emitted), at a stop string (the text is cut
+  before it; needs a tokenizer), or when aborted; its blocks are freed at once.
+
+Each step runs at most two forwards: the one-token rows ([B, 1], the decode step) and the chunk rows
+(right-padded, padding never cached); the lm_head runs only on the rows that sample.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.kernels.errors import KilnError
+from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.engine import check_repetition_penalty, penalize_repeats, probabilities
+from kiln.runtime.paged_kv_cache import PagedKVCache
+
+
+class QueueFull(KilnError):
+    """The wait queue is full: the caller should retry later (a server answers 429)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None  # the request's own generator; None: torch's global one
+    stop: tuple[str, ...] = ()  # stop strings (the output is cut before the first one)
+    stop_ids: tuple[int, ...] | None = None  # None: the model's EOS ids; () to ignore EOS
+    repetition_penalty: float | None = None  # None: the engine's default (the artifact's generation config)
+
+    def checked(self) -> SamplingParams:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise KilnError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, int | float) or not 0 <= self.temperature < float("inf"):
+            raise KilnError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            raise KilnError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise KilnError(f"seed must be an integer, got {self.seed!r}")
+        if self.repetition_penalty is not None:
+            check_repetition_penalty(self.repetition_penalty)
+        return self
+
+
+@dataclass(eq=False)
+class Request:
+    id: Hashable
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    penalty: float
+    stop_check: Callable[[list[int]], bool] | None = None  # token-level stop test (lm-eval's stop strings)
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # the output decoded (with a tokenizer), cut before a stop string
+    emitted: int = 0  # characters of `text` already returned in StepEvents
+    finish_reason: str | None = None  # "length", "eos", "stop" or "abort"
+    num_computed: int = 0  # tokens of prompt + output held in the KV cache
+    cached_tokens: int = 0  # of those, found in the prefix cache at (the last) admission
+    preemptions: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first (None below two tokens or before the end)."""
+        if self.finished_at is None or self.first_token_at is None or len(self.output_ids) < 2:
+            return None
+        return (self.finished_at - self.first_token_at) / (len(self.output_ids) - 1)
+
+
+@dataclass
+class StepEvent:
+    """What one step did for one request: the tokens and text it added, and whether it finished."""
+
+    request: Request
+    token_ids: list[int]
+    text: str
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, engine, cache: PagedKVCache | None = None, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, max_queue: int | None = 1024, prefix_caching: bool = True,
+                 num_blocks: int | None = None, tokenizer=None):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise KilnError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.engine = engine
+        self.cache = cache if cache is not None else engine.new_kv_cache(
+            num_blocks or engine.kv_cache_blocks, prefix_caching=prefix_caching)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_queue = max_queue
+        self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self._inbox: deque[Request] = deque()  # added since the last step (any thread)
+        self._aborts: set[Hashable] = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.prompt_tokens_computed = 0
+        self.generated_tokens = 0
+        self.last_step_tokens = 0  # tokens the last step ran (prompt chunks and decoding rows)
+
+    # --- requests (safe to call from another thread than the one stepping) ---------------------------------
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                    request_id: Hashable | None = None, stop_check: Callable[[list[int]], bool] | None = None,
+                    bounded: bool = True) -> Request:
+        """Queue a request; it joins the running batch at a coming step. Raises QueueFull when `max_queue`
+        requests already wait (unless `bounded` is False), and KilnError for a request that could never run."""
+        params = (params or SamplingParams()).checked()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise KilnError("a prompt needs at least one token")
+        vocab = self.engine.spec.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise KilnError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt) + params.max_tokens
+        if total > self.engine.spec.max_position_embeddings:
+            raise KilnError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                            f"the model's context {self.engine.spec.max_position_embeddings}")
+        blocks = self.cache.blocks_for(total - 1)  # the last token is sampled, never written
+        if blocks > self.cache.num_blocks:
+            raise KilnError(f"a request of {len(prompt)} tokens + {params.max_tokens} new needs {blocks} KV-cache "
+                            f"blocks of {self.cache.block_size} tokens; the cache has {self.cache.num_blocks}")
+        if params.stop and self.tokenizer is None:
+            raise KilnError("stop strings need a tokenizer; this engine has none")
+        stop_ids = self.engine.spec.eos_token_ids if params.stop_ids is None else params.stop_ids
+        penalty = self.engine.repetition_penalty if params.repetition_penalty is None else params.repetition_penalty
+        request = Request(next(self._ids) if request_id is None else request_id, prompt, params,
+                          frozenset(stop_ids), float(penalty), stop_check)
+        if params.seed is not None:
+            request.generator = torch.Generator().manual_seed(params.seed)
+        if self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt)
+        with self._lock:
+            if bounded and self.max_queue is not None and len(self.waiting) + len(self._inbox) >= self.max_queue:
+                raise QueueFull(f"the wait queue is full ({self.max_queue} requests)")
+            self._inbox.append(request)
+        return request
+
+    def abort(self, request_id: Hashable) -> None:
+        """End a request (a client went away): its blocks are freed at the next step."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._inbox or self._aborts)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting) + len(self._inbox)
+
+    def stats(self) -> dict:
+        cache = self.cache
+        return {"waiting": self.queue_depth, "running": len(self.running),
+                "kv_blocks_used": cache.num_used_blocks, "kv_blocks": cache.num_blocks,
+                "kv_utilization": cache.num_used_blocks / cache.num_blocks,
+                "prefix_hit_rate": cache.prefix_hit_rate, "prefix_queried_tokens": cache.prefix_queried,
+                "prefix_hit_tokens": cache.prefix_hits, "preemptions": self.num_preemptions,
+                "steps": self.num_steps, "prompt_tokens_computed": self.prompt_tokens_computed,
+                "generated_tokens": self.generated_tokens}
+
+    # --- one iteration -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        events: list[StepEvent] = []
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+            aborts, self._aborts = self._aborts, set()
+        for request in [r for r in (*self.running, *self.waiting) if r.id in aborts]:
+            events.append(self._finish(request, "abort"))
+        self._admit()
+        plan = self._plan()
+        if not plan:
+            return events
+        self.num_steps += 1
+        self.last_step_tokens = sum(n for _, n in plan)
+        try:
+            sampled = self._forward(plan)
+        except BaseException:
+            for request in list(self.running):  # a failed step leaves no request holding blocks
+                self._finish(request, "abort")
+            raise
+        if sampled:
+            requests = [r for r, _ in sampled]
+            tokens = self._sample(requests, torch.stack([logits for _, logits in sampled]))
+            now = time.perf_counter()
+            for request, token in zip(requests, tokens, strict=True):
+                events.append(self._append(request, token, now))
+        return events
+
+    def _admit(self) -> None:
+        cache = self.cache
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            reserve = sum(cache.blocks_for(len(r.tokens)) - len(cache.block_tables[r.id]) for r in self.running)
+            if cache.num_free_blocks - max(reserve, 0) < cache.blocks_for(len(request.tokens)):
+                break
+            self.waiting.popleft()
+            request.cached_tokens = cache.add_sequence(request.id, request.tokens)
+            request.num_computed = request.cached_tokens
+            self.running.append(request)
+
+    def _plan(self) -> list[tuple[Request, int]]:
+        """(request, tokens to run) for this step: decoders first, then prompt chunks, within the budget;
+        preempts from the back of the running list while the step's blocks do not fit."""
+        while True:
+            budget, plan = self.max_num_batched_tokens, []
+            decoding = [r for r in self.running if len(r.tokens) - r.num_computed == 1]
+            prefilling = [r for r in self.running if len(r.tokens) - r.num_computed > 1]
+            for request in decoding + prefilling:
+                n = min(len(request.tokens) - request.num_computed, budget)
+                if n <= 0:
+                    break
+                plan.append((request, n))
+                budget -= n
+            needed = sum(max(0, self.cache.blocks_for(r.num_computed + n) - len(self.cache.block_tables[r.id]))
+                         for r, n in plan)
+            if needed <= self.cache.num_free_blocks or not self.running:
+                return plan
+            self._preempt(self.running[-1])
+
+    def _preempt(self, request: Request) -> None:
+        self.cache.commit(request.id, request.tokens)
+        self.cache.free_sequence(request.id)
+        self.running.remove(request)
+        request.num_computed = 0
+        request.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _forward(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, torch.Tensor]]:
+        """Run the planned tokens; the logits after each request whose tokens are now all computed."""
+        model, cache = self.engine.model, self.cache
+        sampled = []
+        ones = [(r, n) for r, n in plan if n == 1]
+        chunks = [(r, n) for r, n in plan if n > 1]
+        if ones:
+            ids = [r.id for r, _ in ones]
+            tokens = torch.tensor([[r.tokens[r.num_computed]] for r, _ in ones])
+            positions = torch.tensor([[r.num_computed] for r, _ in ones])
+            cache.prepare(ids, positions)
+            logits = model(tokens, positions, cache)[:, -1]
+            sampled += self._advance(ones, logits)
+        if chunks:
+            lengths = torch.tensor([n for _, n in chunks])
+            T = int(lengths.max())
+            tokens = torch.zeros(len(chunks), T, dtype=torch.long)
+            starts = torch.tensor([r.num_computed for r, _ in chunks])
+            for i, (r, n) in enumerate(chunks):
+                tokens[i, :n] = torch.tensor(r.tokens[r.num_computed: r.num_computed + n])
+            positions = starts.unsqueeze(1) + torch.arange(T)
+            cache.prepare([r.id for r, _ in chunks], positions, torch.arange(T) < lengths.unsqueeze(1))
+            features = model.features(tokens, positions, cache)
+            done = [i for i, (r, n) in enumerate(chunks) if r.num_computed + n == len(r.tokens)]
+            logits = None
+            if done:
+                rows = torch.tensor(done)
+                logits = model.lm_head(model.norm(features[rows, lengths[rows] - 1]))
+            sampled += self._advance(chunks, logits, done)
+            self.prompt_tokens_computed += int(lengths.sum())
+        return sampled
+
+    def _advance(self, rows, logits, done: Sequence[int] | None = None):
+        out = []
+        done_set = range(len(rows)) if done is None else done
+        position = {i: j for j, i in enumerate(done_set)}
+        for i, (request, n) in enumerate(rows):
+            request.num_computed += n
+            self.cache.commit(request.id, request.tokens)
+            if i in position:
+                out.append((request, logits[position[i]]))
+        return out
+
+    def _sample(self, requests: Sequence[Request], logits: torch.Tensor) -> list[int]:
+        penalized = [i for i, r in enumerate(requests) if r.penalty != 1.0]
+        for i in penalized:
+            logits[i: i + 1] = penalize_repeats(logits[i: i + 1], [requests[i].tokens], requests[i].penalty)
+        tokens = logits.argmax(dim=-1)
+        for i, r in enumerate(requests):
+            if r.params.temperature > 0:
+                probs = probabilities(logits[i], r.params.temperature, r.params.top_p, normalize=False)
+                tokens[i] = torch.multinomial(probs, 1, generator=r.generator)[0]
+        return tokens.tolist()
+
+    def _append(self, request: Request, token: int, now: float) -> StepEvent:
+        if request.first_token_at is None:
+            request.first_token_at = now
+        if token in request.stop_ids:
+            return self._finish(request, "eos", [])
+        request.output_ids.append(token)
+        self.generated_tokens += 1
+        reason = None
+        if request.detokenizer is not None:
+            shown = len(request.text)
+            request.text += request.detokenizer.add(token)
+            stops = request.params.stop
+            if stops and len(request.text) > shown:  # a stop string may begin in text already decoded
+                since = max(0, shown - max(map(len, stops)) + 1)
+                cuts = [i for i in (request.text.find(s, since) for s in stops) if i >= 0]
+                if cuts:
+                    request.text = request.text[: min(cuts)]
+                    reason = "stop"
+        if reason is None and request.stop_check is not None and request.stop_check(request.output_ids):
+            reason = "stop"
+        if reason is None and len(request.output_ids) >= request.params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            return self._finish(request, reason, [token])
+        return StepEvent(request, [token], self._emit(request), False)
+
+    @staticmethod
+    def _emit(request: Request) -> str:
+        """The text not yet given out. While the request runs, the last (longest stop string - 1) characters
+        are held back: they may be the start of a stop string, which must never reach a client."""
+        end = len(request.text)
+        if not request.finished and request.params.stop:
+            end -= max(map(len, request.params.stop)) - 1
+        if end <= request.emitted:
+            return ""
+        text, request.emitted = request.text[request.emitted: end], end
+        return text
+
+    def _finish(self, request: Request, reason: str, tokens: list[int] | None = None) -> StepEvent:
+        request.finish_reason = reason
+        request.finished_at = time.perf_counter()
+        if request in self.running:
+            self.running.remove(request)
+            self.cache.free_sequence(request.id)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        return StepEvent(request, tokens or [], self._emit(request), True)
+
+    def run(self) -> None:
+        """Step until every request has finished."""
+        while self.has_work():
+            self.step()
