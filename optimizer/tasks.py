@@ -87,8 +87,15 @@ def _lm_eval():
 # --- the model lm-eval talks to ------------------------------------------------------------------------------
 
 def engine_lm(engine: Engine, max_length: int | None = None, batch_tokens: int = BATCH_TOKENS):
-    """An lm-eval `LM` answering requests with `engine` (see `EngineLM`); `max_length` (default: the model's
-    context) bounds every forward sequence."""
+    """An lm-eval `LM` answering requests with `engine` (see `engine_lm_class`); `max_length` (default: the
+    model's context) bounds every forward sequence."""
+    return engine_lm_class()(engine, max_length, batch_tokens)
+
+
+@functools.cache
+def engine_lm_class():
+    """`EngineLM`, lm-eval's `TemplateLM` over a Kiln `Engine`; defined on first use, as lm-eval is the optional
+    `tasks` extra. lm-eval's model `kiln` (kiln.optimizer.lm_eval_model.KilnLM) is this class over an artifact."""
     lm_eval = _lm_eval()
 
     class EngineLM(lm_eval.api.model.TemplateLM):
@@ -97,13 +104,16 @@ def engine_lm(engine: Engine, max_length: int | None = None, batch_tokens: int =
 
         backend = "causal"
 
-        def __init__(self):
+        def __init__(self, engine: Engine, max_length: int | None = None, batch_tokens: int = BATCH_TOKENS):
             super().__init__()
             self.engine = engine
             self.tokenizer = engine._tokenizer()
             context = engine.spec.max_position_embeddings
-            if max_length is not None and not 1 <= max_length <= context:
-                raise KilnError(f"max_length must be in [1, {context}] (the model's context), got {max_length}")
+            if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                           or not 1 <= max_length <= context):
+                raise KilnError(f"max_length must be in [1, {context}] (the model's context), got {max_length!r}")
+            if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+                raise KilnError(f"batch_tokens must be a positive number of tokens, got {batch_tokens!r}")
             self.max_length = max_length or context
             self.batch_tokens = batch_tokens
 
@@ -111,7 +121,7 @@ def engine_lm(engine: Engine, max_length: int | None = None, batch_tokens: int =
         @property
         def eot_token_id(self) -> int:
             eos = self.tokenizer.eos_token_id
-            return eos if eos is not None else engine.spec.eos_token_ids[0]
+            return eos if eos is not None else self.engine.spec.eos_token_ids[0]
 
         @property
         def prefix_token_id(self) -> int:
@@ -166,7 +176,7 @@ def engine_lm(engine: Engine, max_length: int | None = None, batch_tokens: int =
                 kwargs = model_utils.normalize_gen_kwargs(requests[rows[0]].args[1], DEFAULT_MAX_GEN_TOKS)
                 if kwargs.get("do_sample"):
                     raise KilnError(f"task {requests[rows[0]].task_name} asks for sampling (do_sample: true); "
-                                    "Kiln's task gate decodes greedily: set do_sample: false")
+                                    "Kiln's lm-eval model decodes greedily: set do_sample: false")
                 until = model_utils.handle_stop_sequences(kwargs["until"], eos=eos)
                 new_tokens = kwargs["max_gen_toks"]
                 room = self.max_length - new_tokens
@@ -180,7 +190,7 @@ def engine_lm(engine: Engine, max_length: int | None = None, batch_tokens: int =
                         results[rows[j]] = model_utils.postprocess_generated_text(text, until, None)
             return results
 
-    return EngineLM()
+    return EngineLM
 
 
 def score_continuations(engine: Engine, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int,
