@@ -137,7 +137,15 @@ def step_mask(cache, positions: torch.Tensor, key_positions: torch.Tensor, windo
     """The cache's explicit mask for this forward (tree verification: each node sees the cached prefix and its
     own ancestors), else causal by position."""
     explicit = getattr(cache, "explicit_mask", None) if cache is not None else None
-    return explicit if explicit is not None else attention_mask(positions, key_positions, window)
+    if explicit is not None:
+        return explicit
+    memo = getattr(cache, "step_masks", None)  # a paged cache keeps the masks of the prepared forward
+    if memo is None:
+        return attention_mask(positions, key_positions, window)
+    if window not in memo:
+        mask = attention_mask(positions, key_positions, window)
+        memo[window] = None if bool(mask.all()) else mask  # e.g. one sequence decoding: nothing to mask
+    return memo[window]
 
 
 def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -272,11 +280,9 @@ class MlaAttention(nn.Module):
 
 def _attend(q, k, v, mask, scale):
     # q: [B, T, H, D]; k: [B, S, Hkv, D]; v: [B, S, Hkv, Dv]; mask: [B, 1, T, S] -> [B, T, H, Dv]
+    # GQA: each KV head serves H / Hkv query heads without being copied (SDPA's enable_gqa)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 
 

@@ -25,7 +25,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -287,6 +287,7 @@ class _Step:
     length: int  # S
     rope_positions: Tensor | None = None  # [B, T] the model's positions when they differ (tree verification)
     attend: Tensor | None = None  # [B, 1, T, S] bool: an explicit attention mask (tree verification)
+    masks: dict = field(default_factory=dict)  # causal masks by window, filled by the model's first layer
 
 
 class PagedKVCache:
@@ -501,9 +502,8 @@ class PagedKVCache:
             self.lengths[seq_id] = max(self.lengths[seq_id], end)
 
         width = max(1, max(len(t) for t in tables))
-        block_ids = torch.full((B, width), self.num_blocks, dtype=torch.long)  # null block where unallocated
-        for row, table in enumerate(tables):
-            block_ids[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+        null = [self.num_blocks]  # the null block where unallocated
+        block_ids = torch.tensor([t + null * (width - len(t)) for t in tables], dtype=torch.long)
         bs = self.block_size
         p = positions.clamp(0, width * bs - 1)  # padding may point past the table; it is never written
         slots = block_ids.gather(1, p // bs) * bs + p % bs
@@ -517,6 +517,12 @@ class PagedKVCache:
         if attend is not None and attend.shape != (B, 1, T, S):
             raise KilnError(f"prepare: attend must be [{B}, 1, {T}, {S}], got {list(attend.shape)}")
         self._step = _Step(positions, valid, write_slots, read.reshape(-1), B, S, rope_positions, attend)
+
+    @property
+    def step_masks(self) -> dict | None:
+        """The prepared forward's attention masks by sliding window, computed by the first layer that needs
+        one and reused by the others (None: no forward prepared)."""
+        return None if self._step is None else self._step.masks
 
     @property
     def explicit_mask(self) -> Tensor | None:

@@ -95,9 +95,8 @@ class Request:
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self):
+        self.tokens: list[int] = self.prompt_ids + self.output_ids  # prompt + output, grown in place (read only)
 
     @property
     def finished(self) -> bool:
@@ -317,7 +316,8 @@ class Scheduler:
         position = {i: j for j, i in enumerate(done_set)}
         for i, (request, n) in enumerate(rows):
             request.num_computed += n
-            self.cache.commit(request.id, request.tokens)
+            if request.num_computed // self.cache.block_size > (request.num_computed - n) // self.cache.block_size:
+                self.cache.commit(request.id, request.tokens)  # a block filled up
             if i in position:
                 out.append((request, logits[position[i]]))
         return out
@@ -339,6 +339,7 @@ class Scheduler:
         if token in request.stop_ids:
             return self._finish(request, "eos", [])
         request.output_ids.append(token)
+        request.tokens.append(token)
         self.generated_tokens += 1
         reason = None
         if request.detokenizer is not None:
