@@ -1,4 +1,4 @@
-"""The `optimize` command line: build, inspect, eval, generate, gate, export.
+"""The `optimize` command line: build, inspect, eval, generate, serve, gate, export.
 
 Exit codes are a promise to CI: 0 pass, 1 below a floor (or --strict met a reverted pass), 2 user error
 (bad input, usage error), 130 interrupted (SIGINT), 143 terminated (SIGTERM). Every failure is one line on
@@ -395,6 +395,26 @@ def generate(
 
 
 @app.command()
+def serve(
+    artifact: Annotated[Path, typer.Argument(help="artifact directory")],
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on (0: any free port)")] = 8000,
+    max_queue: Annotated[int, typer.Option(help="requests waiting for a slot; beyond, 429")] = 256,
+    max_num_seqs: Annotated[int, typer.Option(help="requests decoding together")] = 32,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="tokens one step runs")] = 512,
+    request_timeout: Annotated[float | None, typer.Option(help="abort a request after SEC seconds (504)")] = None,
+    prefix_caching: Annotated[bool, typer.Option(help="reuse the KV blocks of shared prompt prefixes")] = True,
+    served_model_name: Annotated[str | None, typer.Option(help="model id (default: the directory name)")] = None,
+) -> None:
+    """Serve an artifact over an OpenAI-compatible HTTP API (continuous batching); SIGTERM drains, then exits 0."""
+    from kiln.runtime.server import ServerConfig
+    from kiln.runtime.server import serve as run_server
+
+    run_server(artifact, ServerConfig(host, port, max_queue, max_num_seqs, max_num_batched_tokens, request_timeout,
+                                      prefix_caching, served_model_name))
+
+
+@app.command()
 def gate(
     artifact: Annotated[Path, typer.Argument(help="artifact directory")],
     baseline: Annotated[str, typer.Option(help="the checkpoint the artifact was built from")],
@@ -567,7 +587,8 @@ def export_(
                                      "hf-modelopt: ModelOpt's unified HF checkpoint (vLLM quantization='modelopt', "
                                      "SGLang, TensorRT-LLM); hf: an MLA-converted model, unquantized, in "
                                      "DeepSeek-V3's layout; eagle3: the EAGLE-3 draft head for vLLM / "
-                                     "SGLang")] = "compressed-tensors",
+                                     "SGLang; onnx: DIR/model.onnx, opset 23 with a KV cache, weights behind "
+                                     "DequantizeLinear")] = "compressed-tensors",
     output: Annotated[Path, typer.Option("-o", "--output", help="directory to write")] = Path("artifacts/export"),
     overwrite: Annotated[bool, typer.Option(help="replace an earlier Kiln export there")] = False,
 ) -> None:
