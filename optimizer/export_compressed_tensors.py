@@ -71,6 +71,7 @@ from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
 from kiln.optimizer.export_modelopt import NVFP4_GROUP_SIZE, copy_tokenizer_files, kv_algo, read_for_export
 from kiln.optimizer.output_dir import atomic_directory, mark_export
+from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.runtime.artifact import MANIFEST, WEIGHTS
 from kiln.runtime.spec import spec_from_json
 
@@ -388,12 +389,13 @@ def dequantize_compressed_tensors(path: Path | str) -> dict[str, torch.Tensor]:
 
 
 def verify_compressed_tensors(path: Path, artifact: Path) -> None:
-    """The export must decode to the artifact's weights (see the module docstring for NVFP4's global scale)."""
+    """The export must decode to the artifact's weights (see the module docstring for NVFP4's global scale; a
+    fused linear's parts: its rows, optimizer.unfuse)."""
     from kiln.runtime.weights import dequantize_weight
 
-    manifest = json.loads((artifact / MANIFEST).read_text())
+    manifest, tensors = unfuse_artifact(json.loads((artifact / MANIFEST).read_text()),
+                                        load_file(str(artifact / WEIGHTS)))
     spec = spec_from_json(manifest["architecture"])
-    tensors = load_file(str(artifact / WEIGHTS))
     written = load_file(str(path / "model.safetensors"))
     exported = dequantize_compressed_tensors(path)
     for lin in spec.linears():

@@ -40,6 +40,8 @@ from safetensors.torch import load_file, save_file
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.export_modelopt import copy_tokenizer_files
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
+from kiln.optimizer.unfuse import unfuse_artifact
+from kiln.passes.fuse import unfuse_spec
 from kiln.runtime.artifact import WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json
 from kiln.runtime.weights import dequantize_weight
@@ -198,10 +200,10 @@ def export_deepseek(artifact: Path | str, output: Path | str, overwrite: bool = 
     artifact, output = Path(artifact), Path(output)
     manifest = read_manifest(artifact)
     check_output(output, overwrite, [artifact])
-    spec = spec_from_json(manifest["architecture"])
+    spec = unfuse_spec(spec_from_json(manifest["architecture"]))  # fused linears are written as their parts
     check_expressible(spec)
     check_unquantized_numerics(manifest)
-    tensors = load_file(str(artifact / WEIGHTS))
+    manifest, tensors = unfuse_artifact(manifest, load_file(str(artifact / WEIGHTS)))
     exported = deepseek_tensors(spec, tensors, manifest["formats"])
     config = deepseek_config(spec, json.loads((artifact / "config.json").read_text()))
     with atomic_directory(output, overwrite, [artifact]) as tmp:

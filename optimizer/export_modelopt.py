@@ -45,6 +45,7 @@ from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
+from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.runtime.artifact import MANIFEST, WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json
 
@@ -231,11 +232,14 @@ class ExportSource(NamedTuple):
 
 
 def read_for_export(artifact: Path, output: Path, overwrite: bool) -> ExportSource:
-    """The verified artifact, after refusing an output the export may not write (before reading weights)."""
+    """The verified artifact, after refusing an output the export may not write (before reading weights). Fused
+    linears (passes/fuse.py) come back as their parts: serving engines load q/k/v and gate/up by their own names
+    and fuse them themselves (optimizer.unfuse)."""
     manifest = read_manifest(artifact)
     check_output(output, overwrite, [artifact])
+    manifest, tensors = unfuse_artifact(manifest, load_file(str(artifact / WEIGHTS)))
     spec = spec_from_json(manifest["architecture"])
-    return ExportSource(manifest, load_file(str(artifact / WEIGHTS)), json.loads((artifact / "config.json").read_text()),
+    return ExportSource(manifest, tensors, json.loads((artifact / "config.json").read_text()),
                         spec, spec.embedding.removesuffix(".weight"))
 
 
@@ -322,12 +326,13 @@ def dequantize_hf_modelopt(path: Path | str) -> dict[str, torch.Tensor]:
 
 
 def verify_export(path: Path, artifact: Path) -> None:
-    """The export, dequantized as a serving engine would, must equal the artifact's weights bit for bit."""
+    """The export, dequantized as a serving engine would, must equal the artifact's weights bit for bit (a fused
+    linear's parts: its rows, optimizer.unfuse)."""
     from kiln.runtime.weights import dequantize_weight
 
-    manifest = json.loads((artifact / MANIFEST).read_text())
+    manifest, tensors = unfuse_artifact(json.loads((artifact / MANIFEST).read_text()),
+                                        load_file(str(artifact / WEIGHTS)))
     spec = spec_from_json(manifest["architecture"])
-    tensors = load_file(str(artifact / WEIGHTS))
     exported = dequantize_hf_modelopt(path)
     for lin in spec.linears():
         entry = manifest["formats"].get(lin.name, {"format": "dense"})

@@ -83,6 +83,8 @@ def lower_tensors(graph: ModelGraph) -> tuple[LoweredTensors, dict[str, dict]]:
             entry["in_features"] = int(q.in_features)
         if q.rotation_block:
             entry["input_rotation"] = {"kind": "block_hadamard", "block_size": int(q.rotation_block)}
+        if q.part_scales:  # a fused FP8 linear (passes/fuse.py): its parts' own scale granularity
+            entry["part_scales"] = list(q.part_scales)
         formats[lin.name] = entry
         for key in q.tensors:
             tensors.add(f"{lin.name}.{key}", q.tensors, key)

@@ -36,6 +36,7 @@ from kiln.kernels.errors import KilnError
 from kiln.passes.auto_precision import AutoPrecision
 from kiln.passes.base import Pass
 from kiln.passes.draft_head import DraftHead
+from kiln.passes.fuse import Fusion
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.passes.mla import MlaConversion
 from kiln.passes.production_precision import ProductionPrecision
@@ -49,6 +50,7 @@ BUILTIN_PASSES: dict[str, type[Pass]] = {
     ProductionPrecision.name: ProductionPrecision,
     MlaConversion.name: MlaConversion,
     DraftHead.name: DraftHead,
+    Fusion.name: Fusion,
 }
 
 BEST_TUNE_STEPS = 200  # end-to-end tuning steps of the FP4 recipes (weight-quant, production)
@@ -89,6 +91,9 @@ BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
     # an EAGLE-style draft head self-distilled from the target (after the passes that change the target), or a
     # DeepSeek-V3 checkpoint's own MTP layer; its gate metric is tau, tokens per target call
     "draft-head": lambda: [DraftHead()],
+    # q/k/v and gate/up as single linears in their stored formats, plus the kernel fusions a GPU runtime launches
+    # (norm + activation quantization, SwiGLU + quantization, RoPE + KV write); last in any recipe
+    "fuse": lambda: [Fusion()],
 }
 
 # Recipes that take the weight budget (--weight-bits / --weight-bytes); the budget matches nothing else.

@@ -34,7 +34,7 @@ from kiln.passes.tensor_store import SpilledTensors, SpillFile, TensorStore, ten
 from kiln.runtime.spec import LayerSpec, ModelSpec
 
 ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "k_down", "k_up", "v_down", "v_up", "gate", "up", "down",
-         "expert", "router", "lm_head")
+         "expert", "router", "lm_head", "qkv", "gate_up")  # qkv, gate_up: fused (passes/fuse.py)
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class QuantizedWeight:
     in_features: int | None = None  # block formats: K before padding
     method: str = "rtn"  # how the values were chosen (rtn, mse, gptq, awq, ...)
     rotation_block: int = 0  # > 0: `tensors` hold W R and the input is rotated by R (kernels.rotation) first
+    # a fused FP8 linear whose parts had different per-tensor scales stores one per row: each part's original
+    # granularity ("per_tensor" / "per_channel", in part order), so an export writes the parts back as they were
+    part_scales: tuple[str, ...] = ()
 
     def stored_bytes(self) -> int:
         return sum(tensor_info(self.tensors, name).nbytes for name in self.tensors)

@@ -3,6 +3,9 @@
 Shapes: B batch, T new tokens, S cached tokens, C hidden, H heads, Hkv KV heads, D head dim.
 Every linear is a `QuantLinear` holding the dequantized fp32 weight and the activation fake-quantizer its
 format asks for, so a Triton kernel reading packed bytes can replace it one module at a time.
+A fused linear (`qkv`, `gate_up`: passes/fuse.py) is one F.linear whose output is split. The kernel fusions a
+layer's spec lists (norm + activation quantization, SwiGLU + quantization, RoPE + KV-cache write) are for GPU
+kernels; here they run one operation after another, which is what they compute.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.kernels.errors import KilnError
+from kiln.runtime.artifact import clip
 from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, MlpSpec, ModelSpec, RotarySpec
 from kiln.runtime.weights import (
     check_dtype,
@@ -162,8 +167,16 @@ class GqaAttention(nn.Module):
     def __init__(self, spec: AttentionSpec, weights: Weights, layer_prefix: str):
         super().__init__()
         self.spec = spec
-        self.q_proj, self.o_proj = weights.linear(spec.linears["q"]), weights.linear(spec.linears["o"])
-        self.k_proj, self.v_proj = _projection(spec, weights, "k"), _projection(spec, weights, "v")
+        self.o_proj = weights.linear(spec.linears["o"])
+        if "qkv" in spec.linears:  # fused (passes/fuse.py): one GEMM, its output split into q, k, v
+            sizes = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
+                     spec.num_kv_heads * spec.v_head_dim)
+            self.qkv_split = fused_split(spec.linears["qkv"], ("q", "k", "v"), sizes)
+            self.qkv_proj = weights.linear(spec.linears["qkv"])
+        else:
+            self.qkv_proj = None
+            self.q_proj = weights.linear(spec.linears["q"])
+            self.k_proj, self.v_proj = _projection(spec, weights, "k"), _projection(spec, weights, "v")
         self.q_norm = weights.norm(f"{layer_prefix}.self_attn.q_norm.weight") if spec.qk_norm else None
         self.k_norm = weights.norm(f"{layer_prefix}.self_attn.k_norm.weight") if spec.qk_norm else None
 
@@ -173,9 +186,13 @@ class GqaAttention(nn.Module):
     def forward(self, x, rope, positions, cache, layer):
         B, T, _ = x.shape
         s = self.spec
-        q = self.q_proj(x).view(B, T, s.num_heads, s.head_dim)
-        k = self.k_proj(x).view(B, T, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(B, T, s.num_kv_heads, s.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, s.num_heads, s.head_dim)
+        k = k.view(B, T, s.num_kv_heads, s.head_dim)
+        v = v.view(B, T, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
@@ -186,6 +203,16 @@ class GqaAttention(nn.Module):
             key_positions = torch.arange(k.shape[1]).expand(B, -1)
         out = _attend(q, k, v, step_mask(cache, positions, key_positions, s.sliding_window), s.softmax_scale)
         return self.o_proj(out.reshape(B, T, s.num_heads * s.v_head_dim))
+
+
+def fused_split(lin: LinearSpec, roles: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The output widths a fused linear's output splits into, checked against what the layer needs: its parts
+    must have `roles` and `sizes` in that order and add up to its output (a one-line KilnError otherwise)."""
+    got = tuple((p.role, p.out_features) for p in lin.parts)
+    if got != tuple(zip(roles, sizes, strict=True)) or sum(sizes) != lin.out_features:
+        raise KilnError(f"artifact's fused linear {clip(lin.name)} has parts {clip(got, 120)} and "
+                        f"{lin.out_features} outputs; the layer needs {tuple(zip(roles, sizes, strict=True))}")
+    return sizes
 
 
 def _projection(spec: AttentionSpec, weights: Weights, role: str) -> nn.Module:
@@ -273,7 +300,7 @@ class MlaAttention(nn.Module):
         # every head reads the same key and value: the T x H queries attend as the rows of one head
         q = torch.cat([q_latent, q_rot], dim=-1).reshape(B, 1, T * H, -1)
         k = torch.cat([latent, k_rot], dim=-1).unsqueeze(1)  # [B, 1, S, r + rope]
-        rows_mask = mask.repeat_interleave(H, dim=2)  # [B, 1, T * H, S]
+        rows_mask = None if mask is None else mask.repeat_interleave(H, dim=2)  # [B, 1, T * H, S]
         mixed = F.scaled_dot_product_attention(q, k, latent.unsqueeze(1), attn_mask=rows_mask, scale=s.softmax_scale)
         return torch.einsum("bthr,hvr->bthv", mixed.view(B, T, H, -1), w[:, s.qk_nope_head_dim:])
 
@@ -289,12 +316,23 @@ def _attend(q, k, v, mask, scale):
 class DenseMlp(nn.Module):
     def __init__(self, linears: Mapping[str, LinearSpec], weights: Weights, prefix: str = ""):
         super().__init__()
-        self.gate_proj = weights.linear(linears[f"{prefix}gate"])
-        self.up_proj = weights.linear(linears[f"{prefix}up"])
-        self.down_proj = weights.linear(linears[f"{prefix}down"])
+        down = linears[f"{prefix}down"]
+        fused = linears.get(f"{prefix}gate_up")
+        if fused is not None:  # passes/fuse.py: one GEMM, its output split into gate and up
+            self.gate_up_split = fused_split(fused, ("gate", "up"), (down.in_features, down.in_features))
+            self.gate_up_proj = weights.linear(fused)
+        else:
+            self.gate_up_proj = None
+            self.gate_proj = weights.linear(linears[f"{prefix}gate"])
+            self.up_proj = weights.linear(linears[f"{prefix}up"])
+        self.down_proj = weights.linear(down)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.gate_up_split, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MoeMlp(nn.Module):
@@ -303,7 +341,7 @@ class MoeMlp(nn.Module):
         self.spec = spec
         self.router = weights.linear(spec.linears["router"])
         self.experts = nn.ModuleList(DenseMlp(e, weights) for e in spec.experts)
-        self.shared = DenseMlp(spec.linears, weights, "shared_") if "shared_gate" in spec.linears else None
+        self.shared = DenseMlp(spec.linears, weights, "shared_") if "shared_down" in spec.linears else None
         self.shared_gate = weights.linear(spec.linears["shared_gate_router"]) if spec.shared_expert_gate else None
         bias = spec.score_correction_bias
         self.score_bias = (weights.tensor(bias, (len(spec.experts),), "a router bias")

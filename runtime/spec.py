@@ -19,13 +19,16 @@ class LinearSpec:
     """One linear layer: its module path (tensor `<name>.weight`), role and shape."""
 
     name: str
-    role: str  # q, k, v, o, q_a, q_b, kv_a, kv_b, gate, up, down, expert, router, lm_head
+    role: str  # q, k, v, o, q_a, q_b, kv_a, kv_b, gate, up, down, expert, router, lm_head; fused: qkv, gate_up
     in_features: int
     out_features: int
     layer: int | None = None  # None for lm_head
     expert: int | None = None  # routed expert index
     proj: str | None = None  # for experts and shared experts: gate, up or down
     bias: bool = False
+    # a fused linear (role "qkv" or "gate_up", passes/fuse.py): the linears it replaced, in the order of its
+    # output rows; the runtime runs one GEMM and splits the output, exports write the parts back
+    parts: tuple[LinearSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,24 @@ class MlpSpec:
         return len(self.experts)
 
 
+KERNEL_FUSIONS = ("rmsnorm_quant", "swiglu_quant", "rope_kv_write")
+
+
+@dataclass(frozen=True)
+class KernelFusion:
+    """Operations of a layer that a GPU runtime launches as one kernel (recorded by passes/fuse.py). Weights do
+    not change; the CPU reference runtime runs the operations one after another, which is equal by construction.
+
+        rmsnorm_quant   ops (norm weight, linear): the norm's output quantized to the linear's activation format
+        swiglu_quant    ops (gate/up linear(s)..., down linear): silu(gate) * up quantized to down's activation format
+        rope_kv_write   ops (the linear(s) producing q, k, v): RoPE on q and k, then k and v written to the KV cache
+                        in the layer's cache format
+    """
+
+    kind: str  # one of KERNEL_FUSIONS
+    ops: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     index: int
@@ -92,6 +113,7 @@ class LayerSpec:
     attention: AttentionSpec
     mlp: MlpSpec
     norms: tuple[str, ...]  # tensor names of the layer's norm weights: input, post-attention, then q/k/latent
+    fusions: tuple[KernelFusion, ...] = ()  # kernel-level fusions a GPU runtime applies (passes/fuse.py)
 
     def linears(self) -> list[LinearSpec]:
         out = [*self.attention.linears.values(), *self.mlp.linears.values()]
@@ -185,7 +207,14 @@ class ModelSpec:
 
 
 def _linear_from_json(d: dict) -> LinearSpec:
-    return LinearSpec(**d)
+    return LinearSpec(**{**d, "parts": tuple(_linear_from_json(p) for p in d.get("parts", ()))})
+
+
+def _fusion_from_json(d: dict) -> KernelFusion:
+    if d["kind"] not in KERNEL_FUSIONS:
+        raise KilnError(f"malformed architecture in the manifest: unknown kernel fusion {str(d['kind'])[:40]!r}; "
+                        f"known: {', '.join(KERNEL_FUSIONS)}")
+    return KernelFusion(d["kind"], tuple(d["ops"]))
 
 
 def _linears_from_json(d: dict) -> dict[str, LinearSpec]:
@@ -198,7 +227,8 @@ def _layer_from_json(d: dict) -> LayerSpec:
     attention = AttentionSpec(**{**a, "linears": _linears_from_json(a["linears"]), "rotary": rotary})
     mlp = MlpSpec(**{**m, "linears": _linears_from_json(m["linears"]),
                      "experts": tuple(_linears_from_json(e) for e in m["experts"])})
-    return LayerSpec(d["index"], d["prefix"], attention, mlp, tuple(d["norms"]))
+    return LayerSpec(d["index"], d["prefix"], attention, mlp, tuple(d["norms"]),
+                     tuple(_fusion_from_json(f) for f in d.get("fusions", ())))
 
 
 def spec_from_json(data: dict) -> ModelSpec:
