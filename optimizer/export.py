@@ -9,13 +9,20 @@
                          transformers' DeepseekV3ForCausalLM)
     eagle3               the artifact's EAGLE-3 draft head, as vLLM / SGLang load it beside the target
                          (optimizer/export_eagle3.py; ModelOpt's speculative export layout)
+    onnx                 the decoder as one ONNX graph (opset 23) with a KV cache, weights behind DequantizeLinear
+                         in their stored formats (optimizer/export_onnx.py; needs the `onnx` extra)
 
 All write atomically, mark the directory as a Kiln export, and read the export back to check it: the quantized
-layouts dequantize to the artifact's weights, the DeepSeek-V3 one gives the runtime's logits in transformers.
+layouts dequantize to the artifact's weights, the DeepSeek-V3 one gives the runtime's logits in transformers, the
+ONNX graph gives them in onnxruntime (onnx.reference for FP4) over a prefill and decode steps.
+Fused linears (the `fuse` pass: qkv_proj, gate_up_proj) are written back as q_proj/k_proj/v_proj and
+gate_proj/up_proj (optimizer/unfuse.py): vLLM, SGLang and TensorRT-LLM load the separate names and fuse them
+themselves; the ONNX graph takes the parts too.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -24,7 +31,7 @@ from kiln.optimizer.export_compressed_tensors import describe, export_compressed
 from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, export_hf_modelopt
 from kiln.optimizer.output_dir import check_output
 
-FORMATS = ("compressed-tensors", "hf-modelopt", "hf", "eagle3")
+FORMATS = ("compressed-tensors", "hf-modelopt", "hf", "eagle3", "onnx")
 
 
 def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool = False) -> Path:
@@ -39,6 +46,12 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
         from kiln.optimizer.export_eagle3 import export_eagle3
 
         return export_eagle3(artifact, output, overwrite)
+    if fmt == "onnx":
+        if importlib.util.find_spec("onnx") is None:
+            raise KilnError("--format onnx needs the onnx package: pip install -e '.[onnx]'")
+        from kiln.optimizer.export_onnx import export_onnx
+
+        return export_onnx(artifact, output, overwrite)
     refuse_rewritten_structure(Path(artifact), fmt)
     writer = export_compressed_tensors if fmt == "compressed-tensors" else export_hf_modelopt
     return writer(artifact, output, overwrite)
@@ -71,6 +84,10 @@ def export_summary(path: Path | str, fmt: str) -> str:
     if fmt == "eagle3":
         return (f"wrote {path} (eagle3: the draft head only, LlamaForCausalLMEagle3; serve it beside the target "
                 "with vLLM's speculative method eagle3)")
+    if fmt == "onnx":
+        from kiln.optimizer.export_onnx import describe as describe_onnx
+
+        return f"wrote {path / 'model.onnx'} {describe_onnx(path)}"
     if fmt == "compressed-tensors":
         summary = describe(path)
         note = (" (NVFP4: its codes and block scales, global scales stored as their reciprocals)"
