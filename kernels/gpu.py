@@ -1,0 +1,117 @@
+"""One call per operation: the Triton kernel where it can run, the plain-torch reference everywhere else.
+
+    fp8_linear(x, qw, w_scale, input_scale)            W8A8: x quantized per token (or static), FP8 GEMM
+    fp4_linear(x, weight, activation, input_scale)     NVFP4/MXFP4 weight; activation "none" (W4A16) or the
+                                                       weight's own format (W4A4)
+    rmsnorm_quantize(x, norm_weight, eps, activation, input_scale)   fused RMSNorm + activation quantization
+    paged_decode_attention(q, k_pool, v_pool, block_table, context_lens, block_size, sm_scale)
+
+Triton runs when it is installed and the inputs are CUDA tensors, or, for CPU tensors, when
+TRITON_INTERPRET=1 (the tests). Otherwise the reference in kernels/torch_refs.py runs: the same numbers within
+each kernel's stated tolerance. Results have the input's dtype either way. The kernel modules import Triton,
+so they are imported here only on the Triton path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from kiln.kernels import torch_refs
+from kiln.kernels.formats import ActivationFormat
+from kiln.kernels.mxfp4 import Mxfp4Weight
+from kiln.kernels.nvfp4 import Nvfp4Weight
+from kiln.kernels.torch_refs import KvPool, QuantizedActivation
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether Triton serves `x`: Triton installed, and x on CUDA (or on CPU with TRITON_INTERPRET=1)."""
+    if not triton_installed():
+        return False
+    from kiln.kernels.triton_codecs import interpreting
+
+    return x.is_cuda != interpreting()
+
+
+def fp8_linear(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times an FP8 weight [N, K] (per-channel or per-tensor scale) -> [..., N] in x's dtype."""
+    if use_triton(x):
+        from kiln.kernels.triton_fp8_gemm import fp8_linear as kernel
+
+        return kernel(x, qw, w_scale, input_scale)
+    return torch_refs.fp8_linear_ref(x, qw, w_scale, input_scale).to(x.dtype)
+
+
+def fp4_linear(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight, activation: str = ActivationFormat.NONE,
+               input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times an NVFP4/MXFP4 weight -> [..., N] in x's dtype.
+
+    activation: "none" keeps x as it is (W4A16, Hopper's FP4 path); "nvfp4"/"mxfp4" quantizes it to the
+    weight's format first (W4A4, Blackwell's), NVFP4 with `input_scale` as its global scale when given."""
+    if not isinstance(weight, (Nvfp4Weight, Mxfp4Weight)):
+        raise TypeError(f"weight must be an Nvfp4Weight or an Mxfp4Weight, got {type(weight).__name__}")
+    weight_format = ActivationFormat.NVFP4 if isinstance(weight, Nvfp4Weight) else ActivationFormat.MXFP4
+    if activation not in (ActivationFormat.NONE, weight_format):
+        raise ValueError(f"an {weight_format} weight takes activation 'none' or '{weight_format}', "
+                         f"got {activation!r}")
+    if activation == ActivationFormat.NONE and input_scale is not None:
+        raise ValueError("input_scale is an activation quantization scale; activation 'none' takes none")
+    if use_triton(x):
+        from kiln.kernels.triton_fp4_gemm import fp4_w4a4_linear, fp4_w4a16_gemm
+
+        if activation == ActivationFormat.NONE:
+            return fp4_w4a16_gemm(x, weight)
+        return fp4_w4a4_linear(x, weight, input_scale)
+    if activation == ActivationFormat.NONE:
+        return torch_refs.fp4_w4a16_ref(x, weight).to(x.dtype)
+    return torch_refs.fp4_w4a4_ref(x, weight, input_scale).to(x.dtype)
+
+
+def rmsnorm_quantize(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, activation: str,
+                     input_scale: torch.Tensor | None = None) -> QuantizedActivation:
+    """RMSNorm (skipped when norm_weight is None) then quantize [M, K] to `activation`: fp8_dynamic_per_token,
+    fp8_static_per_tensor (needs input_scale), nvfp4 (input_scale: the global scale, or None for dynamic) or
+    mxfp4."""
+    static = activation == ActivationFormat.FP8_STATIC_PER_TENSOR
+    if static and input_scale is None:
+        raise ValueError("fp8_static_per_tensor needs the calibrated input_scale")
+    dynamic = activation in (ActivationFormat.FP8_DYNAMIC_PER_TOKEN, ActivationFormat.MXFP4)
+    if dynamic and input_scale is not None:
+        raise ValueError(f"{activation} computes its scales from the activation; input_scale must be None")
+    if use_triton(x):
+        from kiln.kernels import triton_quant
+
+        if activation in (ActivationFormat.FP8_DYNAMIC_PER_TOKEN, ActivationFormat.FP8_STATIC_PER_TENSOR):
+            return triton_quant.quantize_fp8(x, norm_weight, eps, input_scale)
+        if activation == ActivationFormat.NVFP4:
+            return triton_quant.quantize_nvfp4(x, norm_weight, eps, input_scale)
+        if activation == ActivationFormat.MXFP4:
+            return triton_quant.quantize_mxfp4(x, norm_weight, eps)
+    else:
+        y = x.float() if norm_weight is None else torch_refs.rmsnorm_ref(x, norm_weight, eps)
+        if activation in (ActivationFormat.FP8_DYNAMIC_PER_TOKEN, ActivationFormat.FP8_STATIC_PER_TENSOR):
+            return torch_refs.quantize_fp8_ref(y, input_scale)
+        if activation == ActivationFormat.NVFP4:
+            return torch_refs.quantize_nvfp4_ref(y, input_scale)
+        if activation == ActivationFormat.MXFP4:
+            return torch_refs.quantize_mxfp4_ref(y)
+    allowed = [f.value for f in ActivationFormat if f != ActivationFormat.NONE]
+    raise ValueError(f"unknown activation format {activation!r}; choose one of {', '.join(allowed)}")
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, block_table: torch.Tensor,
+                           context_lens: torch.Tensor, block_size: int,
+                           sm_scale: float | None = None) -> torch.Tensor:
+    """One decode step of attention over a paged BF16/FP8/NVFP4 KV cache -> [B, H, D] in q's dtype."""
+    if use_triton(q):
+        from kiln.kernels.triton_paged_attention import paged_decode_attention as kernel
+
+        return kernel(q, k_pool, v_pool, block_table, context_lens, block_size, sm_scale)
+    return torch_refs.paged_decode_attention_ref(q, k_pool, v_pool, block_table, context_lens, block_size,
+                                                 sm_scale).to(q.dtype)

@@ -1,0 +1,222 @@
+"""Plain-torch references of the Triton kernels (kernels/triton_*.py), built from the format references.
+
+They need no Triton: the kernel tests compare against them, and kernels/gpu.py falls back on them where Triton
+or CUDA is missing. Each is what Kiln's runtime computes today (fake-quantized activations times dequantized
+weights in fp32; attention over the cache's dequantized reads), so a kernel that matches its reference runs
+the numerics the accuracy gate measured.
+
+    rmsnorm_ref, quantize_{fp8,nvfp4,mxfp4}_ref    the bytes and scales kernels/triton_quant.py must write
+    fp8_gemm_ref, fp8_linear_ref                   kernels/triton_fp8_gemm.py
+    fp4_w4a16_ref, fp4_w4a4_ref                    kernels/triton_fp4_gemm.py
+    KvPool, paged_decode_attention_ref             kernels/triton_paged_attention.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.kernels.formats import KvFormat
+from kiln.kernels.fp8 import (
+    fp8_dequantize,
+    fp8_fake_quantize_per_tensor,
+    fp8_fake_quantize_per_token,
+    fp8_quantize_per_channel,
+    fp8_quantize_per_tensor,
+)
+from kiln.kernels.kv_quant import fp8_kv_dequantize, nvfp4_kv_dequantize
+from kiln.kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize, mxfp4_fake_quantize, mxfp4_quantize
+from kiln.kernels.nvfp4 import (
+    NVFP4_BLOCK_SIZE,
+    Nvfp4Weight,
+    nvfp4_dequantize,
+    nvfp4_fake_quantize,
+    nvfp4_global_scale,
+    nvfp4_quantize,
+)
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """A quantized [M, K] activation.
+
+    Attributes:
+        data: fp8 -> float8_e4m3fn [M, K]; nvfp4/mxfp4 -> uint8 [M, Kp / 2] (element 2i in the low nibble).
+        scale: fp8 per token -> fp32 [M, 1]; fp8 static -> fp32 0-dim; nvfp4 -> float8_e4m3fn [M, Kp / 16];
+            mxfp4 -> uint8 E8M0 [M, Kp / 32].
+        global_scale: nvfp4's fp32 0-dim per-tensor scale; None for the other formats.
+        normed: the fp32 RMSNorm output y [M, K] when asked for (`return_normed=True`), else None.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
+
+
+# --- activation quantization (kernels/triton_quant.py) --------------------------------------------------
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """runtime.model.RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) in fp32."""
+    x = x.float()
+    return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def quantize_fp8_ref(y: torch.Tensor, input_scale: torch.Tensor | None = None) -> QuantizedActivation:
+    """kernels/fp8.py: per token is per channel of the [M, K] matrix; static is per tensor (given scale)."""
+    if input_scale is None:
+        q, scale = fp8_quantize_per_channel(y.float())
+    else:
+        q, scale = fp8_quantize_per_tensor(y.float(), input_scale)
+    return QuantizedActivation(q, scale)
+
+
+def quantize_nvfp4_ref(y: torch.Tensor, global_scale: torch.Tensor | None = None) -> QuantizedActivation:
+    """kernels/nvfp4.py's quantize of the [M, K] activation (global scale computed when not given)."""
+    g = nvfp4_global_scale(y) if global_scale is None else global_scale
+    q = nvfp4_quantize(y.float(), global_scale=g)
+    return QuantizedActivation(q.packed, q.block_scale, q.global_scale)
+
+
+def quantize_mxfp4_ref(y: torch.Tensor) -> QuantizedActivation:
+    """kernels/mxfp4.py's quantize of the [M, K] activation."""
+    q = mxfp4_quantize(y.float())
+    return QuantizedActivation(q.packed, q.scale_e8m0)
+
+
+# --- GEMMs (kernels/triton_fp8_gemm.py, kernels/triton_fp4_gemm.py) -------------------------------------
+
+
+def fp8_gemm_ref(qx: torch.Tensor, x_scale: torch.Tensor, qw: torch.Tensor,
+                 w_scale: torch.Tensor) -> torch.Tensor:
+    """Dequantize both operands (kernels/fp8.py) and multiply in fp32."""
+    return fp8_dequantize(qx, x_scale.reshape(-1, 1) if x_scale.numel() > 1 else x_scale) @ \
+        fp8_dequantize(qw, w_scale).T
+
+
+def fp8_linear_ref(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor,
+                   input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """What the runtime computes: the activation fake-quantized as runtime.weights does, times the dequantized
+    weight, in fp32."""
+    xq = fp8_fake_quantize_per_token(x.float()) if input_scale is None else \
+        fp8_fake_quantize_per_tensor(x.float(), input_scale)
+    return xq @ fp8_dequantize(qw, w_scale).T
+
+
+def dequantize_fp4_weight(weight: Nvfp4Weight | Mxfp4Weight) -> torch.Tensor:
+    return nvfp4_dequantize(weight) if isinstance(weight, Nvfp4Weight) else mxfp4_dequantize(weight)
+
+
+def fp4_w4a16_ref(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight) -> torch.Tensor:
+    """x in fp32 times the reference-dequantized weight, in fp32."""
+    return x.float() @ dequantize_fp4_weight(weight).T
+
+
+def fp4_w4a4_ref(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight,
+                 input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """What the runtime computes: x fake-quantized (runtime.weights' activation quantizer) times the
+    dequantized weight, in fp32."""
+    if isinstance(weight, Nvfp4Weight):
+        xq = nvfp4_fake_quantize(x.float(), input_scale)
+    else:
+        xq = mxfp4_fake_quantize(x.float())
+    return xq @ dequantize_fp4_weight(weight).T
+
+
+# --- paged decode attention (kernels/triton_paged_attention.py) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """One stream's pool of token slots, as runtime/paged_kv_cache.py holds it.
+
+    Attributes:
+        format: KvFormat.BF16 (any float dtype), FP8_E4M3 or NVFP4.
+        data: dense [slots, KVH, D]; fp8 float8_e4m3fn [slots, KVH, D]; nvfp4 packed uint8 [slots, KVH, D/2].
+        scale: fp8 -> fp32 0-dim, [KVH, 1] or [slots, 1, 1]; nvfp4 -> float8_e4m3fn block scales
+            [slots, KVH, D/16]; dense -> None.
+        global_scale: nvfp4's fp32 0-dim global scale; None otherwise.
+        offset: the stream's calibrated offset [KVH, D] (added back on reading), or None.
+    """
+
+    format: str
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in (KvFormat.BF16, KvFormat.FP8_E4M3, KvFormat.NVFP4):
+            raise ValueError(f"unknown KV format {self.format!r}; known: {', '.join(KvFormat)}")
+        if self.data.ndim != 3:
+            raise ValueError(f"a KV pool is [slots, kv_heads, D'], got shape {tuple(self.data.shape)}")
+        if self.format == KvFormat.FP8_E4M3:
+            if self.data.dtype != torch.float8_e4m3fn or self.scale is None:
+                raise ValueError("an FP8 KV pool needs float8_e4m3fn data and a scale")
+            slots, heads = self.data.shape[:2]
+            if tuple(self.scale.shape) not in ((), (heads, 1), (slots, 1, 1)):
+                raise ValueError(f"an FP8 KV scale is 0-dim, [{heads}, 1] or [{slots}, 1, 1], "
+                                 f"got {tuple(self.scale.shape)}")
+        if self.format == KvFormat.NVFP4:
+            expected = (*self.data.shape[:2], self.data.shape[2] * 2 // NVFP4_BLOCK_SIZE)
+            scale_ok = (self.scale is not None and self.scale.dtype == torch.float8_e4m3fn
+                        and tuple(self.scale.shape) == expected)
+            if self.data.dtype != torch.uint8 or not scale_ok or self.global_scale is None:
+                raise ValueError(f"an NVFP4 KV pool needs packed uint8 data, float8_e4m3fn block scales "
+                                 f"{expected} and a global scale")
+        if self.offset is not None and tuple(self.offset.shape) != (self.kv_heads, self.head_dim):
+            raise ValueError(f"the offset must be [{self.kv_heads}, {self.head_dim}], "
+                             f"got {tuple(self.offset.shape)}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.data.shape[2] * (2 if self.format == KvFormat.NVFP4 else 1)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 [len(slots), KVH, D]: what runtime/paged_kv_cache.py's pools return for these slots.
+
+        Dequantizes on the CPU, where kernels/kv_quant.py keeps its lookup tables, and returns the values on
+        the pool's device."""
+        slots = slots.long()
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # float8 has no index_select everywhere: move its bytes
+            if t.dtype == torch.float8_e4m3fn:
+                return t.view(torch.uint8).index_select(0, slots.to(t.device)).cpu().view(torch.float8_e4m3fn)
+            return t.index_select(0, slots.to(t.device)).cpu()
+
+        if self.format == KvFormat.BF16:
+            values = rows(self.data).float()
+        elif self.format == KvFormat.FP8_E4M3:
+            scale = rows(self.scale) if self.scale.ndim == 3 else self.scale.cpu()
+            values = fp8_kv_dequantize(rows(self.data), scale)
+        else:
+            values = nvfp4_kv_dequantize(rows(self.data), rows(self.scale), self.global_scale.cpu())
+        values = values if self.offset is None else values + self.offset.cpu()
+        return values.to(self.data.device)
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, block_table: torch.Tensor,
+                               context_lens: torch.Tensor, block_size: int,
+                               sm_scale: float | None = None) -> torch.Tensor:
+    """Gather each sequence's slots, dequantize (kernels/kv_quant.py, offsets added back), repeat the KV heads
+    for GQA, and run torch's scaled_dot_product_attention in fp32. Returns fp32 [B, H, D]."""
+    batch, heads, dim = q.shape
+    group = heads // k_pool.kv_heads
+    out = torch.zeros(batch, heads, dim, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        length = int(context_lens[b])
+        if length == 0:
+            continue
+        t = torch.arange(length, device=q.device)
+        slots = block_table[b].long()[t // block_size] * block_size + t % block_size
+        k = k_pool.read(slots).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = v_pool.read(slots).repeat_interleave(group, dim=1).transpose(0, 1)
+        out[b] = torch.nn.functional.scaled_dot_product_attention(
+            q[b].float().unsqueeze(1), k, v, scale=sm_scale).squeeze(1)
+    return out
