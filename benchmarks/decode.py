@@ -4,8 +4,9 @@
         [--prompt-tokens 16] [--new-tokens 32] [--repeats 3] [--smollm2-artifact DIR] [--json]
 
 Models:
-- llama125m: a Llama-shaped random checkpoint of ~125M parameters (hidden 768, 12 layers, 12 heads / 4 KV
-  heads, MLP 2048, vocabulary 32000, untied head), built here, lowered with the recipe `none` (no passes:
+- llama125m: a Llama-shaped random checkpoint of ~126M parameters (hidden 768, 14 layers, 12 heads / 4 KV
+  heads, MLP 2048, SmolLM2's tokenizer and vocabulary of 49,152, tied head), built here, lowered with the
+  recipe `none` (no passes:
   the runtime's fp32 reference is what is measured; the weights' format changes nothing on the CPU path,
   which dequantizes at load);
 - smollm2: SmolLM2-135M-Instruct (../shared/models, converted to ~/.cache/kiln/SmolLM2-135M-Instruct), as an
@@ -73,11 +74,16 @@ def llama125m(directory: Path) -> Path:
 
     if (directory / "config.json").is_file():
         return directory
-    config = LlamaConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                         intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SMOL_HF)  # a build needs a tokenizer: SmolLM2's (49,152 tokens)
+    config = LlamaConfig(hidden_size=768, num_hidden_layers=14, num_attention_heads=12, num_key_value_heads=4,
+                         intermediate_size=2048, vocab_size=len(tokenizer), max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
     return directory
 
 
@@ -145,15 +151,14 @@ def main() -> None:
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 GEMM {flops / 1e9:.1f} GFLOP/s (one thread)")
     rows = []
     for name in args.models.split(","):
+        if not (SMOL_HF / "config.json").is_file():  # both models use SmolLM2's tokenizer
+            if not SMOL_SOURCE.is_dir():
+                raise SystemExit("../shared/models/SmolLM2-135M-Instruct is absent")
+            subprocess.run([sys.executable, str(SMOL_SOURCE / "to_hf.py"), str(SMOL_HF)], check=True)
         if name == "llama125m":
             checkpoint = llama125m(args.work / "llama125m")
             artifact = build(checkpoint, "none", args.work / "llama125m-art")
         elif name == "smollm2":
-            if not (SMOL_HF / "config.json").is_file():
-                if not SMOL_SOURCE.is_dir():
-                    log("smollm2: ../shared/models/SmolLM2-135M-Instruct absent; skipped")
-                    continue
-                subprocess.run([sys.executable, str(SMOL_SOURCE / "to_hf.py"), str(SMOL_HF)], check=True)
             checkpoint = SMOL_HF
             artifact = args.smollm2_artifact or build(checkpoint, "fp8-weights", args.work / "smollm2-fp8w")
         else:
@@ -205,7 +210,7 @@ def main() -> None:
                           f"{r['transformers_ms']:.1f}", f"{r['transformers_ms'] / r['floor_ms']:.2f}",
                           f"{r['speedup_vs_transformers']:.2f}×",
                           f"{r['floor_ms']:.1f} ({r['bandwidth_floor_ms']:.1f} / {r['compute_floor_ms']:.1f})")
-        Console().print(table)
+        Console(width=160).print(table)
 
 
 if __name__ == "__main__":

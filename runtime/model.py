@@ -52,7 +52,18 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_quantizer is not None:
             x = self.input_quantizer(x)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if SKINNY_ROWS[0] <= rows <= SKINNY_ROWS[1] and x.device.type == "cpu":
+            # a decode step's few rows: W @ x^T streams the weight through MKL ~30% faster on CPU than
+            # x @ W^T (benchmarks/decode.py; equal within fp32 rounding)
+            out = torch.mm(self.weight, x.reshape(rows, -1).t()).t().contiguous().view(*x.shape[:-1], -1)
+            return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
+
+
+SKINNY_ROWS = (2, 32)
+"""Row counts (batch x tokens) for which QuantLinear multiplies as W @ x^T on CPU; F.linear outside them
+(one row: the two are equally fast; many rows: a regular GEMM)."""
 
 
 class Weights:
