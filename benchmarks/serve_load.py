@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kiln.optimizer.defaults import EVALUATION_TEXT
+from kiln.runtime.server import scrape
 
 PROMPT_WORDS = (8, 32, 96)
 MAX_TOKENS = (16, 64, 128)
@@ -88,12 +89,7 @@ class ServerProcess:
         return float("nan")
 
     def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return scrape(httpx.get(f"{self.url}/metrics", timeout=10).text)
 
     def wait_idle(self, timeout: float = 30) -> dict[str, float]:
         end = time.monotonic() + timeout

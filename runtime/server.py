@@ -600,6 +600,18 @@ class ServingState:
 
 
 # --- the app ---------------------------------------------------------------------------------------------------
+def scrape(exposition: str) -> dict[str, float]:
+    """/metrics text as {sample name with its labels: value} (prometheus_client's parser), as a client reads it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kiln.runtime.server import scrape
 from tests.conftest import EVAL_TEXT, STORIES
 
 pytestmark = pytest.mark.skipif(not (STORIES / "config.json").is_file(), reason="../shared/models absent")
@@ -67,12 +68,7 @@ class Server:
         return httpx.post(f"{self.url}{path}", json=body, timeout=kw.pop("timeout", 60), **kw)
 
     def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return scrape(httpx.get(f"{self.url}/metrics", timeout=10).text)
 
     def idle_metrics(self, timeout: float = 15) -> dict[str, float]:
         """/metrics once nothing runs, waits or holds a KV block."""
