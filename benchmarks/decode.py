@@ -6,9 +6,8 @@
 Models:
 - llama125m: a Llama-shaped random checkpoint of ~126M parameters (hidden 768, 14 layers, 12 heads / 4 KV
   heads, MLP 2048, SmolLM2's tokenizer and vocabulary of 49,152, tied head), built here, lowered with the
-  recipe `none` (no passes:
-  the runtime's fp32 reference is what is measured; the weights' format changes nothing on the CPU path,
-  which dequantizes at load);
+  recipe `none` (no passes: the runtime's fp32 reference is what is measured; the weights' format changes
+  nothing on the CPU path, which dequantizes at load);
 - smollm2: SmolLM2-135M-Instruct (../shared/models, converted to ~/.cache/kiln/SmolLM2-135M-Instruct), as an
   fp8-weights artifact (--smollm2-artifact; built with `optimize build ... --recipe fp8-weights --no-gate`
   when not given), against transformers on the fp32 checkpoint.
