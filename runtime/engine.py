@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,8 +91,8 @@ class Engine:
 
     The KV cache is paged (runtime.paged_kv_cache) and stored in the artifact's KV format (manifest
     "kv_cache"; `kv_cache` overrides it): `kv_cache_blocks` blocks of `kv_block_size` tokens, by default
-    as many as fit in DEFAULT_KV_CACHE_BYTES. `generate_ids` admits sequences while their worst case fits,
-    makes the others wait for blocks to free up, and refuses a request that could never fit.
+    as many as fit in DEFAULT_KV_CACHE_BYTES. `generate_ids` runs its prompts on that pool through the
+    continuous-batching scheduler (runtime.scheduler) and refuses a request that could never fit.
     """
 
     def __init__(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping],
@@ -258,12 +257,13 @@ class Engine:
         pool: they join as blocks allow, prefill in chunks next to the others' decoding, and the latest
         admitted is preempted (and later recomputed) when blocks run out; a prompt that could never fit is
         refused before anything runs."""
-        return self._generate(prompts, max_new_tokens, temperature, top_p, stop_ids, seed, stop_check,
-                              repetition_penalty)
+        return [(out, reason) for out, reason, _ in self._generate(
+            prompts, max_new_tokens, temperature, top_p, stop_ids, seed, stop_check, repetition_penalty)]
 
     def _generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_p: float,
                   stop_ids: Sequence[int], seed: int | None, stop_check, repetition_penalty: float | None,
-                  stop: Sequence[str] = (), tokenizer=None):
+                  stop: Sequence[str] = (), tokenizer=None) -> list[tuple[list[int], str, str]]:
+        """[(new tokens, finish reason, their text)] for each prompt; the text is "" without `tokenizer`."""
         from kiln.runtime.scheduler import SamplingParams, Scheduler
 
         penalty = check_repetition_penalty(self.repetition_penalty if repetition_penalty is None
@@ -279,7 +279,7 @@ class Engine:
             raise KilnError(f"prompt + max_new_tokens = {total} exceeds the model's context "
                             f"{self.spec.max_position_embeddings}")
         if not prompts or max_new_tokens == 0:
-            return [([], "length", None) if tokenizer else ([], "length") for _ in prompts]
+            return [([], "length", "") for _ in prompts]
         cache = self.kv_pool
         for row, prompt in enumerate(prompts):
             blocks = cache.blocks_for(len(prompt) + max_new_tokens - 1)
@@ -293,9 +293,7 @@ class Engine:
             max_new_tokens, temperature, top_p, None if seed is None else seed + row, tuple(stop), tuple(stop_ids),
             penalty), row, stop_check) for row, prompt in enumerate(prompts)]
         scheduler.run()
-        if tokenizer is not None:
-            return [(r.output_ids, r.finish_reason, r.text) for r in requests]
-        return [(r.output_ids, r.finish_reason) for r in requests]
+        return [(r.output_ids, r.finish_reason, r.text) for r in requests]
 
     def _prefill_rows(self, cache: PagedKVCache, rows: Sequence, prompts: Sequence[Sequence[int]],
                       collect: tuple[int, ...] | None = None):

@@ -138,7 +138,7 @@ def test_a_shared_block_is_never_evicted_and_eviction_is_lru(stories):
     assert [r.output_ids for r in (holder, sharer, *others)] == expected  # ... and nobody read a recycled block
 
     alloc = BlockAllocator(3)
-    a, b, c = alloc.allocate(3)
+    a, b, _ = alloc.allocate(3)  # the third stays in use
     alloc.register(a, b"a"), alloc.register(b, b"b")
     alloc.release([a]), alloc.release([b])  # cached, a least recently used
     alloc.share(b)  # b back in use: not evictable
