@@ -15,15 +15,14 @@ Kiln batches by tokens, not requests: lm-eval's `batch_size` (an integer, `auto`
 command line passes `cuda:0` unless told otherwise) is accepted and not used: the runtime places the engine.
 
 Registration. The model is declared where lm-eval's plugin guide puts out-of-tree models, the entry-point
-group `lm_eval.models` (pyproject.toml: `kiln = "kiln.optimizer.lm_eval_model:KilnLM"`), so `lm_eval --model
-kiln` finds it in the lm-eval releases that read that group. lm-eval 0.4.13, the version Kiln pins, reads no
-entry points: its registry knows only the names in lm_eval/models/__init__.py and those a `@register_model`
-already imported has added. For it, `register()` records the declared entry point in lm-eval's registry (a
-lazy placeholder, as later releases record it), and `kiln-lm-eval` is lm-eval's own command line
-(`lm_eval.__main__.cli_evaluate`, the same arguments) run after `register()`. In Python:
+group `lm_eval.models` (pyproject.toml: `kiln = "kiln.optimizer.lm_eval_model:KilnLM"`). lm-eval 0.4.13, the
+version Kiln pins, reads no entry points, so installing Kiln also installs a .pth hook
+(kiln.optimizer.lm_eval_plugin) that adds the same placeholder to lm-eval's registry when lm-eval fills it:
+`lm_eval --model kiln ...` works as it stands. `register()` does the same explicitly (for an environment where
+site.py skipped .pth files, e.g. `python -S`), and `kiln-lm-eval` is lm-eval's own command line
+(`lm_eval.__main__.cli_evaluate`, the same arguments) that prints a KilnError as one line. In Python:
 
-    from kiln.optimizer.lm_eval_model import register
-    register()
+    import lm_eval
     lm_eval.simple_evaluate(model="kiln", model_args="artifact=DIR", tasks=[...], task_manager=...)
 """
 
@@ -35,10 +34,9 @@ from pathlib import Path
 from kiln import runtime
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.gate import BATCH_TOKENS
+from kiln.optimizer.lm_eval_plugin import MODEL_NAME, register_placeholder
 from kiln.optimizer.tasks import engine_lm_class
 
-MODEL_NAME = "kiln"
-ENTRY_POINT_GROUP = "lm_eval.models"
 MODEL_ARGS = ("artifact", "max_length", "batch_tokens", "batch_size", "max_batch_size", "device")
 MAX_MESSAGE = 300  # the longest error line kiln-lm-eval prints, as the optimize command line bounds its own
 
@@ -77,21 +75,19 @@ def _check_batch_size(batch_size) -> None:
 
 
 def register() -> None:
-    """Record the entry point `kiln` of the group `lm_eval.models` in lm-eval's model registry, unless lm-eval
-    (a release that reads the group) already has the name. lm-eval's own models are registered first: its
-    `get_model` registers them only while the registry is empty."""
-    from importlib.metadata import entry_points
+    """Make sure lm-eval's model registry has `kiln` (the .pth hook has normally added it already): lm-eval's
+    own models are registered first, as its `get_model` registers them only while the registry is empty."""
+    import lm_eval.models  # noqa: F401 -- fills the registry with lm-eval's own names (and, through the hook, kiln)
 
-    import lm_eval.models  # noqa: F401 -- fills the registry with lm-eval's own names
-    from lm_eval.api.registry import model_registry
+    if not register_placeholder():
+        raise KilnError(f"lm-eval's model registry refused the name {MODEL_NAME!r}: lm-eval "
+                        f"{_lm_eval_version()} is not the 0.4.13 Kiln is tested with")
 
-    if MODEL_NAME in model_registry:
-        return
-    declared = list(entry_points(group=ENTRY_POINT_GROUP, name=MODEL_NAME))
-    if not declared:
-        raise KilnError(f"no entry point {MODEL_NAME!r} in the group {ENTRY_POINT_GROUP}: reinstall Kiln "
-                        "(pip install -e .) so its pyproject.toml declarations are installed")
-    model_registry.register(MODEL_NAME, target=declared[0])
+
+def _lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm-eval")
 
 
 def main() -> None:

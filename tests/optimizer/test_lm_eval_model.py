@@ -1,15 +1,18 @@
-"""lm-eval's model `kiln` (kiln.optimizer.lm_eval_model): lm-eval finds it by name, and what lm-eval's own
-evaluator measures through it equals what Kiln's scorer (`optimize eval`) and `Engine.generate` give on the same
-artifact."""
+"""lm-eval's model `kiln` (kiln.optimizer.lm_eval_model): lm-eval finds it by name (its own command line too,
+through the installed .pth hook, kiln.optimizer.lm_eval_plugin), and what lm-eval's own evaluator measures
+through it equals what Kiln's scorer (`optimize eval`) and `Engine.generate` give on the same artifact."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
+import subprocess
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 
@@ -85,11 +88,7 @@ def test_rolling_perplexity_through_lm_eval_equals_optimize_eval(kiln_lm, artifa
     assert [s["doc"]["text"] for s in samples] == paragraphs[:DOCS]
     loglikelihood = sum(float(s["filtered_resps"][0]) for s in samples)
 
-    code, out, err = cli("eval", artifact, "--data", text, "--paragraphs", DOCS, "--json")
-    assert code == 0, err
-    kiln = json.loads(out)
-    assert kiln["paragraphs"] == DOCS
-    nll = kiln["nll_per_token"] * kiln["tokens"]
+    nll = _optimize_eval_nll(cli, artifact, text)
     assert -loglikelihood == pytest.approx(nll, rel=1e-4)
 
     # lm-eval's perplexities are Kiln's summed NLL over the documents' words and bytes
@@ -99,6 +98,42 @@ def test_rolling_perplexity_through_lm_eval_equals_optimize_eval(kiln_lm, artifa
     assert measured["word_perplexity,none"] == pytest.approx(math.exp(nll / words), rel=1e-4)
     assert measured["byte_perplexity,none"] == pytest.approx(math.exp(nll / size), rel=1e-4)
     assert measured["bits_per_byte,none"] == pytest.approx(nll / size / math.log(2), rel=1e-4)
+
+
+def _optimize_eval_nll(cli, artifact, text) -> float:
+    """`optimize eval`'s summed NLL over the first DOCS paragraphs of `text`."""
+    code, out, err = cli("eval", artifact, "--data", text, "--paragraphs", DOCS, "--json")
+    assert code == 0, err
+    kiln = json.loads(out)
+    assert kiln["paragraphs"] == DOCS
+    return kiln["nll_per_token"] * kiln["tokens"]
+
+
+def test_the_installed_hook_registers_kiln_in_a_fresh_interpreter(kiln_lm):
+    """No register() call: the kiln-lm-eval.pth that installing Kiln puts in site-packages adds `kiln` when
+    lm-eval fills its registry, beside lm-eval's own names."""
+    probe = ("from lm_eval.api.registry import get_model, model_registry\n"
+             "print(get_model('kiln').__module__, get_model('kiln').__name__, 'hf' in model_registry, "
+             "'dummy' in model_registry)")
+    proc = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["kiln.optimizer.lm_eval_model", "KilnLM", "True", "True"]
+
+
+def test_lm_eval_command_line_runs_model_kiln_as_typed(kiln_lm, artifact, short_paragraphs, tmp_path, cli):
+    """`lm_eval --model kiln --model_args artifact=DIR --tasks ...`, lm-eval's own console script, unchanged."""
+    paragraphs, text = short_paragraphs
+    command = [Path(sys.executable).with_name("lm_eval"), "--model", "kiln", "--model_args", f"artifact={artifact}",
+               "--tasks", TASK, "--include_path", EXAMPLES, "--limit", DOCS, "--output_path", tmp_path / "out"]
+    proc = subprocess.run(list(map(str, command)), check=False, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "KILN_TASK_TEXT": str(text), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [saved] = (tmp_path / "out").rglob("results_*.json")
+    measured = json.loads(saved.read_text())["results"][TASK]
+    words = sum(len(re.split(r"\s+", p)) for p in paragraphs[:DOCS])
+    nll = _optimize_eval_nll(cli, artifact, text)
+    assert measured["word_perplexity,none"] == pytest.approx(math.exp(nll / words), rel=1e-4)
 
 
 REQUESTS = [("Once upon a time", {"until": ["."], "max_gen_toks": 40}),

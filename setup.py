@@ -1,0 +1,33 @@
+"""Everything about the package is in pyproject.toml; this file only adds `kiln-lm-eval.pth` to what gets
+installed, in wheels and in editable installs alike: one line that makes lm-eval's command line know the model
+`kiln` (kiln/optimizer/lm_eval_plugin.py says how and why)."""
+
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+PTH_NAME = "kiln-lm-eval.pth"
+# site.py runs a .pth line that starts with `import`; the try keeps a broken or moved install from printing a
+# traceback at every interpreter start
+PTH_LINE = ("import sys; exec('try:\\n import kiln.optimizer.lm_eval_plugin\\nexcept Exception:\\n pass')\n")
+
+
+class BuildPyWithPth(build_py):
+    """build_py, plus the .pth at the top of the built tree (a wheel's purelib root)."""
+
+    def run(self):
+        super().run()
+        self._write(Path(self.build_lib))
+        if getattr(self, "editable_mode", False):  # an editable wheel is assembled from install's tree instead
+            self._write(Path(self.get_finalized_command("install").install_lib))
+
+    def _write(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / PTH_NAME).write_text(PTH_LINE)
+
+    def get_outputs(self, include_bytecode=True):
+        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib, PTH_NAME))]
+
+
+setup(cmdclass={"build_py": BuildPyWithPth})
