@@ -1,7 +1,7 @@
 """CPU decode step: Kiln's runtime against the memory-bandwidth floor and transformers `generate`.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode.py [--models llama125m,smollm2] [--batches 1,8,32]
-        [--prompt-tokens 16] [--new-tokens 32] [--repeats 3] [--smollm2-artifact DIR] [--json]
+        [--prompt-tokens 16] [--new-tokens 32] [--repeats 3] [--smollm2-artifact DIR] [--compile] [--json]
 
 Models:
 - llama125m: a Llama-shaped random checkpoint of ~126M parameters (hidden 768, 14 layers, 12 heads / 4 KV
@@ -16,13 +16,14 @@ Protocol: one thread; B prompts of --prompt-tokens random tokens; greedy; --new-
 ignored. Kiln: the scheduler prefills, then every decode step is timed (ms/step = decode time / steps).
 transformers: `generate` for new_tokens and for 1 new token (the prefill and first token), fp32, eager
 attention, `min_new_tokens` forcing the length; ms/step = the difference / (new_tokens - 1). The best of
---repeats, modes interleaved.
+--repeats, modes interleaved. --compile adds Kiln with its decode step compiled (Engine.compile_decode: a
+second engine on the same artifact; its compile and warm-up are not timed).
 
 Floors, measured in the same run: read bandwidth (a sum over a 1 GiB tensor, one thread) and fp32 GEMM
 throughput (a 2048^3 matmul). bandwidth floor = (linear weight bytes at fp32, what the CPU path reads + the
 KV cache read at mid-generation) / bandwidth; compute floor = 2 x linear parameters x batch / GEMM
 throughput; floor = the higher. --json prints one object per model and batch with kiln_ms, transformers_ms,
-floor_ms (and the parts).
+floor_ms (and the parts), and kiln_compiled_ms with --compile.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smollm2-artifact", type=Path)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kiln-decode-bench")
+    ap.add_argument("--compile", action="store_true", help="also time the compiled decode step")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -163,6 +165,11 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown model {name!r}: llama125m or smollm2")
         engine = runtime.load(artifact)
+        compiled = None
+        if args.compile:
+            log(f"{name}: compiling the decode step ...")
+            compiled = runtime.load(artifact)
+            compiled.compile_decode()
         reference = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32,
                                                          attn_implementation="eager").eval()
         params = linear_parameters(engine)
@@ -171,10 +178,12 @@ def main() -> None:
             prompts = torch.randint(3, engine.spec.vocab_size, (batch, args.prompt_tokens), generator=gen).tolist()
             kiln_ms(engine, prompts, 4)  # warm-up
             transformers_ms(reference, prompts, 3)
-            kiln, hf = [], []
+            kiln, hf, fast = [], [], []
             for _ in range(args.repeats):
                 kiln.append(kiln_ms(engine, prompts, args.new_tokens))
                 hf.append(transformers_ms(reference, prompts, args.new_tokens))
+                if compiled is not None:
+                    fast.append(kiln_ms(compiled, prompts, args.new_tokens))
             kv_bytes = batch * (args.prompt_tokens + args.new_tokens // 2) * sum(
                 2 * layer.attention.num_kv_heads * layer.attention.head_dim * 4 for layer in engine.spec.layers)
             bw_ms = (params * 4 + kv_bytes) / bandwidth * 1000
@@ -189,6 +198,11 @@ def main() -> None:
                    "transformers_tokens_per_s": round(batch * 1000 / min(hf), 1),
                    "linear_parameters": params, "read_gb_per_s": round(bandwidth / 1e9, 2),
                    "gemm_gflops": round(flops / 1e9, 1)}
+            if fast:
+                row.update({"kiln_compiled_ms": round(min(fast), 2),
+                            "kiln_compiled_over_floor": round(min(fast) / floor, 3),
+                            "compiled_speedup_vs_transformers": round(min(hf) / min(fast), 3),
+                            "kiln_compiled_tokens_per_s": round(batch * 1000 / min(fast), 1)})
             rows.append(row)
             if args.json:
                 print(json.dumps(row), flush=True)
@@ -201,14 +215,19 @@ def main() -> None:
 
         table = Table(title=f"CPU decode, one thread, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
                             f"tokens (read {bandwidth / 1e9:.1f} GB/s, GEMM {flops / 1e9:.0f} GFLOP/s)")
-        for column in ("model", "batch", "Kiln ms/step", "× floor", "transformers ms/step", "× floor",
-                       "Kiln speedup", "floor ms (bw / compute)"):
+        columns = ["model", "batch", "Kiln ms/step", "× floor", "transformers ms/step", "× floor", "Kiln speedup"]
+        if args.compile:
+            columns += ["Kiln compiled ms/step", "× floor", "compiled speedup"]
+        for column in (*columns, "floor ms (bw / compute)"):
             table.add_column(column, justify="right")
         for r in rows:
-            table.add_row(r["model"], str(r["batch"]), f"{r['kiln_ms']:.1f}", f"{r['kiln_over_floor']:.2f}",
-                          f"{r['transformers_ms']:.1f}", f"{r['transformers_ms'] / r['floor_ms']:.2f}",
-                          f"{r['speedup_vs_transformers']:.2f}×",
-                          f"{r['floor_ms']:.1f} ({r['bandwidth_floor_ms']:.1f} / {r['compute_floor_ms']:.1f})")
+            cells = [r["model"], str(r["batch"]), f"{r['kiln_ms']:.1f}", f"{r['kiln_over_floor']:.2f}",
+                     f"{r['transformers_ms']:.1f}", f"{r['transformers_ms'] / r['floor_ms']:.2f}",
+                     f"{r['speedup_vs_transformers']:.2f}×"]
+            if args.compile:
+                cells += [f"{r['kiln_compiled_ms']:.1f}", f"{r['kiln_compiled_over_floor']:.2f}",
+                          f"{r['compiled_speedup_vs_transformers']:.2f}×"]
+            table.add_row(*cells, f"{r['floor_ms']:.1f} ({r['bandwidth_floor_ms']:.1f} / {r['compute_floor_ms']:.1f})")
         Console(width=160).print(table)
 
 

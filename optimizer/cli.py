@@ -377,6 +377,8 @@ def generate(
                                        "else prompt-lookup), head, prompt-lookup")] = "auto",
     tree_width: Annotated[int | None, typer.Option(help="speculative, greedy, head: candidates per depth verified "
                                                    "as a tree (default: the artifact's; 1: a chain)")] = None,
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step first (pays on long "
+                                          "generations: compiling takes minutes)")] = False,
 ) -> None:
     """Generate text from an artifact with the slim runtime."""
     from kiln import runtime
@@ -384,6 +386,9 @@ def generate(
     if temperature < 0:
         raise KilnError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
     engine = runtime.load(artifact)
+    if compile:
+        _log("compiling the decode step (torch.compile) ...")
+        engine.compile_decode()
     drafter = engine.drafter(draft, tree_width=tree_width) if speculative else None
     for p, g in zip(prompt, engine.generate(prompt, max_new_tokens, temperature, top_p, stop, seed,
                                             repetition_penalty, speculative, draft_tokens, drafter), strict=True):
@@ -405,13 +410,15 @@ def serve(
     request_timeout: Annotated[float | None, typer.Option(help="abort a request after SEC seconds (504)")] = None,
     prefix_caching: Annotated[bool, typer.Option(help="reuse the KV blocks of shared prompt prefixes")] = True,
     served_model_name: Annotated[str | None, typer.Option(help="model id (default: the directory name)")] = None,
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step before serving: "
+                                          "faster steps, minutes of compiling at startup")] = False,
 ) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (continuous batching); SIGTERM drains, then exits 0."""
     from kiln.runtime.server import ServerConfig
     from kiln.runtime.server import serve as run_server
 
     run_server(artifact, ServerConfig(host, port, max_queue, max_num_seqs, max_num_batched_tokens, request_timeout,
-                                      prefix_caching, served_model_name))
+                                      prefix_caching, served_model_name, compile_decode=compile))
 
 
 @app.command()

@@ -17,7 +17,7 @@ import torch
 from kiln.kernels.errors import KilnError
 from kiln.runtime.artifact import WEIGHTS, artifact_file, clip, has_tokenizer, read_manifest
 from kiln.runtime.kv_format import resolve_kv_streams
-from kiln.runtime.model import Transformer
+from kiln.runtime.model import Transformer, attention_mask
 from kiln.runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, stored_bytes_per_token
 from kiln.runtime.spec import ModelSpec, spec_from_json
 
@@ -116,6 +116,55 @@ class Engine:
         self._tensors, self._formats = tensors, formats
         self._draft = None
         self.last_speculative = None  # SpeculativeStats of the last speculative `generate`
+        self._compiled_forward = None  # compile_decode()
+        self._windows = tuple({None, *(layer.attention.sliding_window for layer in spec.layers)})
+
+    def compile_decode(self, mode: str | None = None, warmup: bool = True) -> None:
+        """Run every decode step (each row one new token on the paged cache: the scheduler's decode forward)
+        through `torch.compile` of the model's forward. One traced graph replaces ~50 eager operations per
+        layer; the cache is read and written through `PagedKVCache.step_view`, in place. It pays on CPU
+        (SmolLM2-135M, one thread: about a quarter off a decode step, benchmarks/decode.py --compile). Two
+        graphs are compiled, one for batch 1 and one for any larger batch (batch, history length and pool size
+        are dynamic): about a minute each for a 135M model on CPU, at `warmup` (two dummy steps on a small
+        cache) or else on first use. `mode` is torch.compile's ("reduce-overhead" captures CUDA graphs on a
+        GPU). Prefill, prompt chunks and speculative verification stay eager."""
+        self._compiled_forward = torch.compile(self.model.forward, mode=mode, dynamic=None)
+        if warmup:
+            # made outside inference mode, as the caches the engine serves from are (their tensors' dispatch keys
+            # are part of what a compiled graph assumes)
+            self._warm_up_decode(self.new_kv_cache(num_blocks=4))
+
+    @torch.inference_mode()  # as the scheduler's steps run: grad mode is part of what a compiled graph assumes
+    def _warm_up_decode(self, cache: PagedKVCache) -> None:
+        for seq_id in range(2):
+            cache.add_sequence(seq_id)
+        for batch in (1, 2):  # histories of 2 and 3 tokens: a size 1 would compile a graph of its own
+            positions = torch.full((batch, 1), batch)
+            cache.prepare(list(range(batch)), positions)
+            self.decode_logits(torch.zeros(batch, 1, dtype=torch.long), positions, cache)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled_forward is not None
+
+    def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """tokens, positions: [B, 1] of the forward `cache` has prepared -> logits [B, V]; compiled after
+        `compile_decode` when `cache` is a PagedKVCache."""
+        if self._compiled_forward is None or not isinstance(cache, PagedKVCache):
+            return self.model(tokens, positions, cache)[:, -1]
+        from torch._dynamo import maybe_mark_dynamic
+
+        view = cache.step_view()
+        keys = torch.arange(view.length).expand(tokens.shape[0], -1)
+        # always a mask tensor (the eager path drops an all-true one): one graph serves every step
+        view.step_masks = {window: attention_mask(positions, keys, window) for window in self._windows}
+        masks = list(view.step_masks.values())
+        storage = [getattr(pool, name) for layer in view.pools for pool in layer for name in pool.storage]
+        for tensor in (tokens, positions, view.write_slots, view.read_slots, *masks, *storage):
+            maybe_mark_dynamic(tensor, 0)
+        for mask in masks:
+            maybe_mark_dynamic(mask, 3)
+        return self._compiled_forward(tokens, positions, view)[:, -1]
 
     def draft_module(self):
         """The artifact's draft module (a DeepSeek MTP layer or a Kiln draft head: runtime.draft), built on

@@ -275,6 +275,29 @@ def stored_bytes_per_token(streams: Sequence[Sequence[KvStream]], dtype: torch.d
     return total
 
 
+class StepView:
+    """One prepared forward of a PagedKVCache as tensor operations only: no checks, no host syncs, no Python
+        value the forward reads that changes between steps (batch and history length are only tensor shapes). It
+    is what a compiled decode step (torch.compile; a CUDA graph on GPU) traces: the writes are in-place index
+    copies into the same pools the eager path uses, so the two paths share one cache. The caller fills
+    `step_masks` (the attention masks by sliding window) before the forward; the eager path makes them inside.
+    `length` (S, the history read) is for the caller; the forward never reads it."""
+
+    explicit_mask = None
+
+    def __init__(self, pools, write_slots: Tensor, read_slots: Tensor, length: int):
+        self.pools, self.write_slots, self.read_slots, self.length = pools, write_slots, read_slots, length
+        self.step_masks: dict = {}
+
+    def update(self, layer: int, new: tuple[Tensor, ...], positions: Tensor) -> tuple[Tensor, ...]:
+        # new[i]: [B, T, H, D] -> every stream of the batch's sequences, fp32 [B, S, H, D]
+        out = []
+        for pool, value in zip(self.pools[layer], new, strict=True):
+            pool.write(self.write_slots, value.reshape(-1, *value.shape[2:]))
+            out.append(pool.read(self.read_slots).view(value.shape[0], -1, *value.shape[2:]))
+        return tuple(out)
+
+
 @dataclass
 class _Step:
     """Index tensors for one forward, computed once in `prepare` and used by every layer."""
@@ -517,6 +540,14 @@ class PagedKVCache:
         if attend is not None and attend.shape != (B, 1, T, S):
             raise KilnError(f"prepare: attend must be [{B}, 1, {T}, {S}], got {list(attend.shape)}")
         self._step = _Step(positions, valid, write_slots, read.reshape(-1), B, S, rope_positions, attend)
+
+    def step_view(self) -> StepView:
+        """The prepared forward as a `StepView`, for a compiled decode step: it must be a plain forward (every
+        token written, no tree verification)."""
+        step = self._step
+        if step is None or step.valid is not None or step.rope_positions is not None or step.attend is not None:
+            raise KilnError("step_view: prepare(seq_ids, positions) a plain forward first (no padding, no tree)")
+        return StepView(self.pools, step.write_slots, step.read_slots, step.length)
 
     @property
     def step_masks(self) -> dict | None:

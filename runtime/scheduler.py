@@ -289,7 +289,7 @@ class Scheduler:
             tokens = torch.tensor([[r.tokens[r.num_computed]] for r, _ in ones])
             positions = torch.tensor([[r.num_computed] for r, _ in ones])
             cache.prepare(ids, positions)
-            logits = model(tokens, positions, cache)[:, -1]
+            logits = self.engine.decode_logits(tokens, positions, cache)
             sampled += self._advance(ones, logits)
         if chunks:
             lengths = torch.tensor([n for _, n in chunks])

@@ -91,6 +91,7 @@ class ServerConfig:
     prefix_caching: bool = True
     served_model_name: str | None = None  # None: the artifact directory's name
     num_blocks: int | None = None  # KV blocks in the pool; None: the engine's default pool size
+    compile_decode: bool = False  # Engine.compile_decode before serving (minutes of compiling at startup)
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -878,11 +879,15 @@ def serve(artifact: Path | str, config: ServerConfig, announce: Callable[[str], 
 
     artifact = Path(artifact)
     engine = load(artifact)
+    say = announce or (lambda line: print(line, flush=True))
+    if config.compile_decode:
+        say("compiling the decode step (torch.compile; /health answers once it is done) ...")
+        engine.compile_decode()
     model_id = config.served_model_name or artifact.resolve().name
     app = create_app(engine, config, model_id)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
                                lifespan="on", timeout_graceful_shutdown=30)
-    server = _graceful_server_class()(uv_config, app.state.kiln, announce or (lambda line: print(line, flush=True)))
+    server = _graceful_server_class()(uv_config, app.state.kiln, say)
     try:
         server.run()
     except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
