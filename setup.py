@@ -1,6 +1,6 @@
 """Everything about the package is in pyproject.toml; this file only adds `kiln-lm-eval.pth` to what gets
 installed, in wheels and in editable installs alike: one line that makes lm-eval's command line know the model
-`kiln` (kiln/optimizer/lm_eval_plugin.py says how and why)."""
+`kiln` (optimizer/lm_eval_plugin.py says how and why; reinstall after changing it)."""
 
 from pathlib import Path
 
@@ -8,9 +8,15 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 PTH_NAME = "kiln-lm-eval.pth"
-# site.py runs a .pth line that starts with `import`; the try keeps a broken or moved install from printing a
-# traceback at every interpreter start
-PTH_LINE = ("import sys; exec('try:\\n import kiln.optimizer.lm_eval_plugin\\nexcept Exception:\\n pass')\n")
+HOOK_SOURCE = Path(__file__).parent / "optimizer" / "lm_eval_plugin.py"
+
+
+def pth_line() -> str:
+    """The hook's whole source on one line: site.py runs a .pth line that starts with `import`. It runs in a
+    namespace of its own and imports no kiln module, so a process that never uses lm-eval loads nothing of
+    Kiln's (kiln.runtime's import isolation holds)."""
+    source = HOOK_SOURCE.read_text()
+    return f"import sys; exec(compile({source!r}, {PTH_NAME!r}, 'exec'), {{'__name__': 'kiln_lm_eval_hook'}})\n"
 
 
 class BuildPyWithPth(build_py):
@@ -24,7 +30,7 @@ class BuildPyWithPth(build_py):
 
     def _write(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / PTH_NAME).write_text(PTH_LINE)
+        (folder / PTH_NAME).write_text(pth_line())
 
     def get_outputs(self, include_bytecode=True):
         return [*super().get_outputs(include_bytecode), str(Path(self.build_lib, PTH_NAME))]

@@ -1,12 +1,15 @@
 """lm-eval finds the model `kiln` by name, with no change to lm-eval and no extra step for the user.
 
 lm-eval 0.4.13 has no plugin discovery: its registry is filled by `lm_eval/models/__init__.py` from a fixed
-table (EleutherAI/lm-evaluation-harness#3282 and #1621 ask for one). So Kiln installs a one-line `.pth` file,
-`kiln-lm-eval.pth` (setup.py writes it, as pytest-cov shipped its own), that imports this module at interpreter
-start. That costs a few milliseconds (the standard library only, no lm-eval, no torch) and adds one import
-hook to `sys.meta_path`. The hook acts once, on the first import of `lm_eval.models`: after that module has
-filled the registry with lm-eval's own names, it adds `kiln` as a lazy placeholder (`MODEL_TARGET`, the entry
-point pyproject.toml declares in the group `lm_eval.models`), which lm-eval loads only when asked for it.
+table (EleutherAI/lm-evaluation-harness#3282 and #1621 ask for one). So installing Kiln writes a one-line
+`.pth` file, `kiln-lm-eval.pth`, that runs this file's source at interpreter start (setup.py embeds it, as
+pytest-cov shipped its own .pth). It runs in a namespace of its own, imports no kiln module (a process that
+never uses lm-eval loads nothing of Kiln's) and nothing outside the standard library, costs about a
+millisecond, and adds one import hook to `sys.meta_path`. The hook acts once, on the first import of
+`lm_eval.models`: after that module has filled the registry with lm-eval's own names, it adds `kiln` as a lazy
+placeholder (`MODEL_TARGET`, the entry point pyproject.toml declares in the group `lm_eval.models`), which
+lm-eval loads only when asked for it. Kiln's `register()` (kiln.optimizer.lm_eval_model) imports this module
+the usual way.
 
     lm_eval --model kiln --model_args artifact=DIR --tasks TASK --include_path examples/tasks
 
@@ -75,12 +78,17 @@ def install() -> None:
     """Add the hook, once; where lm-eval's models are imported already, register straight away."""
     if HOOKED_MODULE in sys.modules:
         register_placeholder()
-    elif not any(isinstance(finder, LmEvalModelsHook) for finder in sys.meta_path):
+    elif not any(_is_hook(finder) for finder in sys.meta_path):
         sys.meta_path.insert(0, LmEvalModelsHook())
 
 
 def uninstall() -> None:
-    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, LmEvalModelsHook)]
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not _is_hook(finder)]
+
+
+def _is_hook(finder) -> bool:
+    # by name: the .pth's copy of this source and an imported kiln.optimizer.lm_eval_plugin define two classes
+    return type(finder).__name__ == LmEvalModelsHook.__name__
 
 
 install()
