@@ -98,11 +98,11 @@ class Engine:
     def __init__(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping],
                  tokenizer=None, manifest: dict | None = None, kv_cache: Mapping | None = None,
                  kv_block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_blocks: int | None = None,
-                 repetition_penalty: float = 1.0):
+                 repetition_penalty: float = 1.0, packed: bool = False):
         self.spec = spec
         # the default for generate_ids, as the artifact's generation_config.json sets it for every server
         self.repetition_penalty = check_repetition_penalty(repetition_penalty)
-        self.model = Transformer(spec, tensors, formats).eval()
+        self.model = Transformer(spec, tensors, formats, packed=packed).eval()
         self.tokenizer = tokenizer
         self.manifest = manifest or {}
         self.kv_table = dict(kv_cache if kv_cache is not None else self.manifest.get("kv_cache") or {})
@@ -414,11 +414,15 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
         raise KilnError(f"cannot load the tokenizer from {clip(path)}: {detail}") from None
 
 
-def load(path: Path | str) -> Engine:
+def load(path: Path | str, packed: bool = False) -> Engine:
     """Load an artifact directory: verify the schema, shape and checksums, read the weights, build the engine.
 
     Reads only files the manifest's checksum table lists (`runtime.artifact.artifact_file`); the tokenizer
-    loader reads the directory, which `read_manifest` has checked holds no unlisted file."""
+    loader reads the directory, which `read_manifest` has checked holds no unlisted file.
+    packed=False (the CPU reference) dequantizes every weight once, to fp32. packed=True keeps FP8 and FP4
+    weights as stored and multiplies through kiln.kernels.gpu (runtime.model.PackedLinear): Triton kernels
+    where Triton runs (CUDA tensors, or TRITON_INTERPRET=1), their torch references elsewhere. On CPU that is
+    a check of the kernels' path, not a fast one (the references dequantize at every product)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -432,7 +436,8 @@ def load(path: Path | str) -> Engine:
     spec = spec_from_json(manifest["architecture"])  # the structure the passes left, not the source's config
     tokenizer = load_tokenizer(root) if has_tokenizer(manifest) else None
     return Engine(spec, tensors, manifest["formats"], tokenizer, manifest,
-                  repetition_penalty=generation_defaults(root, manifest).get("repetition_penalty", 1.0))
+                  repetition_penalty=generation_defaults(root, manifest).get("repetition_penalty", 1.0),
+                  packed=packed)
 
 
 def generation_defaults(root: Path, manifest: dict) -> dict:

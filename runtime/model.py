@@ -10,23 +10,32 @@ kernels; here they run one operation after another, which is what they compute.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.kernels import gpu
 from kiln.kernels.errors import KilnError
+from kiln.kernels.formats import ActivationFormat, WeightFormat
+from kiln.kernels.mxfp4 import Mxfp4Weight
+from kiln.kernels.nvfp4 import Nvfp4Weight
 from kiln.runtime.artifact import clip
 from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, MlpSpec, ModelSpec, RotarySpec
 from kiln.runtime.weights import (
+    InputTransform,
     check_dtype,
     check_finite,
     check_format,
     check_shape,
     dequantize_weight,
+    input_scale_tensor,
     input_transform,
+    malformed,
     need_tensor,
+    stored_weight,
 )
 
 
@@ -61,6 +70,68 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class PackedLinear(nn.Module):
+    """A linear that keeps its weight as the artifact stores it and multiplies through kiln.kernels.gpu: a
+    Triton kernel on CUDA tensors (or on CPU under TRITON_INTERPRET=1), else that kernel's torch reference.
+
+    FP8 weights (bytes and a per-tensor or per-channel scale) with FP8 activations run the W8A8 GEMM; without
+    activation quantization (W8A16) the weight is dequantized for each product, in the activation's dtype.
+    NVFP4/MXFP4 weights (nibbles and block scales) run the W4A16 GEMM, or W4A4 with activations in the weight's
+    own format. What it computes is QuantLinear's product on the dequantized weight, within fp32 rounding."""
+
+    def __init__(self, weight_format: str, tensors: Mapping[str, torch.Tensor], in_features: int,
+                 activation: str, input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                 rotation: InputTransform | None):
+        super().__init__()
+        self.weight_format, self.activation, self.rotation = weight_format, activation, rotation
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(()))
+        if weight_format == WeightFormat.FP8_E4M3:
+            self.register_buffer("qweight", tensors["weight"])
+            scale = tensors["weight_scale"].float()
+            self.register_buffer("weight_scale", scale.reshape(()) if scale.numel() == 1 else scale)
+            self.fp4 = None
+        else:
+            cls = Nvfp4Weight if weight_format == WeightFormat.NVFP4 else Mxfp4Weight
+            self.fp4 = cls.from_tensors(tensors, in_features)
+            for name, value in vars(self.fp4).items():
+                if isinstance(value, torch.Tensor):
+                    self.register_buffer(f"fp4_{name}", value)
+
+    def _apply(self, fn, recurse=True):  # .to(device) moves the FP4 weight's tensors with the buffers
+        super()._apply(fn, recurse)
+        if self.fp4 is not None:
+            self.fp4 = dataclasses.replace(self.fp4, **{name[len("fp4_"):]: buffer for name, buffer
+                                                        in self.named_buffers(recurse=False)
+                                                        if name.startswith("fp4_")})
+        return self
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotation is not None:
+            x = self.rotation.rotate(x)
+        if self.fp4 is not None:
+            out = gpu.fp4_linear(x, self.fp4, self.activation, self.input_scale)
+        elif self.activation == ActivationFormat.NONE:
+            scale = self.weight_scale.to(x.dtype)
+            out = F.linear(x, self.qweight.to(x.dtype) * (scale if scale.ndim else scale.reshape(1, 1)))
+        else:
+            out = gpu.fp8_linear(x, self.qweight, self.weight_scale, self.input_scale)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+PACKED_ACTIVATIONS = {
+    WeightFormat.FP8_E4M3: (ActivationFormat.NONE, ActivationFormat.FP8_DYNAMIC_PER_TOKEN,
+                            ActivationFormat.FP8_STATIC_PER_TENSOR),
+    WeightFormat.NVFP4: (ActivationFormat.NONE, ActivationFormat.NVFP4),
+    WeightFormat.MXFP4: (ActivationFormat.NONE, ActivationFormat.MXFP4),
+}
+"""The activation formats PackedLinear runs with each stored weight format (the kernels' combinations)."""
+
+
 SKINNY_ROWS = (2, 32)
 """Row counts (batch x tokens) for which QuantLinear multiplies as W @ x^T on CPU; F.linear outside them
 (one row: the two are equally fast; many rows: a regular GEMM)."""
@@ -73,11 +144,13 @@ class Weights:
     artifact whose tensors disagree with its architecture is refused at load with one line naming the tensor,
     rather than failing inside a matmul at the first forward."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping], spec: ModelSpec):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping], spec: ModelSpec,
+                 packed: bool = False):
         self.tensors = tensors
         self.formats = formats
         self.spec = spec
         self.norm_sizes = spec.norms()
+        self.packed = packed  # PackedLinear where the stored format has a kernel (PACKED_ACTIVATIONS)
 
     def tensor(self, name: str, shape: tuple[int, ...] | None, what: str) -> torch.Tensor:
         """A plain floating tensor (embedding, norm, bias, router bias) as fp32, checked: present, floating
@@ -89,17 +162,37 @@ class Weights:
         check_finite(name, t)
         return t.float()
 
-    def linear(self, lin: LinearSpec) -> QuantLinear:
+    def linear(self, lin: LinearSpec) -> QuantLinear | PackedLinear:
         name = lin.name
         entry = self.formats.get(name, {"format": "dense"})
-        check_format(name, entry)
+        fmt = check_format(name, entry)
         shape = (lin.out_features, lin.in_features)
-        if name == "lm_head" and self.spec.lm_head_tied(self.tensors):
+        bias = self.tensor(f"{name}.bias", (lin.out_features,), "a bias") if lin.bias else None
+        tied = name == "lm_head" and self.spec.lm_head_tied(self.tensors)
+        activation = entry.get("activation", ActivationFormat.NONE)
+        if self.packed and not tied and activation in PACKED_ACTIVATIONS.get(fmt, ()):
+            return self._packed(name, entry, shape, activation, bias)
+        if tied:
             weight = self.tensor(self.spec.embedding, shape, "the embedding")
         else:
             weight = dequantize_weight(name, entry, self.tensors, shape)
-        bias = self.tensor(f"{name}.bias", (lin.out_features,), "a bias") if lin.bias else None
         return QuantLinear(weight, bias, input_transform(name, entry, self.tensors))
+
+    def _packed(self, name: str, entry: Mapping, shape: tuple[int, int], activation: str,
+                bias: torch.Tensor | None) -> PackedLinear:
+        fmt, stored, in_features = stored_weight(name, entry, self.tensors, shape)
+        for key, value in stored.items():  # the scales (the codes are finite by construction)
+            if key != "weight":
+                check_finite(f"{name}.{key}", value.float())
+        transform = input_transform(name, entry, self.tensors)
+        rotation = transform if transform is not None and transform.rotation_block else None
+        takes_scale = activation in (ActivationFormat.FP8_STATIC_PER_TENSOR, ActivationFormat.NVFP4)
+        input_scale = input_scale_tensor(name, self.tensors, activation) if takes_scale else None
+        try:
+            return PackedLinear(fmt, stored, in_features if in_features is not None else shape[1], activation,
+                                input_scale, bias, rotation)
+        except (ValueError, TypeError) as exc:  # the FP4 weight classes' own layout checks
+            raise malformed(name, fmt, exc) from None
 
     def norm(self, name: str) -> RMSNorm:
         size = self.norm_sizes.get(name)
@@ -419,13 +512,15 @@ def build_block(layer: LayerSpec, weights: Weights) -> Block:
 
 class Transformer(nn.Module):
     """The whole model. Built from the artifact's tensors and format table, or from a `Weights` the caller
-    made (the calibrator passes one that records which module each linear became)."""
+    made (the calibrator passes one that records which module each linear became). `packed`: linears keep
+    their stored bytes and run kiln.kernels.gpu (PackedLinear) where their format has a kernel."""
 
     def __init__(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor] | None = None,
-                 formats: Mapping[str, Mapping] | None = None, *, weights: Weights | None = None):
+                 formats: Mapping[str, Mapping] | None = None, *, weights: Weights | None = None,
+                 packed: bool = False):
         super().__init__()
         self.spec = spec
-        weights = weights if weights is not None else Weights(tensors, formats, spec)
+        weights = weights if weights is not None else Weights(tensors, formats, spec, packed)
         self.embed = nn.Parameter(weights.tensor(spec.embedding, (spec.vocab_size, spec.hidden_size), "the embedding"),
                                   requires_grad=False)
         self.rotary = LayerRotaries(spec.layers)

@@ -110,53 +110,62 @@ def dequantize_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.T
     codes and block scales of the FP4 formats, an FP8 scale per tensor or per output channel), so a wrong
     artifact is a one-line KilnError naming the tensor, never a shape error in the middle of a forward.
     Whatever the shape, the dequantized weight must be finite."""
+    fmt, stored, in_features = stored_weight(module, entry, tensors, shape)
+    try:
+        result = stored["weight"].float() if fmt == WeightFormat.DENSE else dequantize(fmt, stored, in_features)
+    except (ValueError, TypeError) as exc:  # the kernels' own layout and value checks
+        raise malformed(module, fmt, exc) from None
+    check_finite(f"{module}.weight" if fmt == WeightFormat.DENSE else f"{module}.weight ({fmt}, dequantized)", result)
+    return result
+
+
+def stored_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor],
+                  shape: tuple[int, int] | None = None) -> tuple[str, dict[str, torch.Tensor], int | None]:
+    """The tensors `module`'s weight is stored as, checked as `dequantize_weight` checks them (it dequantizes
+    these): (format, {name: tensor} with the format's own keys, in_features for the FP4 formats else None)."""
     fmt = check_format(module, entry)
     w = need_tensor(tensors, f"{module}.weight")
     out = shape[0] if shape is not None else None
-    try:
-        if fmt == WeightFormat.DENSE:
-            check_dtype(f"{module}.weight", w, "a dense weight")
-            if shape is not None:
-                check_shape(f"{module}.weight", w, shape)
-            result = w.float()
-        elif fmt == WeightFormat.FP8_E4M3:
-            check_dtype(f"{module}.weight", w, "an fp8_e4m3 weight", fp8.FP8_DTYPE)
-            if shape is not None:
-                check_shape(f"{module}.weight", w, shape)
-            elif w.ndim != 2:
-                raise KilnError(f"artifact tensor {clip(module)}.weight has shape {_shape(w.shape)}; "
-                                "a linear weight is 2-D")
-            scale = need_tensor(tensors, f"{module}.weight_scale")
-            check_dtype(f"{module}.weight_scale", scale, "an FP8 weight scale")
-            check_shape(f"{module}.weight_scale", scale, (), (1,), (w.shape[0] if out is None else out, 1))
-            result = dequantize(fmt, {"weight": w, "weight_scale": scale})
-        elif fmt == WeightFormat.NVFP4:
-            from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4_TENSOR_NAMES, padded_in_features
+    if fmt == WeightFormat.DENSE:
+        check_dtype(f"{module}.weight", w, "a dense weight")
+        if shape is not None:
+            check_shape(f"{module}.weight", w, shape)
+        return fmt, {"weight": w}, None
+    if fmt == WeightFormat.FP8_E4M3:
+        check_dtype(f"{module}.weight", w, "an fp8_e4m3 weight", fp8.FP8_DTYPE)
+        if shape is not None:
+            check_shape(f"{module}.weight", w, shape)
+        elif w.ndim != 2:
+            raise KilnError(f"artifact tensor {clip(module)}.weight has shape {_shape(w.shape)}; "
+                            "a linear weight is 2-D")
+        scale = need_tensor(tensors, f"{module}.weight_scale")
+        check_dtype(f"{module}.weight_scale", scale, "an FP8 weight scale")
+        check_shape(f"{module}.weight_scale", scale, (), (1,), (w.shape[0] if out is None else out, 1))
+        return fmt, {"weight": w, "weight_scale": scale}, None
+    if fmt == WeightFormat.NVFP4:
+        from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4_TENSOR_NAMES, padded_in_features
 
-            in_features = _in_features(module, entry, fmt, shape)
-            if shape is not None:
-                _check_block_layout(module, tensors, out, padded_in_features(in_features), NVFP4_BLOCK_SIZE,
-                                    torch.float8_e4m3fn)
-                g = need_tensor(tensors, f"{module}.weight_scale_2")
-                check_shape(f"{module}.weight_scale_2", g, (), (1,))
-                check_dtype(f"{module}.weight_scale_2", g, "its global scale", torch.float32)
-            result = dequantize(fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in NVFP4_TENSOR_NAMES},
-                                in_features)
-        else:  # mxfp4
-            from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, MXFP4_TENSOR_NAMES, padded_in_features
+        in_features = _in_features(module, entry, fmt, shape)
+        if shape is not None:
+            _check_block_layout(module, tensors, out, padded_in_features(in_features), NVFP4_BLOCK_SIZE,
+                                torch.float8_e4m3fn)
+            g = need_tensor(tensors, f"{module}.weight_scale_2")
+            check_shape(f"{module}.weight_scale_2", g, (), (1,))
+            check_dtype(f"{module}.weight_scale_2", g, "its global scale", torch.float32)
+        return fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in NVFP4_TENSOR_NAMES}, in_features
+    from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, MXFP4_TENSOR_NAMES, padded_in_features
 
-            in_features = _in_features(module, entry, fmt, shape)
-            if shape is not None:
-                _check_block_layout(module, tensors, out, padded_in_features(in_features), MXFP4_BLOCK_SIZE,
-                                    torch.uint8)
-            result = dequantize(fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in MXFP4_TENSOR_NAMES},
-                                in_features)
-    except (ValueError, TypeError) as exc:  # the kernels' own layout and value checks
-        detail = str(exc).strip().splitlines()
-        raise KilnError(f"artifact tensors of {clip(module)} ({fmt}) are malformed: "
-                        f"{clip(detail[0] if detail else type(exc).__name__, 160)}") from None
-    check_finite(f"{module}.weight" if fmt == WeightFormat.DENSE else f"{module}.weight ({fmt}, dequantized)", result)
-    return result
+    in_features = _in_features(module, entry, fmt, shape)
+    if shape is not None:
+        _check_block_layout(module, tensors, out, padded_in_features(in_features), MXFP4_BLOCK_SIZE, torch.uint8)
+    return fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in MXFP4_TENSOR_NAMES}, in_features
+
+
+def malformed(module: str, fmt: str, exc: Exception) -> KilnError:
+    """The one-line error for a weight whose stored tensors the format's own checks refuse."""
+    detail = str(exc).strip().splitlines()
+    return KilnError(f"artifact tensors of {clip(module)} ({fmt}) are malformed: "
+                     f"{clip(detail[0] if detail else type(exc).__name__, 160)}")
 
 
 def _input_scale(module: str, tensors: Mapping[str, torch.Tensor], required: bool) -> torch.Tensor | None:
@@ -171,6 +180,12 @@ def _input_scale(module: str, tensors: Mapping[str, torch.Tensor], required: boo
     if not (math.isfinite(value) and value > 0):
         raise KilnError(f"artifact tensor {clip(name)} must be a positive finite scale, got {value:g}")
     return scale
+
+
+def input_scale_tensor(module: str, tensors: Mapping[str, torch.Tensor], activation: str) -> torch.Tensor | None:
+    """A linear's calibrated activation scale as its activation format takes it: required for FP8 static,
+    optional for NVFP4 (its global scale; None: computed from each activation)."""
+    return _input_scale(module, tensors, required=activation == ActivationFormat.FP8_STATIC_PER_TENSOR)
 
 
 def activation_quantizer(
