@@ -162,7 +162,9 @@ class Weights:
         check_finite(name, t)
         return t.float()
 
-    def linear(self, lin: LinearSpec) -> QuantLinear | PackedLinear:
+    def linear(self, lin: LinearSpec, packable: bool = True) -> QuantLinear | PackedLinear:
+        """The runtime module of linear `lin`: PackedLinear when this Weights packs, `packable` is True and the
+        stored format has a kernel; else QuantLinear over the dequantized weight."""
         name = lin.name
         entry = self.formats.get(name, {"format": "dense"})
         fmt = check_format(name, entry)
@@ -170,7 +172,7 @@ class Weights:
         bias = self.tensor(f"{name}.bias", (lin.out_features,), "a bias") if lin.bias else None
         tied = name == "lm_head" and self.spec.lm_head_tied(self.tensors)
         activation = entry.get("activation", ActivationFormat.NONE)
-        if self.packed and not tied and activation in PACKED_ACTIVATIONS.get(fmt, ()):
+        if self.packed and packable and not tied and activation in PACKED_ACTIVATIONS.get(fmt, ()):
             return self._packed(name, entry, shape, activation, bias)
         if tied:
             weight = self.tensor(self.spec.embedding, shape, "the embedding")
@@ -352,7 +354,8 @@ class MlaAttention(nn.Module):
             self.q_b_proj = weights.linear(lin["q_b"])
         self.kv_a_proj = weights.linear(lin["kv_a"])
         self.kv_a_layernorm = weights.norm(f"{p}.kv_a_layernorm.weight")
-        self.kv_b_proj = weights.linear(lin["kv_b"])
+        # never packed: absorbed decode reads kv_b's weight per head (W_uk into the query, W_uv after the mix)
+        self.kv_b_proj = weights.linear(lin["kv_b"], packable=False)
         self.o_proj = weights.linear(lin["o"])
         self.absorb: bool | None = None
 

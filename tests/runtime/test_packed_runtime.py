@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from kiln import runtime
 from kiln.optimizer.build import build
 from kiln.optimizer.recipes import Recipe
+from kiln.passes.mla import MlaConversion
 from kiln.passes.weight_quant import WeightQuantization
 from kiln.runtime.model import PackedLinear, QuantLinear
 from tests.conftest import STORIES
@@ -42,6 +43,17 @@ def artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("packed")
     return {name: build(STORIES, "blackwell", Recipe(name, (WeightQuantization(method="rtn", **kw),)), root / name,
                         gate=False).path for name, (kw, _) in FORMATS.items()}
+
+
+@pytest.fixture(scope="module")
+def mla_artifact(tmp_path_factory):
+    """stories260K converted to MLA (half its KV, no healing), its linears FP8 W8A8."""
+    if not (STORIES / "config.json").is_file():
+        pytest.skip("../shared/models absent")
+    passes = (MlaConversion(kv_fraction=0.5, heal_steps=0),
+              WeightQuantization(method="rtn", format="fp8", activations="dynamic"))
+    return build(STORIES, "hopper", Recipe("mla-fp8", passes), tmp_path_factory.mktemp("mla") / "mla",
+                 gate=False).path
 
 
 @pytest.fixture
@@ -90,3 +102,17 @@ def test_packed_linears_through_the_triton_interpreter(artifacts, name):
     assert gpu.use_triton(x)
     [expected], [got] = reference.logits(TOKENS[1:]), packed.logits(TOKENS[1:])
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-4 * float(expected.abs().max()))
+
+
+def test_packed_mla_engine_keeps_kv_b_dequantized_and_decodes_as_the_reference(mla_artifact, no_triton):
+    from kiln.runtime.model import MlaAttention
+
+    reference, packed = runtime.load(mla_artifact), runtime.load(mla_artifact, packed=True)
+    mla = [m for m in packed.model.modules() if isinstance(m, MlaAttention)]
+    assert mla
+    for attention in mla:  # absorbed decode reads kv_b's weight per head; every other linear is packed
+        assert isinstance(attention.kv_b_proj, QuantLinear)
+        assert isinstance(attention.kv_a_proj, PackedLinear) and isinstance(attention.o_proj, PackedLinear)
+    for expected, got in zip(reference.logits(TOKENS), packed.logits(TOKENS), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-4 * float(expected.abs().max()))
+    assert packed.generate_ids(TOKENS, 12) == reference.generate_ids(TOKENS, 12)
