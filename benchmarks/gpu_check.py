@@ -74,6 +74,20 @@ def _mismatches(a, b) -> int:
     return int((a.cpu() != b.cpu()).sum()) + (0 if a.shape == b.shape else 10**9)
 
 
+def shuffled_block_table(lengths: list[int], page: int, gen):
+    """A block table for sequences of `lengths` tokens over pages of `page` in shuffled order, unused entries
+    pointing at the null block (the last): (table [B, width] int32, blocks used + 1)."""
+    import torch
+
+    blocks = sum(-(-t // page) for t in lengths) + 1
+    order = torch.randperm(blocks, generator=gen).tolist()
+    table = torch.full((len(lengths), max(-(-t // page) for t in lengths)), blocks, dtype=torch.int32)
+    for b, t in enumerate(lengths):
+        table[b, :-(-t // page)] = torch.tensor(order[:-(-t // page)], dtype=torch.int32)
+        order = order[-(-t // page):]
+    return table, blocks
+
+
 def correctness(device: str, interpret: bool) -> list:
     """Run every kernel on small (interpreter) or medium (GPU) inputs against its reference."""
     import torch
@@ -86,6 +100,7 @@ def correctness(device: str, interpret: bool) -> list:
     from kiln.kernels.triton_codecs import e4m3_encode_tensor
     from kiln.kernels.triton_fp4_gemm import fp4_w4a4_linear, fp4_w4a16_gemm
     from kiln.kernels.triton_fp8_gemm import fp8_gemm
+    from kiln.kernels.triton_mla_decode import mla_decode_attention
     from kiln.kernels.triton_paged_attention import paged_decode_attention
     from kiln.kernels.triton_quant import quantize_fp8, quantize_mxfp4, quantize_nvfp4
 
@@ -206,14 +221,8 @@ def correctness(device: str, interpret: bool) -> list:
     def attention():
         batch, heads, kv_heads, dim, page = (3, 8, 2, 64, 4) if interpret else (8, 32, 8, 128, 16)
         lengths = [5, 0, 23] if interpret else [1, 17, 200, 1000, 513, 64, 999, 4]
-        blocks = sum(-(-t // page) for t in lengths) + 1
+        table, blocks = shuffled_block_table(lengths, page, gen)
         kv = torch.randn(2, (blocks + 1) * page, kv_heads, dim, generator=gen)
-        order = torch.randperm(blocks, generator=gen).tolist()
-        width = max(-(-t // page) for t in lengths)
-        table = torch.full((batch, width), blocks, dtype=torch.int32)
-        for b, t in enumerate(lengths):
-            table[b, :-(-t // page)] = torch.tensor(order[:-(-t // page)], dtype=torch.int32)
-            order = order[-(-t // page):]
         q = torch.randn(batch, heads, dim, generator=gen).to(device)
         table, lens = table.to(device), torch.tensor(lengths, dtype=torch.int32, device=device)
         g = nvfp4_kv_global_scale(kv.abs().amax())
@@ -233,6 +242,50 @@ def correctness(device: str, interpret: bool) -> list:
         return out
 
     guarded("paged_decode_attention", "attention", attention)
+
+    # --- MLA absorbed decode attention ------------------------------------------------------------------
+    def mla():
+        batch, heads, rank, rope, page = (3, 4, 32, 16, 4) if interpret else (8, 128, 512, 64, 64)
+        lengths = [5, 0, 23] if interpret else [1, 17, 200, 1000, 513, 64, 999, 4]
+        table, blocks = shuffled_block_table(lengths, page, gen)
+        latent = torch.randn((blocks + 1) * page, 1, rank, generator=gen)
+        k_rot = torch.randn((blocks + 1) * page, 1, rope, generator=gen)
+        q_latent = torch.randn(batch, heads, rank, generator=gen).to(device)
+        q_rot = torch.randn(batch, heads, rope, generator=gen).to(device)
+        table, lens = table.to(device), torch.tensor(lengths, dtype=torch.int32, device=device)
+        sm_scale = 1 / (192 ** 0.5)  # DeepSeek-V3: qk_nope 128 + rope 64
+
+        def fp8(s):
+            return refs.KvPool("fp8_e4m3", *(t.to(device) for t in fp8_kv_quantize_per_token(s)))
+
+        def nvfp4(s):
+            g = nvfp4_kv_global_scale(s.abs().amax())
+            return refs.KvPool("nvfp4", *(t.to(device) for t in nvfp4_kv_quantize(s, g)), g.to(device))
+
+        dense = torch.float32 if interpret else torch.bfloat16
+        pools = {
+            f"{str(dense)[6:]} dense": [refs.KvPool("bf16", s.to(dense).to(device)) for s in (latent, k_rot)],
+            "fp8 per token": [fp8(s) for s in (latent, k_rot)],
+            "nvfp4": [nvfp4(s) for s in (latent, k_rot)],
+        }
+        shape = f"B={batch} H={heads} r={rank} rope={rope}"
+        out = []
+        for label, (latent_pool, rot_pool) in pools.items():
+            ref = refs.mla_decode_attention_ref(q_latent, q_rot, latent_pool, rot_pool, table, lens, page,
+                                                sm_scale)
+            got = mla_decode_attention(q_latent, q_rot, latent_pool, rot_pool, table, lens, page, sm_scale)
+            out.append(Check("mla_decode_attention", f"{label}, fp32 q, {shape}", "max abs err",
+                             float((got.float() - ref).abs().max()), 2e-5))
+            if not interpret:  # the tensor-core path: q, p and the dequantized latents rounded to bf16
+                q16, r16 = q_latent.bfloat16(), q_rot.bfloat16()
+                ref = refs.mla_decode_attention_ref(q16, r16, latent_pool, rot_pool, table, lens, page,
+                                                    sm_scale)
+                got = mla_decode_attention(q16, r16, latent_pool, rot_pool, table, lens, page, sm_scale)
+                out.append(Check("mla_decode_attention", f"{label}, bf16 q (tensor cores), {shape}",
+                                 "max rel err", _rel(got, ref), 2**-7))
+        return out
+
+    guarded("mla_decode_attention", "mla", mla)
     return checks
 
 

@@ -5,6 +5,8 @@
                                                        weight's own format (W4A4)
     rmsnorm_quantize(x, norm_weight, eps, activation, input_scale)   fused RMSNorm + activation quantization
     paged_decode_attention(q, k_pool, v_pool, block_table, context_lens, block_size, sm_scale)
+    mla_decode_attention(q_latent, q_rot, latent_pool, rot_pool, block_table, context_lens, block_size,
+                         sm_scale)                     MLA's absorbed decode over the latent cache
 
 Triton runs when it is installed and the inputs are CUDA tensors, or, for CPU tensors, when
 TRITON_INTERPRET=1 (the tests). Otherwise the reference in kernels/torch_refs.py runs: the same numbers within
@@ -115,3 +117,16 @@ def paged_decode_attention(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, bloc
         return kernel(q, k_pool, v_pool, block_table, context_lens, block_size, sm_scale)
     return torch_refs.paged_decode_attention_ref(q, k_pool, v_pool, block_table, context_lens, block_size,
                                                  sm_scale).to(q.dtype)
+
+
+def mla_decode_attention(q_latent: torch.Tensor, q_rot: torch.Tensor, latent_pool: KvPool, rot_pool: KvPool,
+                         block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                         sm_scale: float) -> torch.Tensor:
+    """One MLA decode step in latent space (W_uk folded into q_latent, W_uv still to apply) over a paged
+    BF16/FP8/NVFP4 latent cache -> [B, H, r] in q_latent's dtype."""
+    if use_triton(q_latent):
+        from kiln.kernels.triton_mla_decode import mla_decode_attention as kernel
+
+        return kernel(q_latent, q_rot, latent_pool, rot_pool, block_table, context_lens, block_size, sm_scale)
+    return torch_refs.mla_decode_attention_ref(q_latent, q_rot, latent_pool, rot_pool, block_table,
+                                               context_lens, block_size, sm_scale).to(q_latent.dtype)

@@ -9,6 +9,7 @@ the numerics the accuracy gate measured.
     fp8_gemm_ref, fp8_linear_ref                   kernels/triton_fp8_gemm.py
     fp4_w4a16_ref, fp4_w4a4_ref                    kernels/triton_fp4_gemm.py
     KvPool, paged_decode_attention_ref             kernels/triton_paged_attention.py
+    mla_decode_attention_ref                       kernels/triton_mla_decode.py
 """
 
 from __future__ import annotations
@@ -219,4 +220,67 @@ def paged_decode_attention_ref(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, 
         v = v_pool.read(slots).repeat_interleave(group, dim=1).transpose(0, 1)
         out[b] = torch.nn.functional.scaled_dot_product_attention(
             q[b].float().unsqueeze(1), k, v, scale=sm_scale).squeeze(1)
+    return out
+
+
+# --- MLA absorbed decode attention (kernels/triton_mla_decode.py) ---------------------------------------
+
+
+def check_mla_decode_inputs(q_latent: torch.Tensor, q_rot: torch.Tensor, latent_pool: KvPool,
+                            rot_pool: KvPool, block_table: torch.Tensor, context_lens: torch.Tensor,
+                            block_size: int) -> None:
+    """Refuse inputs the MLA decode (kernel or reference) cannot serve, naming the bad value."""
+    if q_latent.ndim != 3 or q_rot.ndim != 3 or q_latent.shape[:2] != q_rot.shape[:2]:
+        raise ValueError(f"q_latent must be [B, H, r] and q_rot [B, H, rope] with the same B and H, got "
+                         f"{tuple(q_latent.shape)} and {tuple(q_rot.shape)}")
+    if not q_latent.is_floating_point() or q_rot.dtype != q_latent.dtype:
+        raise ValueError(f"q_latent and q_rot must share one float dtype, got {q_latent.dtype} and "
+                         f"{q_rot.dtype}")
+    batch, _, rank = q_latent.shape
+    rope = q_rot.shape[2]
+    if latent_pool.kv_heads != 1 or rot_pool.kv_heads != 1:
+        raise ValueError(f"MLA pools hold one KV head shared by all query heads, got {latent_pool.kv_heads} "
+                         f"(latent) and {rot_pool.kv_heads} (rotary key)")
+    if latent_pool.head_dim != rank or rot_pool.head_dim != rope:
+        raise ValueError(f"q is r={rank}, rope={rope}; the pools hold a latent of {latent_pool.head_dim} "
+                         f"and a rotary key of {rot_pool.head_dim}")
+    if latent_pool.data.shape[0] != rot_pool.data.shape[0]:
+        raise ValueError(f"the latent and rotary-key pools must have the same slots, got "
+                         f"{latent_pool.data.shape[0]} and {rot_pool.data.shape[0]}")
+    if rank == 0 or rank % 2 or rope % 2:
+        raise ValueError(f"the latent rank must be even and positive and the rotary width even, got "
+                         f"r={rank}, rope={rope}")
+    if block_table.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise TypeError(f"block_table and context_lens must be int32, got {block_table.dtype} and "
+                        f"{context_lens.dtype}")
+    if block_table.ndim != 2 or block_table.shape[0] != batch or tuple(context_lens.shape) != (batch,):
+        raise ValueError(f"block_table must be [{batch}, max_blocks] and context_lens [{batch}], got "
+                         f"{tuple(block_table.shape)} and {tuple(context_lens.shape)}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+
+
+def mla_decode_attention_ref(q_latent: torch.Tensor, q_rot: torch.Tensor, latent_pool: KvPool,
+                             rot_pool: KvPool, block_table: torch.Tensor, context_lens: torch.Tensor,
+                             block_size: int, sm_scale: float) -> torch.Tensor:
+    """MLA's absorbed decode over a paged latent cache: one KV head in latent space. Returns fp32 [B, H, r].
+
+    q_latent [B, H, r] (W_uk already folded in), q_rot [B, H, rope]; the pools [slots, 1, r] and
+    [slots, 1, rope] in any KvPool format. Per sequence: gather its slots, dequantize (offsets added back),
+    key = [latent, k_rot], value = latent, softmax(sm_scale * q . key) in fp32. sm_scale has no default: it is
+    the unabsorbed head's 1 / sqrt(qk_nope + rope) (times any YaRN factor), which r does not tell."""
+    check_mla_decode_inputs(q_latent, q_rot, latent_pool, rot_pool, block_table, context_lens, block_size)
+    batch, heads, rank = q_latent.shape
+    out = torch.zeros(batch, heads, rank, dtype=torch.float32, device=q_latent.device)
+    for b in range(batch):
+        length = int(context_lens[b])
+        if length == 0:
+            continue
+        t = torch.arange(length, device=q_latent.device)
+        slots = block_table[b].long()[t // block_size] * block_size + t % block_size
+        latent = latent_pool.read(slots)[:, 0]  # [L, r]
+        key = torch.cat([latent, rot_pool.read(slots)[:, 0]], dim=-1)  # [L, r + rope]
+        q = torch.cat([q_latent[b], q_rot[b]], dim=-1).float()  # [H, r + rope]
+        weights = torch.softmax(sm_scale * (q @ key.T), dim=-1)  # [H, L]
+        out[b] = weights @ latent
     return out

@@ -30,7 +30,8 @@ scaled_dot_product_attention in fp32.
 The kernel matches it within 2e-5 absolute on unit-scale values (fp32 softmax and sums in a different order;
 the K offset's softmax shift). FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` (FP8 KV) is the production
 alternative on a GPU; it is not installable here, so the comparison is against torch. Not done here: split-KV
-(flash-decoding) for long contexts at small batch, and MLA's absorbed decode over the latent cache.
+(flash-decoding) for long contexts at small batch. MLA's absorbed decode over the latent cache is
+kernels/triton_mla_decode.py, which reads its pools through `_load_kv_halves`.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ _PER_TENSOR, _PER_HEAD, _PER_TOKEN = 0, 1, 2
 @triton.jit
 def _load_kv_halves(data_ptr, scale_ptr, g_ptr, slot, valid, head, i, KV_HEADS,
                     HEAD_DIM: tl.constexpr, FORMAT: tl.constexpr, SCALE_MODE: tl.constexpr):
-    """K or V of tokens `slot` [BLOCK_N] at one KV head: fp32 (even, odd elements), each [BLOCK_N, D/2]."""
+    """K or V of tokens `slot` [BLOCK_N] at one KV head: fp32 (even, odd elements), each [BLOCK_N, len(i)],
+    zero on invalid tokens and past HEAD_DIM / 2 (`i` may be padded to a power of two: MLA's latent)."""
     row = slot.to(tl.int64)[:, None] * KV_HEADS + head  # [BLOCK_N, 1] (token, head) row of the pool
-    mask = valid[:, None]
+    mask = valid[:, None] & (i < HEAD_DIM // 2)[None, :]
     if FORMAT == 2:  # NVFP4: one byte holds elements 2i (low nibble) and 2i + 1
         byte = tl.load(data_ptr + row * (HEAD_DIM // 2) + i[None, :], mask=mask, other=0).to(tl.int32)
         block_scale = e4m3_decode(tl.load(scale_ptr + row * (HEAD_DIM // 16) + i[None, :] // 8, mask=mask,

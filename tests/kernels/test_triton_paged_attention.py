@@ -10,12 +10,9 @@ import torch
 
 # triton_setup first: it skips without Triton and sets TRITON_INTERPRET before any kernel is defined
 # isort: off
-from tests.kernels.triton_setup import DEVICE
+from tests.kernels.triton_setup import DEVICE, make_pool, pool_to
 from kiln.kernels.kv_quant import (
-    fp8_kv_quantize,
-    fp8_kv_quantize_per_token,
     nvfp4_kv_global_scale,
-    nvfp4_kv_quantize,
 )
 from kiln.kernels.torch_refs import KvPool, paged_decode_attention_ref
 from kiln.kernels.triton_paged_attention import paged_decode_attention
@@ -23,31 +20,6 @@ from kiln.kernels.triton_paged_attention import paged_decode_attention
 
 torch.set_num_threads(1)
 ATOL = 2e-5
-
-
-def _pool(kind: str, x: torch.Tensor, offset: torch.Tensor | None = None) -> KvPool:
-    """x [slots, KVH, D] stored as the runtime's pool of that kind would store it."""
-    centered = x if offset is None else x - offset
-    heads = x.shape[1]
-    if kind == "bf16":
-        return KvPool("bf16", x.bfloat16(), offset=offset)
-    if kind == "fp8_per_tensor":
-        scale = torch.tensor(0.011)
-        return KvPool("fp8_e4m3", fp8_kv_quantize(centered, scale), scale, offset=offset)
-    if kind == "fp8_per_head":
-        scale = torch.linspace(0.008, 0.02, heads).reshape(heads, 1)
-        return KvPool("fp8_e4m3", fp8_kv_quantize(centered, scale), scale, offset=offset)
-    if kind == "fp8_dynamic":
-        return KvPool("fp8_e4m3", *fp8_kv_quantize_per_token(centered), offset=offset)
-    g = nvfp4_kv_global_scale(centered.abs().amax())
-    return KvPool("nvfp4", *nvfp4_kv_quantize(centered, g), g, offset=offset)
-
-
-def _to(pool: KvPool) -> KvPool:
-    def move(t):
-        return None if t is None else t.to(DEVICE)
-
-    return KvPool(pool.format, move(pool.data), move(pool.scale), move(pool.global_scale), move(pool.offset))
 
 
 def _case(batch, heads, kv_heads, dim, block_size, lengths, seed=0):
@@ -74,8 +46,8 @@ KINDS = ["bf16", "fp8_per_tensor", "fp8_per_head", "fp8_dynamic", "nvfp4"]
 @pytest.mark.parametrize("heads,kv_heads,block_size", [(4, 4, 16), (8, 2, 4)])  # MHA; GQA with small pages
 def test_matches_gather_dequantize_sdpa(kind, heads, kv_heads, block_size):
     q, k, v, table, lens = _case(3, heads, kv_heads, 64, block_size, [5, 0, 37])
-    k_pool, v_pool = _pool(kind, k), _pool(kind, v)
-    out = paged_decode_attention(q.to(DEVICE), _to(k_pool), _to(v_pool), table.to(DEVICE), lens.to(DEVICE),
+    k_pool, v_pool = make_pool(kind, k), make_pool(kind, v)
+    out = paged_decode_attention(q.to(DEVICE), pool_to(k_pool), pool_to(v_pool), table.to(DEVICE), lens.to(DEVICE),
                                  block_size)
     ref = paged_decode_attention_ref(q, k_pool, v_pool, table, lens, block_size)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -86,8 +58,8 @@ def test_matches_gather_dequantize_sdpa(kind, heads, kv_heads, block_size):
 def test_fp8_keys_nvfp4_values_with_offsets_and_a_custom_scale():
     q, k, v, table, lens = _case(2, 8, 2, 32, 8, [19, 8], seed=1)
     mu = torch.randn(2, 32, generator=torch.Generator().manual_seed(9)) * 3
-    k_pool, v_pool = _pool("fp8_per_head", k + mu, offset=mu), _pool("nvfp4", v + mu, offset=mu)
-    out = paged_decode_attention(q.to(DEVICE), _to(k_pool), _to(v_pool), table.to(DEVICE), lens.to(DEVICE), 8,
+    k_pool, v_pool = make_pool("fp8_per_head", k + mu, offset=mu), make_pool("nvfp4", v + mu, offset=mu)
+    out = paged_decode_attention(q.to(DEVICE), pool_to(k_pool), pool_to(v_pool), table.to(DEVICE), lens.to(DEVICE), 8,
                                  sm_scale=0.3)
     ref = paged_decode_attention_ref(q, k_pool, v_pool, table, lens, 8, sm_scale=0.3)
     torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=1e-4)  # the dropped K offset moves fp32 roundings
@@ -127,7 +99,7 @@ def test_reads_the_runtimes_paged_cache(fmt, scaling):
                                 offset=store.offset))
     q = torch.randn(2, heads, dim, generator=g)
     lens = torch.tensor(lengths, dtype=torch.int32)
-    out = paged_decode_attention(q.to(DEVICE), *(_to(p) for p in pools), table.to(DEVICE), lens.to(DEVICE),
+    out = paged_decode_attention(q.to(DEVICE), *(pool_to(p) for p in pools), table.to(DEVICE), lens.to(DEVICE),
                                  block_size)
     for b, n in enumerate(lengths):  # against SDPA over what the runtime's cache itself returns
         k = k_read[b, :n].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
@@ -138,7 +110,7 @@ def test_reads_the_runtimes_paged_cache(fmt, scaling):
 
 def test_bad_inputs_are_refused():
     q, k, _, table, lens = _case(2, 6, 4, 64, 16, [3, 4])
-    pool = _to(_pool("fp8_dynamic", k))
+    pool = pool_to(make_pool("fp8_dynamic", k))
     with pytest.raises(ValueError, match="multiple of the KV heads"):
         paged_decode_attention(q.to(DEVICE), pool, pool, table.to(DEVICE), lens.to(DEVICE), 16)
     with pytest.raises(TypeError, match="int32"):
