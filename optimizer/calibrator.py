@@ -73,8 +73,8 @@ class _RecordingWeights(Weights):
         self.built: dict[str, QuantLinear] = {}
         self.norms: dict[str, torch.nn.Module] = {}
 
-    def linear(self, lin):
-        module = super().linear(lin)
+    def linear(self, lin, packable: bool = True):
+        module = super().linear(lin, packable)
         self.built[lin.name] = module
         return module
 
