@@ -277,7 +277,7 @@ def stored_bytes_per_token(streams: Sequence[Sequence[KvStream]], dtype: torch.d
 
 class StepView:
     """One prepared forward of a PagedKVCache as tensor operations only: no checks, no host syncs, no Python
-        value the forward reads that changes between steps (batch and history length are only tensor shapes). It
+    value the forward reads that changes between steps (batch and history length are only tensor shapes). It
     is what a compiled decode step (torch.compile; a CUDA graph on GPU) traces: the writes are in-place index
     copies into the same pools the eager path uses, so the two paths share one cache. The caller fills
     `step_masks` (the attention masks by sliding window) before the forward; the eager path makes them inside.
