@@ -202,6 +202,23 @@ class KvPool:
         return values.to(self.data.device)
 
 
+def check_block_table(block_table: torch.Tensor, context_lens: torch.Tensor, batch: int) -> None:
+    """What the paged decode kernels index: block_table int32 [batch, max_blocks], context_lens int32 [batch]."""
+    if block_table.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise TypeError(f"block_table and context_lens must be int32, got {block_table.dtype} and "
+                        f"{context_lens.dtype}")
+    if block_table.ndim != 2 or block_table.shape[0] != batch or tuple(context_lens.shape) != (batch,):
+        raise ValueError(f"block_table must be [{batch}, max_blocks] and context_lens [{batch}], got "
+                         f"{tuple(block_table.shape)} and {tuple(context_lens.shape)}")
+
+
+def sequence_slots(table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """The cache slots of a sequence's first `length` tokens through its block-table row: slot of token t =
+    table_row[t // block_size] * block_size + t % block_size."""
+    t = torch.arange(length, device=table_row.device)
+    return table_row.long()[t // block_size] * block_size + t % block_size
+
+
 def paged_decode_attention_ref(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, block_table: torch.Tensor,
                                context_lens: torch.Tensor, block_size: int,
                                sm_scale: float | None = None) -> torch.Tensor:
@@ -211,11 +228,9 @@ def paged_decode_attention_ref(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, 
     group = heads // k_pool.kv_heads
     out = torch.zeros(batch, heads, dim, dtype=torch.float32, device=q.device)
     for b in range(batch):
-        length = int(context_lens[b])
-        if length == 0:
+        slots = sequence_slots(block_table[b], int(context_lens[b]), block_size)
+        if not len(slots):
             continue
-        t = torch.arange(length, device=q.device)
-        slots = block_table[b].long()[t // block_size] * block_size + t % block_size
         k = k_pool.read(slots).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
         v = v_pool.read(slots).repeat_interleave(group, dim=1).transpose(0, 1)
         out[b] = torch.nn.functional.scaled_dot_product_attention(
@@ -250,12 +265,7 @@ def check_mla_decode_inputs(q_latent: torch.Tensor, q_rot: torch.Tensor, latent_
     if rank == 0 or rank % 2 or rope % 2:
         raise ValueError(f"the latent rank must be even and positive and the rotary width even, got "
                          f"r={rank}, rope={rope}")
-    if block_table.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise TypeError(f"block_table and context_lens must be int32, got {block_table.dtype} and "
-                        f"{context_lens.dtype}")
-    if block_table.ndim != 2 or block_table.shape[0] != batch or tuple(context_lens.shape) != (batch,):
-        raise ValueError(f"block_table must be [{batch}, max_blocks] and context_lens [{batch}], got "
-                         f"{tuple(block_table.shape)} and {tuple(context_lens.shape)}")
+    check_block_table(block_table, context_lens, batch)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
@@ -273,11 +283,9 @@ def mla_decode_attention_ref(q_latent: torch.Tensor, q_rot: torch.Tensor, latent
     batch, heads, rank = q_latent.shape
     out = torch.zeros(batch, heads, rank, dtype=torch.float32, device=q_latent.device)
     for b in range(batch):
-        length = int(context_lens[b])
-        if length == 0:
+        slots = sequence_slots(block_table[b], int(context_lens[b]), block_size)
+        if not len(slots):
             continue
-        t = torch.arange(length, device=q_latent.device)
-        slots = block_table[b].long()[t // block_size] * block_size + t % block_size
         latent = latent_pool.read(slots)[:, 0]  # [L, r]
         key = torch.cat([latent, rot_pool.read(slots)[:, 0]], dim=-1)  # [L, r + rope]
         q = torch.cat([q_latent[b], q_rot[b]], dim=-1).float()  # [H, r + rope]

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.formats import KvFormat
-from kiln.kernels.torch_refs import KvPool
+from kiln.kernels.torch_refs import KvPool, check_block_table
 from kiln.kernels.triton_codecs import check_device, e2m1_decode, e4m3_decode, interpreting
 
 _DENSE, _FP8, _NVFP4 = 0, 1, 2
@@ -171,12 +171,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, bloc
         raise ValueError(f"GQA needs the query heads ({heads}) to be a multiple of the KV heads ({kv_heads})")
     if dim % 32 or dim & (dim - 1):
         raise ValueError(f"head dim must be a power of two and at least 32, got {dim}")
-    if block_table.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise TypeError(f"block_table and context_lens must be int32, got {block_table.dtype} and "
-                        f"{context_lens.dtype}")
-    if block_table.shape[0] != batch or tuple(context_lens.shape) != (batch,):
-        raise ValueError(f"block_table must be [{batch}, max_blocks] and context_lens [{batch}], got "
-                         f"{tuple(block_table.shape)} and {tuple(context_lens.shape)}")
+    check_block_table(block_table, context_lens, batch)
     # k_pool.offset is not read: softmax is shift-invariant per query (module docstring)
     check_device(q, k_pool.data, v_pool.data, block_table, context_lens)
     q = q if q.stride(-1) == 1 else q.contiguous()
