@@ -20,6 +20,7 @@ from torch import nn
 from kiln.kernels import gpu
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, WeightFormat
+from kiln.kernels.fp8 import fp8_dequantize
 from kiln.kernels.mxfp4 import Mxfp4Weight
 from kiln.kernels.nvfp4 import Nvfp4Weight
 from kiln.runtime.artifact import clip
@@ -116,8 +117,7 @@ class PackedLinear(nn.Module):
         if self.fp4 is not None:
             out = gpu.fp4_linear(x, self.fp4, self.activation, self.input_scale)
         elif self.activation == ActivationFormat.NONE:
-            scale = self.weight_scale.to(x.dtype)
-            out = F.linear(x, self.qweight.to(x.dtype) * (scale if scale.ndim else scale.reshape(1, 1)))
+            out = F.linear(x, fp8_dequantize(self.qweight, self.weight_scale).to(x.dtype))
         else:
             out = gpu.fp8_linear(x, self.qweight, self.weight_scale, self.input_scale)
         return out if self.bias is None else out + self.bias.to(out.dtype)
