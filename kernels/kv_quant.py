@@ -42,6 +42,20 @@ E2M1_PAIR_VALUES = torch.stack((e2m1_decode(_BYTES & 0x0F), e2m1_decode(_BYTES >
 """[256, 2]: the two E2M1 values a packed byte holds, low nibble (element 2i) first."""
 
 
+_E4M3_ON: dict[torch.device, Tensor] = {}  # copies of the tables on other devices than the CPU
+_E2M1_PAIRS_ON: dict[torch.device, Tensor] = {}
+
+
+def _table(table: Tensor, copies: dict[torch.device, Tensor], device: torch.device) -> Tensor:
+    """A lookup table on `device`: the CPU one, or its copy there (made once; a compiled step finds it made)."""
+    if device.type == "cpu":
+        return table
+    copy = copies.get(device)
+    if copy is None:
+        copy = copies[device] = table.to(device)
+    return copy
+
+
 def _lookup(table: Tensor, codes: Tensor) -> Tensor:
     """table[codes] for uint8 codes of any shape -> [*codes.shape, *table.shape[1:]]."""
     return table.index_select(0, codes.reshape(-1).long()).view(*codes.shape, *table.shape[1:])
@@ -72,9 +86,10 @@ def fp8_kv_quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
 def fp8_kv_dequantize(q: Tensor, scale: Tensor) -> Tensor:
     """float8 [..., H, D] times a broadcastable scale (0-dim, [H, 1] or per token [N, 1, 1]) -> fp32."""
     codes = q.view(torch.uint8)
+    values = _table(E4M3_VALUES, _E4M3_ON, codes.device)
     if scale.numel() == 1:
-        return _lookup(E4M3_VALUES * scale.reshape(()), codes)
-    return _lookup(E4M3_VALUES, codes) * scale
+        return _lookup(values * scale.reshape(()), codes)
+    return _lookup(values, codes) * scale
 
 
 def nvfp4_kv_global_scale(amax: Tensor) -> Tensor:
@@ -93,8 +108,9 @@ def nvfp4_kv_quantize(x: Tensor, global_scale: Tensor) -> tuple[Tensor, Tensor]:
 
 def nvfp4_kv_dequantize(packed: Tensor, block_scale: Tensor, global_scale: Tensor) -> Tensor:
     """(packed [..., D/2], block scales [..., D/16], global scale) -> fp32 [..., D]; as nvfp4_dequantize."""
-    values = _lookup(E2M1_PAIR_VALUES, packed).flatten(-2)  # [..., D]
-    scales = _lookup(E4M3_VALUES * global_scale.reshape(()), block_scale.view(torch.uint8))  # [..., D/16]
+    values = _lookup(_table(E2M1_PAIR_VALUES, _E2M1_PAIRS_ON, packed.device), packed).flatten(-2)  # [..., D]
+    scales = _lookup(_table(E4M3_VALUES, _E4M3_ON, packed.device) * global_scale.reshape(()),
+                     block_scale.view(torch.uint8))  # [..., D/16]
     blocks = values.view(*values.shape[:-1], -1, NVFP4_BLOCK_SIZE)
     return (blocks * scales.unsqueeze(-1)).view(values.shape)
 

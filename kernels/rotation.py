@@ -24,12 +24,15 @@ from torch import Tensor
 ROTATION_KINDS = ("block_hadamard",)
 
 
-@lru_cache(maxsize=16)
-def hadamard_matrix(n: int) -> Tensor:
-    """Sylvester's Hadamard matrix of order n (a power of two), divided by sqrt(n): orthogonal, symmetric."""
+@lru_cache(maxsize=32)
+def hadamard_matrix(n: int, device: torch.device | str | None = None) -> Tensor:
+    """Sylvester's Hadamard matrix of order n (a power of two), divided by sqrt(n): orthogonal, symmetric; fp32
+    on `device` (None: the CPU), one cached copy per device."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"hadamard_matrix: n must be a power of two, got {n}")
     with torch.inference_mode(False):  # cached: must stay usable by autograd even if first built in inference
+        if device is not None and torch.device(device) != torch.device("cpu"):
+            return hadamard_matrix(n).to(device)
         h = torch.ones(1, 1, dtype=torch.float64)
         while h.shape[0] < n:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -61,10 +64,10 @@ def block_hadamard(x: Tensor, block_size: int) -> Tensor:
     parts = []
     if full:
         blocks = x[..., :full].reshape(*x.shape[:-1], full // block_size, block_size)
-        parts.append((blocks @ hadamard_matrix(block_size)).reshape(*x.shape[:-1], full))
+        parts.append((blocks @ hadamard_matrix(block_size, x.device)).reshape(*x.shape[:-1], full))
     start = full
     for size in block_sizes(k, block_size)[full // block_size:]:
-        parts.append(x[..., start: start + size] @ hadamard_matrix(size))
+        parts.append(x[..., start: start + size] @ hadamard_matrix(size, x.device))
         start += size
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 

@@ -34,6 +34,9 @@ DATA_FORMATS = "a text file (paragraphs split at blank lines), or .jsonl/.json/.
 
 
 MAX_MESSAGE = 300
+DEVICE_HELP = ("cpu: the fp32 reference, weights dequantized once; cuda: weights packed on the GPU (FP8 bytes, FP4 "
+               "nibbles and their scales, through the Triton kernels), bf16 activations, KV cache and sampling "
+               "on the GPU")
 """Longest error line printed: a message built from hostile input must not flood a CI log."""
 
 
@@ -285,13 +288,13 @@ def inspect(
         out.print(kv_table)
 
 
-def _score_artifact(artifact: Path, data: Path, paragraphs: int, force: bool = False):
+def _score_artifact(artifact: Path, data: Path, paragraphs: int, force: bool = False, device: str = "cpu"):
     """Score the artifact on `data`, paragraphs cut at its context; refuse text it cannot read unless `force`."""
     from kiln import runtime
     from kiln.calibration.data import load_token_lists, token_cap
     from kiln.optimizer.gate import check_native_text, score
 
-    engine = runtime.load(artifact)
+    engine = runtime.load(artifact, device=device)
     tokens = load_token_lists(engine._tokenizer(), data, paragraphs, token_cap(engine.spec.max_position_embeddings),
                               log=_log)
     result = score(engine, tokens)
@@ -314,9 +317,10 @@ def eval_(
     draft: Annotated[str, typer.Option(help="speculative drafter: auto, head, prompt-lookup")] = "auto",
     tree_width: Annotated[int | None, typer.Option(help="speculative, head: candidates per depth verified as a "
                                                    "tree (default: the artifact's; 1: a chain)")] = None,
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
 ) -> None:
     """Perplexity of an artifact on a text file, through the runtime, within the model's context."""
-    engine, tokens, s = _score_artifact(artifact, data, paragraphs, force)
+    engine, tokens, s = _score_artifact(artifact, data, paragraphs, force, device)
     result = {"perplexity": s.perplexity, "nll_per_token": s.nll / s.tokens, "tokens": s.tokens,
               "paragraphs": len(tokens)}
     if speculative:
@@ -378,17 +382,18 @@ def generate(
     tree_width: Annotated[int | None, typer.Option(help="speculative, greedy, head: candidates per depth verified "
                                                    "as a tree (default: the artifact's; 1: a chain)")] = None,
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step first (pays on long "
-                                          "generations: compiling takes minutes)")] = False,
+                                          "generations: compiling takes minutes; CUDA graphs on a GPU)")] = False,
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
 ) -> None:
     """Generate text from an artifact with the slim runtime."""
     from kiln import runtime
 
     if temperature < 0:
         raise KilnError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
-    engine = runtime.load(artifact)
+    engine = runtime.load(artifact, device=device)
     if compile:
         _log("compiling the decode step (torch.compile) ...")
-        engine.compile_decode()
+        engine.compile_decode(mode="reduce-overhead" if engine.device.type == "cuda" else None)
     drafter = engine.drafter(draft, tree_width=tree_width) if speculative else None
     for p, g in zip(prompt, engine.generate(prompt, max_new_tokens, temperature, top_p, stop, seed,
                                             repetition_penalty, speculative, draft_tokens, drafter), strict=True):
@@ -412,13 +417,14 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(help="model id (default: the directory name)")] = None,
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step before serving: "
                                           "faster steps, minutes of compiling at startup")] = False,
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
 ) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (continuous batching); SIGTERM drains, then exits 0."""
     from kiln.runtime.server import ServerConfig
     from kiln.runtime.server import serve as run_server
 
     run_server(artifact, ServerConfig(host, port, max_queue, max_num_seqs, max_num_batched_tokens, request_timeout,
-                                      prefix_caching, served_model_name, compile_decode=compile))
+                                      prefix_caching, served_model_name, compile_decode=compile, device=device))
 
 
 @app.command()
@@ -458,6 +464,7 @@ def gate(
                                      "case per check), on stdout")] = "text",
     as_json: Annotated[bool, typer.Option("--json", help="same as --format json")] = False,
     junit: Annotated[Path | None, typer.Option(help="also write JUnit XML, one test case per check, to FILE")] = None,
+    device: Annotated[str, typer.Option(help=DEVICE_HELP + "; the baseline runs there too")] = "cpu",
 ) -> None:
     """CI gate: exit 1 when a check fails (recovery, KL, top-1, long generation, tasks), 2 on bad input.
 
@@ -498,7 +505,7 @@ def gate(
     )
     from kiln.optimizer.loader import load_checkpoint
 
-    engine = runtime.load(artifact)
+    engine = runtime.load(artifact, device=device)
     source = load_checkpoint(baseline, log=_log)
     if not any_baseline:
         check_baseline(engine.manifest, source)
@@ -507,7 +514,7 @@ def gate(
     min_top1 = recorded_top1 if min_top1 is None else min_top1
     from kiln.runtime.engine import read_generation_defaults
 
-    reference = engine_from_graph(source, engine.tokenizer)
+    reference = engine_from_graph(source, engine.tokenizer, device=engine.device, dtype=engine.dtype)
     # the source decodes with its own generation defaults, as the artifact does with those it shipped
     reference.repetition_penalty = read_generation_defaults(source.source.path / "generation_config.json").get(
         "repetition_penalty", 1.0)

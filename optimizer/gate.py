@@ -76,10 +76,12 @@ def artifact_floors(manifest: dict) -> tuple[float, float]:
     return round(max_kl, 9), round(max(0.0, 1.0 - lost_top1), 9)  # 0.06 + 0.09 is 0.15, not 0.15000000000000002
 
 
-def engine_from_graph(graph: ModelGraph, tokenizer=None) -> Engine:
+def engine_from_graph(graph: ModelGraph, tokenizer=None, device: torch.device | str = "cpu",
+                      dtype: torch.dtype | None = None) -> Engine:
+    """The graph as the runtime runs it once lowered (`device`, `dtype`: see runtime.Engine)."""
     tensors, formats = lower_tensors(graph)
-    return Engine(graph.spec, roundtrip(tensors), formats, tokenizer,
-                               kv_cache=kv_cache_table(graph))
+    return Engine(graph.spec, roundtrip(tensors), formats, tokenizer, kv_cache=kv_cache_table(graph),
+                  device=device, dtype=dtype)
 
 
 HEAD_CHUNK = 128
@@ -155,8 +157,9 @@ def next_token_states(engine: Engine, token_lists: Sequence[Sequence[int]],
     with stage("score", total=len(token_lists), unit="paragraphs") as task:
         for batch in length_batches(token_lists, BATCH_TOKENS):
             hidden = engine.hidden_states([token_lists[i] for i in batch])
-            yield (batch, torch.cat([h[:-1] for h in hidden]),
-                   torch.cat([torch.as_tensor(token_lists[i][1:], dtype=torch.long) for i in batch]))
+            states = torch.cat([h[:-1] for h in hidden])
+            yield (batch, states, torch.cat([torch.as_tensor(token_lists[i][1:], dtype=torch.long)
+                                             for i in batch]).to(states.device))
             task.advance(len(batch))
             if progress is not None:
                 progress(len(batch))

@@ -12,7 +12,8 @@ engine, greedy decoding; a request for sampling is refused. Its `--model_args`:
 
 Kiln batches by tokens, not requests: lm-eval's `batch_size` (an integer, `auto` or `auto:N`) and
 `max_batch_size` are accepted and change nothing (results do not depend on them). lm-eval's `device` (its
-command line passes `cuda:0` unless told otherwise) is accepted and not used: the runtime places the engine.
+command line passes `cuda:0` unless told otherwise) places the engine: a CUDA device runs it on the GPU where one
+exists (runtime.Engine), and the CPU reference runs otherwise.
 
 Registration. The model is declared where lm-eval's plugin guide puts out-of-tree models, the entry-point
 group `lm_eval.models` (pyproject.toml: `kiln = "kiln.optimizer.lm_eval_model:KilnLM"`). lm-eval 0.4.13, the
@@ -56,7 +57,17 @@ class KilnLM(engine_lm_class()):
         if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int)
                                            or max_batch_size < 1):
             raise KilnError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
-        super().__init__(runtime.load(Path(str(artifact)).expanduser()), max_length, batch_tokens)
+        engine = runtime.load(Path(str(artifact)).expanduser(), device=_device(device))
+        super().__init__(engine, max_length, batch_tokens)
+
+
+def _device(device: str | None) -> str:
+    """lm-eval's device as the runtime's: a CUDA device where one exists (packed weights, bf16 activations),
+    else the CPU reference (lm-eval passes cuda:0 unless told otherwise, GPU or not, as its HF model falls back)."""
+    import torch
+
+    wanted = str(device or "cpu")
+    return wanted if not wanted.startswith("cuda") or torch.cuda.is_available() else "cpu"
 
 
 def _check_batch_size(batch_size) -> None:

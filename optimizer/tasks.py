@@ -211,7 +211,7 @@ def score_continuations(engine: Engine, pairs: Sequence[tuple[Sequence[int], Seq
         for batch in length_batches(inputs, batch_tokens):
             hidden = engine.hidden_states([inputs[i] for i in batch])
             rows = torch.cat([h[-widths[i]:] for h, i in zip(hidden, batch, strict=True)])  # [sum widths, C]
-            targets = torch.cat([torch.as_tensor(pairs[i][1], dtype=torch.long) for i in batch])
+            targets = torch.cat([torch.as_tensor(pairs[i][1], dtype=torch.long) for i in batch]).to(rows.device)
             logprob = torch.empty(len(targets), dtype=torch.float64)
             greedy = torch.empty(len(targets), dtype=torch.bool)
             for chunk, lp in head_log_probs(engine.head_logits, rows):

@@ -17,7 +17,7 @@ import torch
 from kiln.kernels.errors import KilnError
 from kiln.runtime.artifact import WEIGHTS, artifact_file, clip, has_tokenizer, read_manifest
 from kiln.runtime.kv_format import resolve_kv_streams
-from kiln.runtime.model import Transformer, attention_mask
+from kiln.runtime.model import Transformer, attention_mask, place
 from kiln.runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, stored_bytes_per_token
 from kiln.runtime.spec import ModelSpec, spec_from_json
 
@@ -60,7 +60,7 @@ def penalize_repeats(logits: torch.Tensor, seen: Sequence[Sequence[int]], penalt
         return logits
     logits = logits.clone()
     for row, tokens in enumerate(seen):
-        index = torch.as_tensor(sorted(set(tokens)), dtype=torch.long)
+        index = torch.as_tensor(sorted(set(tokens)), dtype=torch.long).to(logits.device, non_blocking=True)
         picked = logits[row, index]
         logits[row, index] = torch.where(picked > 0, picked / penalty, picked * penalty)
     return logits
@@ -83,11 +83,44 @@ GENERATE_BATCH_TOKENS = 4096
 """Tokens `generate_ids` runs in one step at most (prompt chunks and decoding rows together)."""
 
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
-"""Size of the runtime's KV block pool when the caller names no block count (CPU reference runtime)."""
+"""Size of the runtime's KV block pool when the caller names no block count, on CPU (the reference runtime)."""
+
+DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+"""A static-shape decode step pads its batch up to the next of these (vLLM's CUDA-graph capture sizes are the
+same idea); a larger batch runs unpadded."""
+DECODE_LENGTH_STEP = 256
+"""A static-shape decode step pads the history it reads up to a multiple of this many tokens."""
+
+GPU_KV_CACHE_FRACTION = 0.5
+"""On a GPU, the share of the memory free after loading the weights that the KV block pool takes by default
+(vLLM's gpu_memory_utilization is the same idea, counted over the whole device)."""
+
+
+def resolve_placement(device: torch.device | str, dtype: torch.dtype | None,
+                      packed: bool | None) -> tuple[torch.device, torch.dtype, bool]:
+    """(device, compute dtype, packed) for a load: the CPU reference is fp32 with weights dequantized once; any
+    other device defaults to bf16 activations over packed weights (what the Triton kernels run)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise KilnError(f"unknown device {device!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise KilnError(f"device {device} asked for, but this machine has no CUDA GPU (torch "
+                        f"{torch.__version__}); use --device cpu")
+    cpu = device.type == "cpu"
+    dtype = (torch.float32 if cpu else torch.bfloat16) if dtype is None else dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise KilnError(f"compute dtype must be float32, bfloat16 or float16, got {dtype}")
+    return device, dtype, (not cpu) if packed is None else packed
 
 
 class Engine:
-    """An artifact loaded for execution. Holds the model (fp32 on CPU), its tokenizer and its manifest.
+    """An artifact loaded for execution. Holds the model, its tokenizer and its manifest.
+
+    `device` "cpu" (the default) is the reference: fp32, every weight dequantized once at load. Another device
+    ("cuda") keeps FP8/FP4 weights packed (`packed` defaults to True there) and runs in `dtype` (bf16 by
+    default); the KV pool, every index tensor of a forward and the sampling live on that device too, and a
+    scheduler step reads back only its sampled token ids.
 
     The KV cache is paged (runtime.paged_kv_cache) and stored in the artifact's KV format (manifest
     "kv_cache"; `kv_cache` overrides it): `kv_cache_blocks` blocks of `kv_block_size` tokens, by default
@@ -98,28 +131,34 @@ class Engine:
     def __init__(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping],
                  tokenizer=None, manifest: dict | None = None, kv_cache: Mapping | None = None,
                  kv_block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_blocks: int | None = None,
-                 repetition_penalty: float = 1.0, packed: bool = False):
+                 repetition_penalty: float = 1.0, packed: bool | None = None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None):
         self.spec = spec
+        self.device, self.dtype, self.packed = resolve_placement(device, dtype, packed)
         # the default for generate_ids, as the artifact's generation_config.json sets it for every server
         self.repetition_penalty = check_repetition_penalty(repetition_penalty)
-        self.model = Transformer(spec, tensors, formats, packed=packed).eval()
+        self.model = Transformer(spec, tensors, formats, packed=self.packed).eval().place(self.device, self.dtype)
         self.tokenizer = tokenizer
         self.manifest = manifest or {}
         self.kv_table = dict(kv_cache if kv_cache is not None else self.manifest.get("kv_cache") or {})
         self.kv_streams = resolve_kv_streams(spec, self.kv_table, tensors)
         self.kv_block_size = kv_block_size
         if kv_cache_blocks is None:
-            block_bytes = kv_block_size * stored_bytes_per_token(self.kv_streams)
-            kv_cache_blocks = max(1, DEFAULT_KV_CACHE_BYTES // block_bytes)
+            block_bytes = kv_block_size * stored_bytes_per_token(self.kv_streams, self.dtype)
+            pool_bytes = DEFAULT_KV_CACHE_BYTES
+            if self.device.type == "cuda":
+                pool_bytes = int(torch.cuda.mem_get_info(self.device)[0] * GPU_KV_CACHE_FRACTION)
+            kv_cache_blocks = max(1, pool_bytes // block_bytes)
         self.kv_cache_blocks = kv_cache_blocks
         self._kv_pool: PagedKVCache | None = None
         self._tensors, self._formats = tensors, formats
         self._draft = None
         self.last_speculative = None  # SpeculativeStats of the last speculative `generate`
         self._compiled_forward = None  # compile_decode()
+        self._static_decode = False
         self._windows = tuple({None, *(layer.attention.sliding_window for layer in spec.layers)})
 
-    def compile_decode(self, mode: str | None = None, warmup: bool = True) -> None:
+    def compile_decode(self, mode: str | None = None, warmup: bool = True, static_shapes: bool | None = None) -> None:
         """Run every decode step (each row one new token on the paged cache: the scheduler's decode forward)
         through `torch.compile` of the model's forward. One traced graph replaces ~50 eager operations per
         layer; the cache is read and written through `PagedKVCache.step_view`, in place. It pays on CPU
@@ -127,8 +166,15 @@ class Engine:
         graphs are compiled, one for batch 1 and one for any larger batch (batch, history length and pool size
         are dynamic): about a minute each for a 135M model on CPU, at `warmup` (two dummy steps on a small
         cache) or else on first use. `mode` is torch.compile's ("reduce-overhead" captures CUDA graphs on a
-        GPU). Prefill, prompt chunks and speculative verification stay eager."""
-        self._compiled_forward = torch.compile(self.model.forward, mode=mode, dynamic=None)
+        GPU). Prefill, prompt chunks and speculative verification stay eager.
+
+        `static_shapes` (default: with "reduce-overhead"): every step runs at a bucketed shape, its batch padded
+        up to the next of DECODE_BATCH_SIZES and its history to a multiple of DECODE_LENGTH_STEP (padding rows
+        write and read only the null block; padded keys are masked), and the forward must trace as one graph
+        (fullgraph: no host sync inside). A CUDA graph is captured once per bucket, not once per step."""
+        self._static_decode = mode == "reduce-overhead" if static_shapes is None else static_shapes
+        self._compiled_forward = torch.compile(self.model.forward, mode=mode, dynamic=None,
+                                               fullgraph=self._static_decode)
         if warmup:
             # made outside inference mode, as the caches the engine serves from are (their tensors' dispatch keys
             # are part of what a compiled graph assumes)
@@ -139,9 +185,8 @@ class Engine:
         for seq_id in range(2):
             cache.add_sequence(seq_id)
         for batch in (1, 2):  # histories of 2 and 3 tokens: a size 1 would compile a graph of its own
-            positions = torch.full((batch, 1), batch)
-            cache.prepare(list(range(batch)), positions)
-            self.decode_logits(torch.zeros(batch, 1, dtype=torch.long), positions, cache)
+            positions = cache.prepare(list(range(batch)), torch.full((batch, 1), batch))
+            self.decode_logits(torch.zeros(batch, 1, dtype=torch.long, device=self.device), positions, cache)
 
     @property
     def compiled(self) -> bool:
@@ -155,7 +200,10 @@ class Engine:
         from torch._dynamo import maybe_mark_dynamic
 
         view = cache.step_view()
-        keys = torch.arange(view.length).expand(tokens.shape[0], -1)
+        batch = tokens.shape[0]
+        if self._static_decode:
+            tokens, positions, view = self._pad_step(tokens, positions, view, cache.null_slot)
+        keys = torch.arange(view.length, device=positions.device).expand(tokens.shape[0], -1)
         # always a mask tensor (the eager path drops an all-true one): one graph serves every step
         view.step_masks = {window: attention_mask(positions, keys, window) for window in self._windows}
         masks = list(view.step_masks.values())
@@ -164,7 +212,25 @@ class Engine:
             maybe_mark_dynamic(tensor, 0)
         for mask in masks:
             maybe_mark_dynamic(mask, 3)
-        return self._compiled_forward(tokens, positions, view)[:, -1]
+        return self._compiled_forward(tokens, positions, view)[:batch, -1]
+
+    @staticmethod
+    def _pad_step(tokens: torch.Tensor, positions: torch.Tensor, view, null_slot: int):
+        """A decode step padded to its static bucket (see compile_decode): rows up to the next batch size, the
+        history read up to a multiple of DECODE_LENGTH_STEP. Padding rows hold token 0 at position 0, written to
+        and read from the null slot: they see one finite key and are cut off after the forward; padded keys lie
+        past every real row's position, so the causal mask hides them."""
+        from torch.nn.functional import pad
+
+        from kiln.runtime.paged_kv_cache import StepView
+
+        B, S = tokens.shape[0], view.length
+        rows = next((size for size in DECODE_BATCH_SIZES if size >= B), B) - B
+        length = -(-S // DECODE_LENGTH_STEP) * DECODE_LENGTH_STEP
+        read = pad(view.read_slots.view(B, S), (0, length - S, 0, rows), value=null_slot).reshape(-1)
+        write = pad(view.write_slots, (0, rows), value=null_slot)
+        return (pad(tokens, (0, 0, 0, rows)), pad(positions, (0, 0, 0, rows)),
+                StepView(view.pools, write, read, length))
 
     def draft_module(self):
         """The artifact's draft module (a DeepSeek MTP layer or a Kiln draft head: runtime.draft), built on
@@ -176,7 +242,8 @@ class Engine:
             module = next((m for m in self.spec.extra_modules if m.kind in DRAFT_KINDS), None)
             if module is None:
                 return None
-            self._draft = draft_module(module, Weights(self._tensors, self._formats, self.spec), self.model).eval()
+            draft = draft_module(module, Weights(self._tensors, self._formats, self.spec, self.packed), self.model)
+            self._draft = place(draft.eval(), self.device, self.dtype)
         return self._draft
 
     def drafter(self, kind: str = "auto", corpus: Sequence[Sequence[int]] | None = None,
@@ -204,7 +271,8 @@ class Engine:
 
             streams = resolve_kv_streams(
                 dataclasses.replace(self.spec, layers=(module.spec.layer,), extra_modules=()), {})[0]
-            return sp.DraftHeadDrafter(module, self.kv_cache_blocks, self.kv_block_size, streams, tree_width)
+            return sp.DraftHeadDrafter(module, self.kv_cache_blocks, self.kv_block_size, streams, tree_width,
+                                       self.dtype, self.device)
         if kind == "prompt-lookup":
             return sp.PromptLookupDrafter()
         if kind == "trigram":
@@ -229,8 +297,8 @@ class Engine:
 
     def new_kv_cache(self, num_blocks: int, block_size: int | None = None, prefix_caching: bool = False) -> PagedKVCache:
         """An empty paged cache in this engine's KV formats."""
-        return PagedKVCache(self.kv_streams, num_blocks, block_size or self.kv_block_size,
-                            prefix_caching=prefix_caching)
+        return PagedKVCache(self.kv_streams, num_blocks, block_size or self.kv_block_size, self.dtype,
+                            prefix_caching=prefix_caching, device=self.device)
 
     @property
     def kv_pool(self) -> PagedKVCache:
@@ -285,8 +353,8 @@ class Engine:
         rows = list(range(len(token_lists)))
         for row in rows:
             cache.add_sequence(row)
-        cache.prepare(rows, positions, positions < torch.tensor(lengths).unsqueeze(1))
-        out = forward(tokens, positions, cache)
+        positions = cache.prepare(rows, positions, positions < torch.tensor(lengths).unsqueeze(1))
+        out = forward(tokens.to(self.device), positions, cache)
         return [out[row, :n] for row, n in enumerate(lengths)]
 
     # --- generation ----------------------------------------------------------------------------------------
@@ -356,10 +424,11 @@ class Engine:
         for i, row in enumerate(rows):
             tokens[i, : len(prompts[row])] = torch.as_tensor(prompts[row], dtype=torch.long)
         positions = torch.arange(T).expand(len(rows), -1)
-        cache.prepare(rows, positions, positions < lengths.unsqueeze(1))
-        features = self.model.features(tokens, positions, cache, collect=collect or ())
+        positions = cache.prepare(rows, positions, positions < lengths.unsqueeze(1))
+        features = self.model.features(tokens.to(self.device), positions, cache, collect=collect or ())
         last, collected = features if collect else (features, features)
-        logits = self.model.lm_head(self.model.norm(last[torch.arange(len(rows)), lengths - 1]))
+        picked = (torch.arange(len(rows), device=self.device), lengths.to(self.device) - 1)
+        logits = self.model.lm_head(self.model.norm(last[picked]))
         return logits if collect is None else (logits, last, collected)
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
@@ -414,7 +483,8 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
         raise KilnError(f"cannot load the tokenizer from {clip(path)}: {detail}") from None
 
 
-def load(path: Path | str, packed: bool = False) -> Engine:
+def load(path: Path | str, packed: bool | None = None, device: torch.device | str = "cpu",
+         dtype: torch.dtype | None = None) -> Engine:
     """Load an artifact directory: verify the schema, shape and checksums, read the weights, build the engine.
 
     Reads only files the manifest's checksum table lists (`runtime.artifact.artifact_file`); the tokenizer
@@ -422,7 +492,10 @@ def load(path: Path | str, packed: bool = False) -> Engine:
     packed=False (the CPU reference) dequantizes every weight once, to fp32. packed=True keeps FP8 and FP4
     weights as stored and multiplies through kiln.kernels.gpu (runtime.model.PackedLinear): Triton kernels
     where Triton runs (CUDA tensors, or TRITON_INTERPRET=1), their torch references elsewhere. On CPU that is
-    a check of the kernels' path, not a fast one (the references dequantize at every product)."""
+    a check of the kernels' path, not a fast one (the references dequantize at every product).
+    `device` "cuda" keeps the weights packed on the GPU with `dtype` (default bf16) activations: see Engine.
+    `packed` None: packed everywhere but on the CPU."""
+    device, dtype, packed = resolve_placement(device, dtype, packed)
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -437,7 +510,7 @@ def load(path: Path | str, packed: bool = False) -> Engine:
     tokenizer = load_tokenizer(root) if has_tokenizer(manifest) else None
     return Engine(spec, tensors, manifest["formats"], tokenizer, manifest,
                   repetition_penalty=generation_defaults(root, manifest).get("repetition_penalty", 1.0),
-                  packed=packed)
+                  packed=packed, device=device, dtype=dtype)
 
 
 def generation_defaults(root: Path, manifest: dict) -> dict:

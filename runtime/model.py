@@ -10,7 +10,7 @@ kernels; here they run one operation after another, which is what they compute.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 from collections.abc import Callable, Mapping
 
 import torch
@@ -47,8 +47,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        # normalized in fp32, scaled in the weight's dtype (the model's compute dtype), as transformers' LlamaRMSNorm
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(self.weight.dtype)
 
 
 class QuantLinear(nn.Module):
@@ -61,7 +63,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_quantizer is not None:
-            x = self.input_quantizer(x)
+            x = self.input_quantizer(x).to(self.weight.dtype)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if SKINNY_ROWS[0] <= rows <= SKINNY_ROWS[1] and x.device.type == "cpu":
             # a decode step's few rows: W @ x^T streams the weight through MKL ~30% faster on CPU than
@@ -102,9 +104,13 @@ class PackedLinear(nn.Module):
     def _apply(self, fn, recurse=True):  # .to(device) moves the FP4 weight's tensors with the buffers
         super()._apply(fn, recurse)
         if self.fp4 is not None:
-            self.fp4 = dataclasses.replace(self.fp4, **{name[len("fp4_"):]: buffer for name, buffer
-                                                        in self.named_buffers(recurse=False)
-                                                        if name.startswith("fp4_")})
+            # the same validated values, moved: a copy of the frozen weight pointing at the moved buffers (its
+            # constructor's value checks would read every block scale back to the host)
+            moved = copy.copy(self.fp4)
+            for name, buffer in self.named_buffers(recurse=False):
+                if name.startswith("fp4_"):
+                    object.__setattr__(moved, name[len("fp4_"):], buffer)
+            self.fp4 = moved
         return self
 
     @property
@@ -112,15 +118,17 @@ class PackedLinear(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype  # the output's: the rotation computes in fp32
         if self.rotation is not None:
-            x = self.rotation.rotate(x)
+            x = self.rotation.rotate(x).to(dtype)
         if self.fp4 is not None:
             out = gpu.fp4_linear(x, self.fp4, self.activation, self.input_scale)
         elif self.activation == ActivationFormat.NONE:
             out = F.linear(x, fp8_dequantize(self.qweight, self.weight_scale).to(x.dtype))
         else:
             out = gpu.fp8_linear(x, self.qweight, self.weight_scale, self.input_scale)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
+        out = out.to(dtype)
+        return out if self.bias is None else out + self.bias.to(dtype)
 
 
 PACKED_ACTIVATIONS = {
@@ -202,29 +210,33 @@ class Weights:
                        self.spec.rms_norm_eps)
 
 
-class Rotary:
-    """cos/sin tables of one RotarySpec for given positions."""
+class Rotary(nn.Module):
+    """cos/sin tables of one RotarySpec for given positions (fp32; apply_rope casts them to the activations')."""
 
     def __init__(self, spec: RotarySpec):
-        self.inv_freq = torch.tensor(spec.inv_freq, dtype=torch.float32)
+        super().__init__()
+        self.register_buffer("inv_freq", torch.tensor(spec.inv_freq, dtype=torch.float32), persistent=False)
         self.attention_scaling = spec.attention_scaling
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
 
-class LayerRotaries:
+class LayerRotaries(nn.Module):
     """Each layer's rotary tables for one forward: layers with the same RotarySpec share one computation."""
 
     def __init__(self, layers):
-        self.specs = [layer.attention.rotary for layer in layers]
-        self.rotaries = {spec: Rotary(spec) for spec in self.specs}
+        super().__init__()
+        specs = [layer.attention.rotary for layer in layers]
+        distinct = list(dict.fromkeys(specs))
+        self.index = [distinct.index(spec) for spec in specs]
+        self.rotaries = nn.ModuleList(Rotary(spec) for spec in distinct)
 
-    def __call__(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        tables = {spec: rotary(positions) for spec, rotary in self.rotaries.items()}
-        return [tables[spec] for spec in self.specs]
+    def forward(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        tables = [rotary(positions) for rotary in self.rotaries]
+        return [tables[i] for i in self.index]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -233,8 +245,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    # x: [B, T, H, D]; cos/sin: [B, T, D]
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    # x: [B, T, H, D]; cos/sin: [B, T, D] (fp32, applied in x's dtype)
+    cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
     if interleaved:
         # DeepSeek: pairs (x0, x1), (x2, x3), ...; output de-interleaved as transformers does
         half = cos.shape[-1] // 2
@@ -255,7 +267,9 @@ def step_mask(cache, positions: torch.Tensor, key_positions: torch.Tensor, windo
         return attention_mask(positions, key_positions, window)
     if window not in memo:
         mask = attention_mask(positions, key_positions, window)
-        memo[window] = None if bool(mask.all()) else mask  # e.g. one sequence decoding: nothing to mask
+        # on CPU an all-true mask is dropped (e.g. one sequence decoding: SDPA runs faster without one); on a GPU
+        # that test would cost a host sync every forward
+        memo[window] = None if mask.device.type == "cpu" and bool(mask.all()) else mask
     return memo[window]
 
 
@@ -306,7 +320,7 @@ class GqaAttention(nn.Module):
         key_positions = positions
         if cache is not None:
             k, v = cache.update(layer, (k, v), positions)
-            key_positions = torch.arange(k.shape[1]).expand(B, -1)
+            key_positions = torch.arange(k.shape[1], device=k.device).expand(B, -1)
         out = _attend(q, k, v, step_mask(cache, positions, key_positions, s.sliding_window), s.softmax_scale)
         return self.o_proj(out.reshape(B, T, s.num_heads * s.v_head_dim))
 
@@ -380,7 +394,7 @@ class MlaAttention(nn.Module):
         key_positions = positions
         if cache is not None:
             latent, k_rot = cache.update(layer, (latent, k_rot), positions)
-            key_positions = torch.arange(latent.shape[1]).expand(B, -1)
+            key_positions = torch.arange(latent.shape[1], device=latent.device).expand(B, -1)
         S = latent.shape[1]
         mask = step_mask(cache, positions, key_positions, None)
         absorb = self.absorb if self.absorb is not None else (cache is not None and S > T)
@@ -451,8 +465,8 @@ class MoeMlp(nn.Module):
         self.shared = DenseMlp(spec.linears, weights, "shared_") if "shared_down" in spec.linears else None
         self.shared_gate = weights.linear(spec.linears["shared_gate_router"]) if spec.shared_expert_gate else None
         bias = spec.score_correction_bias
-        self.score_bias = (weights.tensor(bias, (len(spec.experts),), "a router bias")
-                           if bias and bias in weights.tensors else None)
+        self.register_buffer("score_bias", weights.tensor(bias, (len(spec.experts),), "a router bias")
+                             if bias and bias in weights.tensors else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [N, C] -> (weights [N, k], expert indices [N, k])
@@ -513,6 +527,25 @@ def build_block(layer: LayerSpec, weights: Weights) -> Block:
     return Block(attention, mlp, weights.norm(layer.norms[0]), weights.norm(layer.norms[1]))
 
 
+def place(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Move `module` to `device`, its floating parameters (embedding, norms, dequantized weights, biases) to the
+    compute `dtype`; buffers (packed weight bytes and their scales, rotary frequencies) keep their dtypes.
+    Parameters that share storage (an lm_head tied to the embedding) still share one copy after."""
+    moved: dict[tuple, torch.Tensor] = {}  # by storage: one copy of what several parameters view
+    replaced: dict[int, nn.Parameter] = {}  # by parameter: a module shared by two owners is replaced once
+    for owner in module.modules():
+        for name, param in owner.named_parameters(recurse=False):
+            if id(param) not in replaced:
+                replaced[id(param)] = param
+                if param.is_floating_point() and (param.device != device or param.dtype != dtype):
+                    key = (param.data_ptr(), param.device, tuple(param.shape), param.stride(), param.dtype)
+                    if key not in moved:
+                        moved[key] = param.detach().to(device, dtype)
+                    replaced[id(param)] = nn.Parameter(moved[key], requires_grad=False)
+            setattr(owner, name, replaced[id(param)])
+    return module.to(device)  # the buffers
+
+
 class Transformer(nn.Module):
     """The whole model. Built from the artifact's tensors and format table, or from a `Weights` the caller
     made (the calibrator passes one that records which module each linear became). `packed`: linears keep
@@ -533,6 +566,10 @@ class Transformer(nn.Module):
 
     def stream_shapes(self) -> list[tuple[tuple[int, int], ...]]:
         return [b.attention.stream_shapes() for b in self.blocks]
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> Transformer:
+        """On `device`, computing in `dtype` (see `place`): fp32 on CPU is the reference."""
+        return place(self, device, dtype)
 
     def features(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None,
                  collect: tuple[int, ...] = ()):

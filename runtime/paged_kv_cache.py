@@ -8,15 +8,18 @@
 
 Storage, per layer and stream, is one pool of (num_blocks + 1) * block_size token slots [slots, H, D'],
 slot = block * block_size + offset, in the layer's KV format (runtime.kv_format): the model's dtype for
-BF16 layers (fp32 on CPU), float8_e4m3fn bytes (+ an fp32 scale per token when dynamic) for FP8, packed
+BF16 layers (fp32 on CPU, bf16 on a GPU), float8_e4m3fn bytes (+ an fp32 scale per token when dynamic) for FP8, packed
 E2M1 bytes + E4M3 block scales for NVFP4. The extra last block is the null block: zeros, never handed
 out, never written; reads past a sequence's length point at it.
 
 `update` writes the new tokens of each row into that row's own blocks (rows' padding positions, marked
-invalid in `prepare`, are never written) and returns every stream gathered and dequantized to fp32
-[B, S, H, D] for S = the longest sequence in the batch: the same contract as `ContiguousKVCache.update`,
+invalid in `prepare`, are never written) and returns every stream gathered and dequantized to the model's
+dtype [B, S, H, D] for S = the longest sequence in the batch: the same contract as `ContiguousKVCache.update`,
 so attention reads through it unchanged. When a step needs more blocks than are free, `prepare` raises
 `KvCacheFull` before anything is allocated or written; the caller waits for sequences to finish or refuses.
+
+The pools live on the cache's `device`; block tables and the scheduling arithmetic stay on the host, and
+`prepare` copies each forward's index tensors to the device once (so a GPU forward reads no host tensor).
 """
 
 from __future__ import annotations
@@ -161,33 +164,39 @@ def copy_rows(t: Tensor, src: Tensor, dst: Tensor) -> None:
     view.index_copy_(0, dst, view.index_select(0, src))
 
 
+def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
+    return None if t is None else t.to(device)
+
+
 class _DensePool:
     """Unquantized (BF16 at deployment): the model's compute dtype, so reads equal the uncached values."""
 
     storage = ("data",)
 
-    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
-        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=dtype)
+    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype, device: torch.device):
+        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=dtype, device=device)
 
     def write(self, slots: Tensor, x: Tensor) -> None:
         self.data.index_copy_(0, slots, x.to(self.data.dtype))
 
     def read(self, slots: Tensor) -> Tensor:
-        return self.data.index_select(0, slots).float()
+        return self.data.index_select(0, slots)
 
 
 class _QuantizedPool:
-    """Shared by the quantized pools: the stream's calibrated offset comes off before storing, back on reading."""
+    """Shared by the quantized pools: the stream's calibrated offset comes off before storing, back on reading
+    (in fp32); reads come back in the model's dtype."""
 
-    def __init__(self, stream: KvStream):
-        self.offset = stream.offset  # [H, D] or None
+    def __init__(self, stream: KvStream, dtype: torch.dtype, device: torch.device):
+        self.offset = _on(stream.offset, device)  # [H, D] or None
+        self.dtype = dtype
 
     def write(self, slots: Tensor, x: Tensor) -> None:
         self._store(slots, x.float() if self.offset is None else x.float() - self.offset)
 
     def read(self, slots: Tensor) -> Tensor:
         values = self._load(slots)
-        return values if self.offset is None else values + self.offset
+        return (values if self.offset is None else values + self.offset).to(self.dtype)
 
 
 class _Fp8StaticPool(_QuantizedPool):
@@ -195,12 +204,12 @@ class _Fp8StaticPool(_QuantizedPool):
 
     storage = ("data",)
 
-    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
-        super().__init__(stream)
+    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(stream, dtype, device)
         if stream.scale is None:
             raise KilnError(f"FP8 KV stream {stream.name!r} ({stream.scaling}) has no scale")
-        self.scale = stream.scale
-        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=torch.float8_e4m3fn)
+        self.scale = _on(stream.scale, device)
+        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=torch.float8_e4m3fn, device=device)
 
     def _store(self, slots: Tensor, x: Tensor) -> None:
         # index_copy_ has no float8 kernel on CPU: copy the bytes
@@ -215,10 +224,10 @@ class _Fp8DynamicPool(_QuantizedPool):
 
     storage = ("data", "token_scale")
 
-    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
-        super().__init__(stream)
-        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=torch.float8_e4m3fn)
-        self.token_scale = torch.ones(slots, 1, 1)
+    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(stream, dtype, device)
+        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=torch.float8_e4m3fn, device=device)
+        self.token_scale = torch.ones(slots, 1, 1, device=device)
 
     def _store(self, slots: Tensor, x: Tensor) -> None:
         q, scale = fp8_kv_quantize_per_token(x)
@@ -234,17 +243,17 @@ class _Nvfp4Pool(_QuantizedPool):
 
     storage = ("packed", "block_scale")
 
-    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype):
-        super().__init__(stream)
+    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(stream, dtype, device)
         if stream.scale is None:
             raise KilnError(f"NVFP4 KV stream {stream.name!r} has no global scale")
         if stream.dim % NVFP4_BLOCK_SIZE:
             raise KilnError(f"NVFP4 KV stream {stream.name!r}: dim {stream.dim} is not a multiple of "
                             f"{NVFP4_BLOCK_SIZE}")
-        self.global_scale = stream.scale
-        self.packed = torch.zeros(slots, stream.heads, stream.dim // 2, dtype=torch.uint8)
+        self.global_scale = _on(stream.scale, device)
+        self.packed = torch.zeros(slots, stream.heads, stream.dim // 2, dtype=torch.uint8, device=device)
         self.block_scale = torch.zeros(slots, stream.heads, stream.dim // NVFP4_BLOCK_SIZE,
-                                       dtype=torch.float8_e4m3fn)
+                                       dtype=torch.float8_e4m3fn, device=device)
 
     def _store(self, slots: Tensor, x: Tensor) -> None:
         packed, block_scale = nvfp4_kv_quantize(x, self.global_scale)
@@ -290,7 +299,7 @@ class StepView:
         self.step_masks: dict = {}
 
     def update(self, layer: int, new: tuple[Tensor, ...], positions: Tensor) -> tuple[Tensor, ...]:
-        # new[i]: [B, T, H, D] -> every stream of the batch's sequences, fp32 [B, S, H, D]
+        # new[i]: [B, T, H, D] -> every stream of the batch's sequences, [B, S, H, D] in the model's dtype
         out = []
         for pool, value in zip(self.pools[layer], new, strict=True):
             pool.write(self.write_slots, value.reshape(-1, *value.shape[2:]))
@@ -303,7 +312,7 @@ class _Step:
     """Index tensors for one forward, computed once in `prepare` and used by every layer."""
 
     positions: Tensor  # [B, T] storage positions (where each token is written)
-    valid: Tensor | None  # [B, T] bool, None when every token is written
+    valid: Tensor | None  # [N] the written tokens' rows in [B * T] (row-major), None when every token is written
     write_slots: Tensor  # [N] slot of each written token, in row-major order of the valid tokens
     read_slots: Tensor  # [B * S]
     batch: int
@@ -324,11 +333,13 @@ class PagedKVCache:
 
     def __init__(self, streams: Sequence[Sequence[KvStream]], num_blocks: int,
                  block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
-                 prefix_caching: bool = False):
-        # streams[layer] = the layer's KvStreams (runtime.kv_format.resolve_kv_streams)
+                 prefix_caching: bool = False, device: torch.device | str = "cpu"):
+        # streams[layer] = the layer's KvStreams (runtime.kv_format.resolve_kv_streams); dtype: the model's
+        # compute dtype (what reads return, and what BF16 layers store)
         if not isinstance(block_size, int) or block_size < 1:
             raise KilnError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
+        self.device, self.dtype = torch.device(device), dtype
         self.allocator = BlockAllocator(num_blocks)
         self.null_slot = num_blocks * block_size  # first slot of the null block
         slots = (num_blocks + 1) * block_size
@@ -339,7 +350,7 @@ class PagedKVCache:
                 kind = _POOLS.get((s.format, s.scaling))
                 if kind is None:
                     raise KilnError(f"no KV storage for format {s.format!r} with scaling {s.scaling!r}")
-                pools.append(kind(s, slots, dtype))
+                pools.append(kind(s, slots, dtype, self.device))
             self.pools.append(tuple(pools))
         self.block_tables: dict[Hashable, list[int]] = {}
         self.lengths: dict[Hashable, int] = {}  # highest written position + 1, per sequence
@@ -456,7 +467,8 @@ class PagedKVCache:
 
     def _copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size
-        src_slots, dst_slots = torch.arange(src * bs, (src + 1) * bs), torch.arange(dst * bs, (dst + 1) * bs)
+        src_slots = torch.arange(src * bs, (src + 1) * bs, device=self.device)
+        dst_slots = torch.arange(dst * bs, (dst + 1) * bs, device=self.device)
         for layer in self.pools:
             for pool in layer:
                 for name in pool.storage:
@@ -485,15 +497,19 @@ class PagedKVCache:
 
     # --- one forward -----------------------------------------------------------------------------------------
     def prepare(self, seq_ids: Sequence[Hashable], positions: Tensor, valid: Tensor | None = None,
-                rope_positions: Tensor | None = None, attend: Tensor | None = None) -> None:
+                rope_positions: Tensor | None = None, attend: Tensor | None = None) -> Tensor:
         """Bind the rows of the next forward to sequences and allocate the blocks their valid positions need.
+        Returns the positions the forward runs with (`rope_positions` if given, else `positions`) on the
+        cache's device: the tensor to pass to the model (the same object when it is already there).
 
-        positions: [B, T] absolute positions; valid: [B, T] bool, False for padding (never written).
+        positions: [B, T] absolute positions; valid: [B, T] bool, False for padding (never written); both
+        best on the host (they are read there).
         All or nothing: raises KvCacheFull, with nothing allocated or written, when the blocks run out.
         Tree verification writes each node at its own storage position (`positions`) while the model runs it at
         its depth's position (`rope_positions`), and sees its ancestors only (`attend`, [B, 1, T, S]).
         """
         B, T = positions.shape
+        positions, valid = positions.cpu(), None if valid is None else valid.cpu()
         if len(seq_ids) != B:
             raise KilnError(f"prepare: {len(seq_ids)} sequence ids for a batch of {B} rows")
         if valid is not None and bool(valid.all()):
@@ -539,7 +555,11 @@ class PagedKVCache:
         read = torch.where(k < held, read, self.null_slot)
         if attend is not None and attend.shape != (B, 1, T, S):
             raise KilnError(f"prepare: attend must be [{B}, 1, {T}, {S}], got {list(attend.shape)}")
-        self._step = _Step(positions, valid, write_slots, read.reshape(-1), B, S, rope_positions, attend)
+        device = self.device
+        written = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)  # on the host: no sync
+        self._step = _Step(positions.to(device), _on(written, device), write_slots.to(device),
+                           read.reshape(-1).to(device), B, S, _on(rope_positions, device), _on(attend, device))
+        return self._step.positions if rope_positions is None else self._step.rope_positions
 
     def step_view(self) -> StepView:
         """The prepared forward as a `StepView`, for a compiled decode step: it must be a plain forward (every
@@ -567,7 +587,8 @@ class PagedKVCache:
         bs = self.block_size
 
         def slots(positions):
-            return torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.long)
+            return torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.long,
+                                device=self.device)
 
         if any(p >= self.lengths[seq_id] for p in (*src, *dst)):
             raise KilnError(f"move: positions past sequence {seq_id!r}'s length {self.lengths[seq_id]}")
@@ -585,14 +606,17 @@ class PagedKVCache:
         self._step = None
 
     def update(self, layer: int, new: tuple[Tensor, ...], positions: Tensor) -> tuple[Tensor, ...]:
-        # new[i]: [B, T, H, D] -> every stream of the batch's sequences, fp32 [B, S, H, D]
+        # new[i]: [B, T, H, D] -> every stream of the batch's sequences, [B, S, H, D] in the model's dtype
         step = self._step
         expected = None if step is None else step.positions if step.rope_positions is None else step.rope_positions
-        if step is None or not (positions is expected or torch.equal(positions, expected)):
+        if step is None or not (positions is expected or (positions.device == expected.device
+                                                          and torch.equal(positions, expected))):
             raise KilnError("PagedKVCache.update: call prepare(seq_ids, positions) before this forward")
         out = []
         for pool, value in zip(self.pools[layer], new, strict=True):
-            tokens = value.reshape(-1, *value.shape[2:]) if step.valid is None else value[step.valid]
+            tokens = value.reshape(-1, *value.shape[2:])
+            if step.valid is not None:
+                tokens = tokens.index_select(0, step.valid)
             if tokens.shape[0]:
                 pool.write(step.write_slots, tokens)
             out.append(pool.read(step.read_slots).view(step.batch, step.length, *value.shape[2:]))

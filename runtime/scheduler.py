@@ -177,7 +177,7 @@ class Scheduler:
         request = Request(next(self._ids) if request_id is None else request_id, prompt, params,
                           frozenset(stop_ids), float(penalty), stop_check)
         if params.seed is not None:
-            request.generator = torch.Generator().manual_seed(params.seed)
+            request.generator = torch.Generator(self.engine.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt)
         with self._lock:
@@ -284,11 +284,11 @@ class Scheduler:
         sampled = []
         ones = [(r, n) for r, n in plan if n == 1]
         chunks = [(r, n) for r, n in plan if n > 1]
+        device = cache.device
         if ones:
             ids = [r.id for r, _ in ones]
-            tokens = torch.tensor([[r.tokens[r.num_computed]] for r, _ in ones])
-            positions = torch.tensor([[r.num_computed] for r, _ in ones])
-            cache.prepare(ids, positions)
+            tokens = torch.tensor([[r.tokens[r.num_computed]] for r, _ in ones]).to(device, non_blocking=True)
+            positions = cache.prepare(ids, torch.tensor([[r.num_computed] for r, _ in ones]))
             logits = self.engine.decode_logits(tokens, positions, cache)
             sampled += self._advance(ones, logits)
         if chunks:
@@ -299,13 +299,14 @@ class Scheduler:
             for i, (r, n) in enumerate(chunks):
                 tokens[i, :n] = torch.tensor(r.tokens[r.num_computed: r.num_computed + n])
             positions = starts.unsqueeze(1) + torch.arange(T)
-            cache.prepare([r.id for r, _ in chunks], positions, torch.arange(T) < lengths.unsqueeze(1))
-            features = model.features(tokens, positions, cache)
+            positions = cache.prepare([r.id for r, _ in chunks], positions, torch.arange(T) < lengths.unsqueeze(1))
+            features = model.features(tokens.to(device), positions, cache)
             done = [i for i, (r, n) in enumerate(chunks) if r.num_computed + n == len(r.tokens)]
             logits = None
             if done:
                 rows = torch.tensor(done)
-                logits = model.lm_head(model.norm(features[rows, lengths[rows] - 1]))
+                last = (rows.to(device), (lengths[rows] - 1).to(device))
+                logits = model.lm_head(model.norm(features[last]))
             sampled += self._advance(chunks, logits, done)
             self.prompt_tokens_computed += int(lengths.sum())
         return sampled
@@ -323,6 +324,8 @@ class Scheduler:
         return out
 
     def _sample(self, requests: Sequence[Request], logits: torch.Tensor) -> list[int]:
+        """Each row's next token, computed where the logits are (the GPU: penalties, argmax and multinomial run
+        there, with each seeded request's generator on that device); the one host sync is the final list."""
         penalized = [i for i, r in enumerate(requests) if r.penalty != 1.0]
         for i in penalized:
             logits[i: i + 1] = penalize_repeats(logits[i: i + 1], [requests[i].tokens], requests[i].penalty)

@@ -92,6 +92,7 @@ class ServerConfig:
     served_model_name: str | None = None  # None: the artifact directory's name
     num_blocks: int | None = None  # KV blocks in the pool; None: the engine's default pool size
     compile_decode: bool = False  # Engine.compile_decode before serving (minutes of compiling at startup)
+    device: str = "cpu"  # "cuda": packed weights, bf16 activations, KV pool and sampling on the GPU
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -878,11 +879,11 @@ def serve(artifact: Path | str, config: ServerConfig, announce: Callable[[str], 
     from kiln.runtime.engine import load
 
     artifact = Path(artifact)
-    engine = load(artifact)
+    engine = load(artifact, device=config.device)
     say = announce or (lambda line: print(line, flush=True))
     if config.compile_decode:
         say("compiling the decode step (torch.compile; /health answers once it is done) ...")
-        engine.compile_decode()
+        engine.compile_decode(mode="reduce-overhead" if engine.device.type == "cuda" else None)
     model_id = config.served_model_name or artifact.resolve().name
     app = create_app(engine, config, model_id)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,

@@ -88,7 +88,7 @@ def accept_sampled(drafts: Sequence[int], draft_probs: torch.Tensor | None, targ
     for i, d in enumerate(drafts):
         p = target_probs[i]
         q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
-        if q_d > 0 and float(torch.rand((), generator=generator)) * q_d < float(p[d]):
+        if q_d > 0 and float(torch.rand((), generator=generator, device=p.device)) * q_d < float(p[d]):
             out.append(d)
             continue
         if draft_probs is None:
@@ -204,11 +204,12 @@ class DraftHeadDrafter(Drafter):
 
     needs_features = True
 
-    def __init__(self, module, num_blocks: int, block_size: int, kv_streams, tree_width: int = 1):
+    def __init__(self, module, num_blocks: int, block_size: int, kv_streams, tree_width: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         self.module = module
         self.feature_layers = tuple(module.aux_layers)
         self.tree_width = tree_width  # greedy: the top-`tree_width` tokens at each depth go to verification
-        self.cache = PagedKVCache([kv_streams], num_blocks, block_size)
+        self.cache = PagedKVCache([kv_streams], num_blocks, block_size, dtype, device=device)
         self.rows: dict[Hashable, _HeadRow] = {}
 
     def start(self, row, tokens, features):
@@ -226,7 +227,7 @@ class DraftHeadDrafter(Drafter):
         # 1. the pending positions, with the target's true features: their last output drafts token 1
         width = max(len(s.pending) for s in states)
         C = states[0].pending.shape[-1]
-        features = torch.zeros(len(rows), width, C)
+        features = states[0].pending.new_zeros(len(rows), width, C)
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
         positions = torch.zeros(len(rows), width, dtype=torch.long)
         valid = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -237,8 +238,8 @@ class DraftHeadDrafter(Drafter):
             positions[i, :n] = torch.arange(s.start, s.start + n)
             positions[i, n:] = s.start + n - 1  # padding: masked, never written
             valid[i, :n] = True
-        self.cache.prepare(list(rows), positions, valid)
-        out = self.module(self.module.project(features), tokens, positions, self.cache)
+        positions = self.cache.prepare(list(rows), positions, valid)
+        out = self.module(self.module.project(features), tokens.to(features.device), positions, self.cache)
         last = torch.stack([out[i, len(s.pending) - 1] for i, s in enumerate(states)])  # [B, C]
         ends = [s.start + len(s.pending) for s in states]  # the next position to run
         for s, end in zip(states, ends, strict=True):
@@ -262,8 +263,7 @@ class DraftHeadDrafter(Drafter):
                 drafts[i].append(t)
             if step == k - 1:
                 break
-            positions = torch.tensor([[end + step] for end in ends])
-            self.cache.prepare(list(rows), positions)
+            positions = self.cache.prepare(list(rows), torch.tensor([[end + step] for end in ends]))
             last = self.module(last[:, None], picked[:, None], positions, self.cache)[:, 0]
         return Proposal(drafts, [torch.stack(p) if p else None for p in probs],
                         siblings if temperature <= 0 and self.tree_width > 1 else None)
@@ -333,7 +333,7 @@ def speculative_generate(engine, prompts: Sequence[Sequence[int]], max_new_token
     need = [cache.blocks_for(len(p) + max_new_tokens + spare) for p in prompts]
     if any(n > cache.num_blocks for n in need):
         raise KilnError(f"a request needs more KV-cache blocks than the cache's {cache.num_blocks}")
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    generator = torch.Generator(engine.device).manual_seed(seed) if seed is not None else None
     stop_ids = set(stop_ids)
     results: list[tuple[list[int], str]] = [([], "length") for _ in prompts]
     stats = SpeculativeStats()
@@ -434,11 +434,11 @@ def _run_wave(engine, model, cache, prompts, rows, max_new_tokens, drafter, k, t
                             attend[i, 0, j, L + a] = True
                             a = parents[a]
                     attend[i, 0, len(node_tokens):, :L + 1] = True  # padding rows: anything valid
-                cache.prepare(active, positions, valid, rope_positions=rope, attend=attend)
-                features, drafted_from = _features(model, tokens, rope, cache, drafter)
+                rope = cache.prepare(active, positions, valid, rope_positions=rope, attend=attend)
+                features, drafted_from = _features(model, tokens.to(rope.device), rope, cache, drafter)
             else:
-                cache.prepare(active, positions, valid)
-                features, drafted_from = _features(model, tokens, positions, cache, drafter)
+                positions = cache.prepare(active, positions, valid)
+                features, drafted_from = _features(model, tokens.to(positions.device), positions, cache, drafter)
             logits = model.lm_head(model.norm(features))
             still = []
             for i, r in enumerate(active):

@@ -1,0 +1,158 @@
+"""The device-aware runtime: `runtime.load(path, device=..., dtype=...)`.
+
+This machine has no GPU, so what a GPU run depends on is checked in three ways:
+- bf16 on the CPU runs the whole GPU code path but the kernels' dispatch (packed weights, bf16 activations,
+  bf16 KV reads, the scheduler and sampling), and must track the fp32 reference;
+- on the meta device every tensor a forward reads must be on the engine's device (an op mixing a CPU tensor
+  with a meta one raises, as it would with a CUDA one), prefill, scoring and the decode step alike;
+- the static-shape decode step (what a CUDA graph captures) pads to a few bucketed shapes, traces as one
+  graph (fullgraph: no host sync), and decodes the eager tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import runtime
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.build import build
+from kiln.optimizer.recipes import Recipe
+from kiln.passes.kv_cache import KvCacheQuantization
+from kiln.passes.weight_quant import WeightQuantization
+from kiln.runtime.engine import DECODE_BATCH_SIZES, DECODE_LENGTH_STEP
+from kiln.runtime.model import PackedLinear, QuantLinear, RMSNorm
+from kiln.runtime.scheduler import SamplingParams, Scheduler
+from tests.conftest import STORIES
+
+torch.set_num_threads(1)
+
+TOKENS = [[1, 403, 261, 348, 416, 401, 263, 260, 443, 344, 261, 348, 402], [1, 285, 388, 262, 289]]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """stories260K as FP8 W8A8 with an FP8 (per-token) KV cache, as NVFP4 W4A16 with an NVFP4 KV cache, and
+    with its weights as they are and an NVFP4 KV cache."""
+    if not (STORIES / "config.json").is_file():
+        pytest.skip("../shared/models absent")
+    root = tmp_path_factory.mktemp("device")
+    recipes = {
+        "fp8": (WeightQuantization(method="rtn", format="fp8", activations="dynamic"),
+                KvCacheQuantization(format="fp8", scaling="dynamic")),
+        "nvfp4": (WeightQuantization(method="rtn", format="nvfp4"), KvCacheQuantization(format="nvfp4")),
+        "nvfp4-kv": (KvCacheQuantization(format="nvfp4"),),
+    }
+    return {name: build(STORIES, "blackwell", Recipe(name, passes), root / name, gate=False).path
+            for name, passes in recipes.items()}
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    from kiln.kernels import gpu
+
+    monkeypatch.setattr(gpu, "use_triton", lambda x: False)
+
+
+@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
+def test_bf16_engine_keeps_packed_bytes_and_tracks_the_fp32_reference(artifacts, name, no_triton):
+    reference = runtime.load(artifacts[name])
+    engine = runtime.load(artifacts[name], dtype=torch.bfloat16, packed=True)
+    assert (reference.dtype, reference.packed) == (torch.float32, False)
+    assert (engine.dtype, engine.packed) == (torch.bfloat16, True)
+    assert engine.model.embed.dtype == torch.bfloat16
+    for module in engine.model.modules():
+        if isinstance(module, RMSNorm | QuantLinear):
+            assert module.weight.dtype == torch.bfloat16
+        if isinstance(module, PackedLinear):  # the stored bytes and fp32 scales, not cast
+            assert {b.dtype for b in module.buffers()} <= {torch.float8_e4m3fn, torch.uint8, torch.float32}
+    assert any(isinstance(m, PackedLinear) for m in engine.model.modules())
+    cache = engine.new_kv_cache(4)
+    assert cache.dtype == torch.bfloat16 and all(s.format != "bf16" for layer in engine.kv_streams for s in layer)
+
+    agree, total = 0, 0
+    for expected, got in zip(reference.logits(TOKENS), engine.logits(TOKENS), strict=True):
+        assert got.dtype == torch.bfloat16
+        # bf16 activations move some FP8/FP4 activation and KV roundings by a step (measured here: a mean error
+        # of 0.3% of the largest logit unquantized, 0.8-1.7% quantized; the worst logit up to 10%), so the
+        # mean error is held, and the top token
+        error = (got.float() - expected).abs().mean() / expected.abs().max()
+        assert float(error) < 0.03
+        agree += int((got.float().argmax(-1) == expected.argmax(-1)).sum())
+        total += len(expected)
+    assert agree >= 0.85 * total
+
+    # the scheduler and sampling in bf16: seeded sampling repeats itself, greedy decoding runs to its length
+    sampled = [engine.generate_ids(TOKENS, 12, temperature=0.8, seed=7, repetition_penalty=1.3) for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    for out, reason in engine.generate_ids(TOKENS, 12, stop_ids=()):
+        assert reason == "length" and len(out) == 12 and all(0 <= t < engine.spec.vocab_size for t in out)
+
+
+# NVFP4 weights are left out: on a GPU they run the Triton kernels; their torch references, which run here,
+# check the stored codes on the host at every product (a CPU-only reference, which meta tensors cannot run)
+@pytest.mark.parametrize("name", ["fp8", "nvfp4-kv"])
+def test_every_tensor_a_forward_reads_is_on_the_engine_device(artifacts, name, no_triton):
+    engine = runtime.load(artifacts[name], device="meta")
+    assert engine.device == torch.device("meta") and engine.packed and engine.dtype == torch.bfloat16
+    assert all(s.format != "bf16" for layer in engine.kv_streams for s in layer)
+    assert all(t.device.type == "meta" for t in (*engine.model.parameters(), *engine.model.buffers()))
+    # scoring: padded batch, paged scratch cache
+    for tokens, out in zip(TOKENS, engine.logits(TOKENS), strict=True):
+        assert out.device.type == "meta" and tuple(out.shape) == (len(tokens), engine.spec.vocab_size)
+    # prefill, then a decode step, on the engine's block pool
+    cache = engine.new_kv_cache(8)
+    assert all(getattr(pool, n).device.type == "meta" for layer in cache.pools for pool in layer for n in pool.storage)
+    for row in range(2):
+        cache.add_sequence(row)
+    logits = engine._prefill_rows(cache, [0, 1], TOKENS)
+    assert logits.device.type == "meta" and tuple(logits.shape) == (2, engine.spec.vocab_size)
+    positions = cache.prepare([0, 1], torch.tensor([[len(TOKENS[0])], [len(TOKENS[1])]]))
+    assert positions.device.type == "meta"
+    step = engine.decode_logits(torch.zeros(2, 1, dtype=torch.long, device="meta"), positions, cache)
+    assert step.device.type == "meta" and tuple(step.shape) == (2, engine.spec.vocab_size)
+
+
+def test_a_forward_fed_host_tensors_on_another_device_fails():
+    """The property the meta test relies on: an op mixing a meta tensor with a CPU one raises."""
+    with pytest.raises(RuntimeError, match="device"):
+        torch.ones(2, device="meta") + torch.ones(2)
+
+
+def test_devices_and_dtypes_that_cannot_run_are_refused(artifacts):
+    if not torch.cuda.is_available():
+        with pytest.raises(KilnError, match="no CUDA GPU"):
+            runtime.load(artifacts["fp8"], device="cuda")
+    with pytest.raises(KilnError, match="unknown device"):
+        runtime.load(artifacts["fp8"], device="gpu0")
+    with pytest.raises(KilnError, match="compute dtype"):
+        runtime.load(artifacts["fp8"], dtype=torch.int8)
+
+
+def test_the_static_shape_decode_step_pads_to_buckets_and_decodes_the_eager_tokens(artifacts):
+    """What `compile_decode(mode="reduce-overhead")` does on a GPU, on the CPU: the step traced as one graph
+    (fullgraph: a host sync inside would fail the trace), run at bucketed shapes only."""
+    from torch._dynamo.utils import counters
+
+    eager, static = runtime.load(artifacts["fp8"]), runtime.load(artifacts["fp8"])
+    torch._dynamo.reset()
+    counters.clear()
+    static.compile_decode(static_shapes=True, warmup=False)
+    compiled, shapes = static._compiled_forward, set()
+
+    def recorded(tokens, positions, view):
+        shapes.add((tokens.shape[0], view.length))
+        return compiled(tokens, positions, view)
+
+    static._compiled_forward = recorded
+    prompts = [[1, *range(100 + i, 104 + 5 * i)] for i in range(3)]  # histories of 5 to 14 tokens, then more
+    assert static.generate_ids(prompts, 24, stop_ids=()) == eager.generate_ids(prompts, 24, stop_ids=())
+    assert shapes == {(4, DECODE_LENGTH_STEP)} and 4 in DECODE_BATCH_SIZES  # 3 rows pad to 4, <= 37 keys to 256
+    assert not counters["graph_break"]
+
+
+def test_the_cli_refuses_a_device_it_does_not_have(artifacts, cli):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, out, err = cli("generate", artifacts["fp8"], "Once", "--device", "cuda")
+    assert code == 2 and "no CUDA GPU" in err and len(err.strip().splitlines()) == 1 and not out
