@@ -12,6 +12,10 @@ Triton runs when it is installed and the inputs are CUDA tensors, or, for CPU te
 TRITON_INTERPRET=1 (the tests). Otherwise the reference in kernels/torch_refs.py runs: the same numbers within
 each kernel's stated tolerance. Results have the input's dtype either way. The kernel modules import Triton,
 so they are imported here only on the Triton path.
+
+Under torch.compile the two GEMMs are the custom ops `kiln::fp8_linear` and `kiln::fp4_linear` (torch.library):
+one opaque node each in the traced graph, so a compiled decode step traces whole (no graph break at a kernel's
+Python launch code) and a CUDA graph captures the kernel launches.
 """
 
 from __future__ import annotations
@@ -40,9 +44,25 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda != interpreting()
 
 
+def unchecked_weight(cls: type[Nvfp4Weight | Mxfp4Weight], **fields) -> Nvfp4Weight | Mxfp4Weight:
+    """An NVFP4/MXFP4 weight from tensors already checked as one (moved to another device, or passed through a
+    custom op), built without its constructor's value checks: those read every block scale back to the host."""
+    weight = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(weight, name, value)
+    return weight
+
+
 def fp8_linear(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times an FP8 weight [N, K] (per-channel or per-tensor scale) -> [..., N] in x's dtype."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kiln.fp8_linear(x, qw, w_scale, input_scale)
+    return _fp8_linear(x, qw, w_scale, input_scale)
+
+
+def _fp8_linear(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor,
+                input_scale: torch.Tensor | None) -> torch.Tensor:
     if use_triton(x):
         from kiln.kernels.triton_fp8_gemm import fp8_linear as kernel
 
@@ -64,6 +84,16 @@ def fp4_linear(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight, activation: s
                          f"got {activation!r}")
     if activation == ActivationFormat.NONE and input_scale is not None:
         raise ValueError("input_scale is an activation quantization scale; activation 'none' takes none")
+    if torch.compiler.is_compiling():
+        nvfp4 = isinstance(weight, Nvfp4Weight)
+        return torch.ops.kiln.fp4_linear(x, weight.packed, weight.block_scale if nvfp4 else weight.scale_e8m0,
+                                         weight.global_scale if nvfp4 else None, weight.in_features, activation,
+                                         input_scale)
+    return _fp4_linear(x, weight, activation, input_scale)
+
+
+def _fp4_linear(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight, activation: str,
+                input_scale: torch.Tensor | None) -> torch.Tensor:
     if use_triton(x):
         from kiln.kernels.triton_fp4_gemm import fp4_w4a4_linear, fp4_w4a16_gemm
 
@@ -73,6 +103,34 @@ def fp4_linear(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight, activation: s
     if activation == ActivationFormat.NONE:
         return torch_refs.fp4_w4a16_ref(x, weight).to(x.dtype)
     return torch_refs.fp4_w4a4_ref(x, weight, input_scale).to(x.dtype)
+
+
+@torch.library.custom_op("kiln::fp8_linear", mutates_args=())
+def _fp8_linear_op(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor,
+                   input_scale: torch.Tensor | None) -> torch.Tensor:
+    return _fp8_linear(x, qw, w_scale, input_scale)
+
+
+@_fp8_linear_op.register_fake
+def _(x, qw, w_scale, input_scale):
+    return x.new_empty((*x.shape[:-1], qw.shape[0]))
+
+
+@torch.library.custom_op("kiln::fp4_linear", mutates_args=())
+def _fp4_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None,
+                   in_features: int, activation: str, input_scale: torch.Tensor | None) -> torch.Tensor:
+    # an NVFP4 weight has a global scale, an MXFP4 one none
+    if global_scale is not None:
+        weight = unchecked_weight(Nvfp4Weight, packed=packed, block_scale=scales, global_scale=global_scale,
+                                  in_features=in_features)
+    else:
+        weight = unchecked_weight(Mxfp4Weight, packed=packed, scale_e8m0=scales, in_features=in_features)
+    return _fp4_linear(x, weight, activation, input_scale)
+
+
+@_fp4_linear_op.register_fake
+def _(x, packed, scales, global_scale, in_features, activation, input_scale):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def rmsnorm_quantize(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, activation: str,

@@ -10,7 +10,7 @@ kernels; here they run one operation after another, which is what they compute.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
@@ -104,13 +104,11 @@ class PackedLinear(nn.Module):
     def _apply(self, fn, recurse=True):  # .to(device) moves the FP4 weight's tensors with the buffers
         super()._apply(fn, recurse)
         if self.fp4 is not None:
-            # the same validated values, moved: a copy of the frozen weight pointing at the moved buffers (its
-            # constructor's value checks would read every block scale back to the host)
-            moved = copy.copy(self.fp4)
-            for name, buffer in self.named_buffers(recurse=False):
-                if name.startswith("fp4_"):
-                    object.__setattr__(moved, name[len("fp4_"):], buffer)
-            self.fp4 = moved
+            # the same checked values, moved (re-checking them would read every block scale back to the host)
+            fields = {f.name: getattr(self.fp4, f.name) for f in dataclasses.fields(self.fp4)}
+            fields.update({name[len("fp4_"):]: buffer for name, buffer in self.named_buffers(recurse=False)
+                           if name.startswith("fp4_")})
+            self.fp4 = gpu.unchecked_weight(type(self.fp4), **fields)
         return self
 
     @property

@@ -156,3 +156,20 @@ def test_the_cli_refuses_a_device_it_does_not_have(artifacts, cli):
         pytest.skip("this machine has a GPU")
     code, out, err = cli("generate", artifacts["fp8"], "Once", "--device", "cuda")
     assert code == 2 and "no CUDA GPU" in err and len(err.strip().splitlines()) == 1 and not out
+
+
+@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
+def test_a_packed_decode_step_traces_whole_through_the_kernels_custom_ops(artifacts, name, no_triton):
+    """Packed linears reach the kernels through the custom ops kiln::fp8_linear / kiln::fp4_linear when
+    compiled: the static step traces as one graph (a kernel's Python launch code would break it) and decodes the
+    eager packed engine's tokens."""
+    from torch._dynamo.utils import counters
+
+    eager = runtime.load(artifacts[name], packed=True)
+    static = runtime.load(artifacts[name], packed=True)
+    torch._dynamo.reset()
+    counters.clear()
+    static.compile_decode(static_shapes=True, warmup=False)
+    prompts = [[1, *range(100 + i, 104 + 5 * i)] for i in range(2)]
+    assert static.generate_ids(prompts, 16, stop_ids=()) == eager.generate_ids(prompts, 16, stop_ids=())
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
