@@ -9,7 +9,10 @@
    scales), and the hardware fp32 -> E4M3 cast with the integer one the interpreter tests check. A failed
    row exits 1.
 2. HBM bandwidth (GPU only): a 4 GiB device-to-device copy, read + write bytes over the median time.
-3. GEMM timings (GPU only) for Llama-3.1-8B's linear shapes [N, K] at batch 1 and 8: torch bf16 matmul,
+3. Decode (GPU only; benchmarks/gpu_decode.py): batch-1 and batch-8 decode steps of stories260K, SmolLM2-135M
+   and Llama-3.1-8B shapes in FP8 and NVFP4 W4A16 through `runtime.Engine(device="cuda")`, eager and (8B)
+   compiled with CUDA graphs, against the HBM roofline and transformers bf16.
+4. GEMM timings (GPU only) for Llama-3.1-8B's linear shapes [N, K] at batch 1 and 8: torch bf16 matmul,
    torch._scaled_mm FP8, the Triton FP8 GEMM (activation already quantized) and the Triton NVFP4 W4A16 GEMM,
    each beside its bound weight_bytes / measured bandwidth (decode reads every weight once per step), timed
    as CUDA graphs over weight copies that do not fit in L2 (see `gemm_timings`).
@@ -39,6 +42,7 @@ LLAMA_8B_SHAPES = [  # [N, K] of the linears: q/o, k/v, gate/up, down, lm_head
     ("lm_head", 128256, 4096),
 ]
 TIME_BUDGET_S = 7 * 60  # stop starting new timing rows past this, so the whole run stays under 8 minutes
+DECODE_BUDGET_S = 5 * 60  # the decode table starts no new model past this; the GEMM rows get the rest
 
 
 class Check:
@@ -412,7 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.interpret and not args.no_timing:
         bandwidth = bandwidth_gbps()
         print(f"\n## HBM bandwidth\n\ndevice copy: {bandwidth:.0f} GB/s (read + write)\n")
-        print("## GEMM time vs weight bytes / bandwidth (Llama-3.1-8B linears)\n", flush=True)
+        print("## Decode: runtime.Engine(device='cuda') vs the HBM roofline and transformers bf16 "
+              "(benchmarks/gpu_decode.py)\n", flush=True)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_decode import decode_table
+
+        decode_table("cuda", bandwidth, deadline=start + DECODE_BUDGET_S)
+        print("\n## GEMM time vs weight bytes / bandwidth (Llama-3.1-8B linears)\n", flush=True)
         gemm_timings(bandwidth, start)
         print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 1 if failed else 0

@@ -208,6 +208,14 @@ class Engine:
         view.step_masks = {window: attention_mask(positions, keys, window) for window in self._windows}
         masks = list(view.step_masks.values())
         storage = [getattr(pool, name) for layer in view.pools for pool in layer for name in pool.storage]
+        if self._static_decode and self.device.type == "cuda" and not getattr(cache, "static_addresses", False):
+            # the pools are written in place by every step: as static addresses a CUDA graph writes them where
+            # they are (cudagraph trees would otherwise copy, or skip capturing, a mutated input)
+            from torch._dynamo import mark_static_address
+
+            for tensor in storage:
+                mark_static_address(tensor)
+            cache.static_addresses = True
         for tensor in (tokens, positions, view.write_slots, view.read_slots, *masks, *storage):
             maybe_mark_dynamic(tensor, 0)
         for mask in masks:

@@ -22,7 +22,6 @@ from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.passes.weight_quant import WeightQuantization
 from kiln.runtime.engine import DECODE_BATCH_SIZES, DECODE_LENGTH_STEP
 from kiln.runtime.model import PackedLinear, QuantLinear, RMSNorm
-from kiln.runtime.scheduler import SamplingParams, Scheduler
 from tests.conftest import STORIES
 
 torch.set_num_threads(1)
@@ -173,3 +172,22 @@ def test_a_packed_decode_step_traces_whole_through_the_kernels_custom_ops(artifa
     prompts = [[1, *range(100 + i, 104 + 5 * i)] for i in range(2)]
     assert static.generate_ids(prompts, 16, stop_ids=()) == eager.generate_ids(prompts, 16, stop_ids=())
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_the_gpu_decode_table_runs_here_on_the_cpu(capsys):
+    """benchmarks/gpu_decode.py (gpu_check's decode rows) is written for a GPU this machine lacks: its code path
+    runs here on the CPU (bf16, stories260K's shape, both formats, eager and compiled), so a lent GPU's few
+    minutes are not lost to a broken script."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_decode", ROOT / "benchmarks" / "gpu_decode.py")
+    gpu_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_decode)
+    rows = gpu_decode.decode_table("cpu", 10.0, ["stories260K"], batches=(1, 3), prompt_tokens=8, steps=3,
+                                   compile_models=())
+    assert [(r["weights"], r["batch"]) for r in rows] == [("fp8", 1), ("fp8", 3), ("nvfp4", 1), ("nvfp4", 3)]
+    for row in rows:
+        assert row["eager_ms"] > 0 and row["transformers_ms"] > 0 and row["roofline_ms"] > 0
+    assert "error" not in capsys.readouterr().out
