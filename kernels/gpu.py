@@ -13,8 +13,8 @@ TRITON_INTERPRET=1 (the tests). Otherwise the reference in kernels/torch_refs.py
 each kernel's stated tolerance. Results have the input's dtype either way. The kernel modules import Triton,
 so they are imported here only on the Triton path.
 
-Under torch.compile the two GEMMs are the custom ops `kiln::fp8_linear` and `kiln::fp4_linear` (torch.library):
-one opaque node each in the traced graph, so a compiled decode step traces whole (no graph break at a kernel's
+Under torch.compile the GEMMs and the paged decode attention are the custom ops `kiln::fp8_linear`,
+`kiln::fp4_linear` and `kiln::paged_decode_attention` (torch.library): one opaque node each in the traced graph, so a compiled decode step traces whole (no graph break at a kernel's
 Python launch code) and a CUDA graph captures the kernel launches.
 """
 
@@ -169,12 +169,41 @@ def paged_decode_attention(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, bloc
                            context_lens: torch.Tensor, block_size: int,
                            sm_scale: float | None = None) -> torch.Tensor:
     """One decode step of attention over a paged BF16/FP8/NVFP4 KV cache -> [B, H, D] in q's dtype."""
+    if torch.compiler.is_compiling():
+        scale = float(sm_scale) if sm_scale is not None else q.shape[-1] ** -0.5
+        return torch.ops.kiln.paged_decode_attention(q, *_pool_fields(k_pool), *_pool_fields(v_pool), block_table,
+                                                     context_lens, block_size, scale)
+    return _paged_decode_attention(q, k_pool, v_pool, block_table, context_lens, block_size, sm_scale)
+
+
+def _pool_fields(pool: KvPool) -> tuple:
+    return pool.format, pool.data, pool.scale, pool.global_scale, pool.offset
+
+
+def _paged_decode_attention(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, block_table: torch.Tensor,
+                            context_lens: torch.Tensor, block_size: int, sm_scale: float | None) -> torch.Tensor:
     if use_triton(q):
         from kiln.kernels.triton_paged_attention import paged_decode_attention as kernel
 
         return kernel(q, k_pool, v_pool, block_table, context_lens, block_size, sm_scale)
     return torch_refs.paged_decode_attention_ref(q, k_pool, v_pool, block_table, context_lens, block_size,
                                                  sm_scale).to(q.dtype)
+
+
+@torch.library.custom_op("kiln::paged_decode_attention", mutates_args=())
+def _paged_decode_attention_op(q: torch.Tensor, k_format: str, k_data: torch.Tensor, k_scale: torch.Tensor | None,
+                               k_global: torch.Tensor | None, k_offset: torch.Tensor | None, v_format: str,
+                               v_data: torch.Tensor, v_scale: torch.Tensor | None, v_global: torch.Tensor | None,
+                               v_offset: torch.Tensor | None, block_table: torch.Tensor, context_lens: torch.Tensor,
+                               block_size: int, sm_scale: float) -> torch.Tensor:
+    return _paged_decode_attention(q, KvPool(k_format, k_data, k_scale, k_global, k_offset),
+                                   KvPool(v_format, v_data, v_scale, v_global, v_offset), block_table,
+                                   context_lens, block_size, sm_scale)
+
+
+@_paged_decode_attention_op.register_fake
+def _(q, *args):
+    return torch.empty_like(q)
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_rot: torch.Tensor, latent_pool: KvPool, rot_pool: KvPool,

@@ -135,6 +135,9 @@ class Engine:
                  dtype: torch.dtype | None = None):
         self.spec = spec
         self.device, self.dtype, self.packed = resolve_placement(device, dtype, packed)
+        # one-token decode steps attend through the paged decode kernel, reading the KV pools as stored (on a
+        # GPU; elsewhere the cache gathers and dequantizes the history for SDPA, the reference path)
+        self.decode_kernel = self.device.type == "cuda"
         # the default for generate_ids, as the artifact's generation_config.json sets it for every server
         self.repetition_penalty = check_repetition_penalty(repetition_penalty)
         self.model = Transformer(spec, tensors, formats, packed=self.packed).eval().place(self.device, self.dtype)
@@ -216,8 +219,11 @@ class Engine:
             for tensor in storage:
                 mark_static_address(tensor)
             cache.static_addresses = True
-        for tensor in (tokens, positions, view.write_slots, view.read_slots, *masks, *storage):
+        tables = () if view.kernel is None else (view.kernel.block_table, view.kernel.context_lens)
+        for tensor in (tokens, positions, view.write_slots, view.read_slots, *masks, *storage, *tables):
             maybe_mark_dynamic(tensor, 0)
+        if tables:
+            maybe_mark_dynamic(tables[0], 1)
         for mask in masks:
             maybe_mark_dynamic(mask, 3)
         return self._compiled_forward(tokens, positions, view)[:batch, -1]
@@ -230,15 +236,22 @@ class Engine:
         past every real row's position, so the causal mask hides them."""
         from torch.nn.functional import pad
 
-        from kiln.runtime.paged_kv_cache import StepView
+        from kiln.runtime.paged_kv_cache import DecodeTables, StepView
 
         B, S = tokens.shape[0], view.length
         rows = next((size for size in DECODE_BATCH_SIZES if size >= B), B) - B
         length = -(-S // DECODE_LENGTH_STEP) * DECODE_LENGTH_STEP
         read = pad(view.read_slots.view(B, S), (0, length - S, 0, rows), value=null_slot).reshape(-1)
         write = pad(view.write_slots, (0, rows), value=null_slot)
+        kernel = view.kernel
+        if kernel is not None:  # padding rows read one token, the null block's first slot, which they wrote
+            bs, table = kernel.block_size, kernel.block_table
+            null_block = null_slot // bs
+            width = -(-length // bs)
+            kernel = DecodeTables(pad(table, (0, width - table.shape[1], 0, rows), value=null_block),
+                                  pad(kernel.context_lens, (0, rows), value=1), bs)
         return (pad(tokens, (0, 0, 0, rows)), pad(positions, (0, 0, 0, rows)),
-                StepView(view.pools, write, read, length))
+                StepView(view.pools, write, read, length, kernel))
 
     def draft_module(self):
         """The artifact's draft module (a DeepSeek MTP layer or a Kiln draft head: runtime.draft), built on
@@ -306,7 +319,7 @@ class Engine:
     def new_kv_cache(self, num_blocks: int, block_size: int | None = None, prefix_caching: bool = False) -> PagedKVCache:
         """An empty paged cache in this engine's KV formats."""
         return PagedKVCache(self.kv_streams, num_blocks, block_size or self.kv_block_size, self.dtype,
-                            prefix_caching=prefix_caching, device=self.device)
+                            prefix_caching=prefix_caching, device=self.device, decode_kernel=self.decode_kernel)
 
     @property
     def kv_pool(self) -> PagedKVCache:

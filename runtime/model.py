@@ -297,6 +297,10 @@ class GqaAttention(nn.Module):
             self.k_proj, self.v_proj = _projection(spec, weights, "k"), _projection(spec, weights, "v")
         self.q_norm = weights.norm(f"{layer_prefix}.self_attn.q_norm.weight") if spec.qk_norm else None
         self.k_norm = weights.norm(f"{layer_prefix}.self_attn.k_norm.weight") if spec.qk_norm else None
+        # what the paged decode kernel serves: head dims a power of two >= 32, K's and V's equal, no window
+        d = spec.head_dim
+        self.kernel_decodes = (d >= 32 and not d & (d - 1) and spec.v_head_dim == d and spec.sliding_window is None
+                               and spec.num_heads % spec.num_kv_heads == 0)
 
     def stream_shapes(self) -> tuple[tuple[int, int], ...]:
         return ((self.spec.num_kv_heads, self.spec.head_dim), (self.spec.num_kv_heads, self.spec.v_head_dim))
@@ -315,6 +319,9 @@ class GqaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kernel_decodes and cache is not None and getattr(cache, "decode_kernel", False):
+            out = cache.decode_attention(layer, q, (k, v), s.softmax_scale)  # reads the pools as stored
+            return self.o_proj(out.reshape(B, T, s.num_heads * s.v_head_dim))
         key_positions = positions
         if cache is not None:
             k, v = cache.update(layer, (k, v), positions)

@@ -43,6 +43,7 @@ from kiln.kernels.kv_quant import (
     nvfp4_kv_quantize,
 )
 from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from kiln.kernels.torch_refs import KvPool
 from kiln.runtime.kv_format import KvStream
 
 DEFAULT_BLOCK_SIZE = 16
@@ -182,6 +183,9 @@ class _DensePool:
     def read(self, slots: Tensor) -> Tensor:
         return self.data.index_select(0, slots)
 
+    def kernel_pool(self) -> KvPool:
+        return KvPool(KvFormat.BF16, self.data)
+
 
 class _QuantizedPool:
     """Shared by the quantized pools: the stream's calibrated offset comes off before storing, back on reading
@@ -218,6 +222,9 @@ class _Fp8StaticPool(_QuantizedPool):
     def _load(self, slots: Tensor) -> Tensor:
         return fp8_kv_dequantize(self.data.index_select(0, slots), self.scale)
 
+    def kernel_pool(self) -> KvPool:
+        return KvPool(KvFormat.FP8_E4M3, self.data, self.scale, None, self.offset)
+
 
 class _Fp8DynamicPool(_QuantizedPool):
     """float8_e4m3fn bytes with one fp32 scale per token (amax over the token's heads and dims / 448)."""
@@ -236,6 +243,9 @@ class _Fp8DynamicPool(_QuantizedPool):
 
     def _load(self, slots: Tensor) -> Tensor:
         return fp8_kv_dequantize(self.data.index_select(0, slots), self.token_scale.index_select(0, slots))
+
+    def kernel_pool(self) -> KvPool:
+        return KvPool(KvFormat.FP8_E4M3, self.data, self.token_scale, None, self.offset)
 
 
 class _Nvfp4Pool(_QuantizedPool):
@@ -263,6 +273,9 @@ class _Nvfp4Pool(_QuantizedPool):
     def _load(self, slots: Tensor) -> Tensor:
         return nvfp4_kv_dequantize(self.packed.index_select(0, slots), self.block_scale.index_select(0, slots),
                                    self.global_scale)
+
+    def kernel_pool(self) -> KvPool:
+        return KvPool(KvFormat.NVFP4, self.packed, self.block_scale, self.global_scale, self.offset)
 
 
 _POOLS = {
@@ -294,9 +307,19 @@ class StepView:
 
     explicit_mask = None
 
-    def __init__(self, pools, write_slots: Tensor, read_slots: Tensor, length: int):
+    def __init__(self, pools, write_slots: Tensor, read_slots: Tensor, length: int, kernel: DecodeTables | None = None):
         self.pools, self.write_slots, self.read_slots, self.length = pools, write_slots, read_slots, length
+        self.kernel = kernel
         self.step_masks: dict = {}
+
+    @property
+    def decode_kernel(self) -> bool:
+        return self.kernel is not None
+
+    def decode_attention(self, layer: int, q: Tensor, new: tuple[Tensor, Tensor], scale: float) -> Tensor:
+        """Write the step's K and V ([B, 1, Hkv, D]) and attend q [B, 1, H, D] through the paged decode kernel,
+        which reads the pools as stored -> [B, 1, H, D]."""
+        return _kernel_attention(self.pools[layer], self.write_slots, self.kernel, q, new, scale)
 
     def update(self, layer: int, new: tuple[Tensor, ...], positions: Tensor) -> tuple[Tensor, ...]:
         # new[i]: [B, T, H, D] -> every stream of the batch's sequences, [B, S, H, D] in the model's dtype
@@ -305,6 +328,27 @@ class StepView:
             pool.write(self.write_slots, value.reshape(-1, *value.shape[2:]))
             out.append(pool.read(self.read_slots).view(value.shape[0], -1, *value.shape[2:]))
         return tuple(out)
+
+
+@dataclass
+class DecodeTables:
+    """What the paged decode kernel (kiln.kernels.gpu.paged_decode_attention) indexes a step's pools by."""
+
+    block_table: Tensor  # int32 [B, max blocks], the null block past each table
+    context_lens: Tensor  # int32 [B]: tokens each row attends, its new one included
+    block_size: int
+
+
+def _kernel_attention(pools, write_slots: Tensor, tables: DecodeTables, q: Tensor, new: tuple[Tensor, Tensor],
+                      scale: float) -> Tensor:
+    from kiln.kernels import gpu
+
+    for pool, value in zip(pools, new, strict=True):
+        pool.write(write_slots, value.reshape(-1, *value.shape[2:]))
+    k_pool, v_pool = (pool.kernel_pool() for pool in pools)
+    out = gpu.paged_decode_attention(q[:, 0], k_pool, v_pool, tables.block_table, tables.context_lens,
+                                     tables.block_size, scale)
+    return out.unsqueeze(1)
 
 
 @dataclass
@@ -320,6 +364,7 @@ class _Step:
     rope_positions: Tensor | None = None  # [B, T] the model's positions when they differ (tree verification)
     attend: Tensor | None = None  # [B, 1, T, S] bool: an explicit attention mask (tree verification)
     masks: dict = field(default_factory=dict)  # causal masks by window, filled by the model's first layer
+    kernel: DecodeTables | None = None  # a plain one-token step when the cache decodes through the kernel
 
 
 class PagedKVCache:
@@ -333,13 +378,16 @@ class PagedKVCache:
 
     def __init__(self, streams: Sequence[Sequence[KvStream]], num_blocks: int,
                  block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
-                 prefix_caching: bool = False, device: torch.device | str = "cpu"):
+                 prefix_caching: bool = False, device: torch.device | str = "cpu", decode_kernel: bool = False):
         # streams[layer] = the layer's KvStreams (runtime.kv_format.resolve_kv_streams); dtype: the model's
         # compute dtype (what reads return, and what BF16 layers store)
         if not isinstance(block_size, int) or block_size < 1:
             raise KilnError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
         self.device, self.dtype = torch.device(device), dtype
+        # one-token steps attend through kiln.kernels.gpu.paged_decode_attention, reading the pools as stored
+        # (a GPU engine's default), where the layer's shape allows (runtime.model.GqaAttention)
+        self.use_decode_kernel = decode_kernel
         self.allocator = BlockAllocator(num_blocks)
         self.null_slot = num_blocks * block_size  # first slot of the null block
         slots = (num_blocks + 1) * block_size
@@ -557,8 +605,12 @@ class PagedKVCache:
             raise KilnError(f"prepare: attend must be [{B}, 1, {T}, {S}], got {list(attend.shape)}")
         device = self.device
         written = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)  # on the host: no sync
+        kernel = None
+        if self.use_decode_kernel and T == 1 and valid is None and rope_positions is None and attend is None:
+            kernel = DecodeTables(block_ids.to(device, torch.int32), held.squeeze(1).to(device, torch.int32), bs)
         self._step = _Step(positions.to(device), _on(written, device), write_slots.to(device),
-                           read.reshape(-1).to(device), B, S, _on(rope_positions, device), _on(attend, device))
+                           read.reshape(-1).to(device), B, S, _on(rope_positions, device), _on(attend, device),
+                           kernel=kernel)
         return self._step.positions if rope_positions is None else self._step.rope_positions
 
     def step_view(self) -> StepView:
@@ -567,7 +619,17 @@ class PagedKVCache:
         step = self._step
         if step is None or step.valid is not None or step.rope_positions is not None or step.attend is not None:
             raise KilnError("step_view: prepare(seq_ids, positions) a plain forward first (no padding, no tree)")
-        return StepView(self.pools, step.write_slots, step.read_slots, step.length)
+        return StepView(self.pools, step.write_slots, step.read_slots, step.length, step.kernel)
+
+    @property
+    def decode_kernel(self) -> bool:
+        """Whether the prepared forward attends through the paged decode kernel (see `decode_attention`)."""
+        return self._step is not None and self._step.kernel is not None
+
+    def decode_attention(self, layer: int, q: Tensor, new: tuple[Tensor, Tensor], scale: float) -> Tensor:
+        """Write the step's K and V ([B, 1, Hkv, D]) and attend q [B, 1, H, D] through the paged decode kernel,
+        which reads the pools as stored -> [B, 1, H, D]. Only when `decode_kernel` says the step allows it."""
+        return _kernel_attention(self.pools[layer], self._step.write_slots, self._step.kernel, q, new, scale)
 
     @property
     def step_masks(self) -> dict | None:

@@ -11,6 +11,9 @@ This machine has no GPU, so what a GPU run depends on is checked in three ways:
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -25,6 +28,9 @@ from kiln.runtime.model import PackedLinear, QuantLinear, RMSNorm
 from tests.conftest import STORIES
 
 torch.set_num_threads(1)
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    # before anything here imports Triton: its kernels are interpreted only if this is set by then
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOKENS = [[1, 403, 261, 348, 416, 401, 263, 260, 443, 344, 261, 348, 402], [1, 285, 388, 262, 289]]
 
@@ -191,3 +197,73 @@ def test_the_gpu_decode_table_runs_here_on_the_cpu(capsys):
     for row in rows:
         assert row["eager_ms"] > 0 and row["transformers_ms"] > 0 and row["roofline_ms"] > 0
     assert "error" not in capsys.readouterr().out
+
+
+TINY = {  # a Llama shape whose heads the paged decode kernel serves (head dim 32), built with random weights
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+}
+PROMPTS = [[1, *range(10 + i, 14 + 5 * i)] for i in range(3)]  # histories of 5 to 14 tokens, then more
+
+
+def _tiny_engine(kv: str):
+    from kiln.optimizer.loader_config import build_spec
+    from kiln.runtime.engine import Engine
+
+    spec = build_spec(TINY)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {spec.embedding: torch.randn(256, 128, generator=gen)}
+    tensors.update({name: 1 + 0.1 * torch.randn(size, generator=gen) for name, size in spec.norms().items()})
+    for lin in spec.linears()[:-1]:  # the lm_head is tied
+        tensors[f"{lin.name}.weight"] = torch.randn(lin.out_features, lin.in_features, generator=gen) * 0.15
+    table = None if kv == "bf16" else {str(i): {"format": "fp8_e4m3", "scaling": "dynamic"} for i in range(2)}
+    return Engine(spec, tensors, {}, kv_cache=table, kv_block_size=4)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8-dynamic"])
+@pytest.mark.parametrize("triton", [False, True], ids=["reference", "triton"])
+def test_decode_through_the_paged_kernel_gives_the_gathering_paths_logits(kv, triton, monkeypatch):
+    """A GPU engine's decode steps attend through kiln.kernels.gpu.paged_decode_attention, reading the pools as
+    stored; here its torch reference, and the Triton kernel interpreted, against the CPU gather-and-SDPA path."""
+    from kiln.kernels import gpu
+
+    if triton and not gpu.use_triton(torch.zeros(1)):
+        pytest.skip("Triton is not installed or not interpreting")
+    if not triton:
+        monkeypatch.setattr(gpu, "use_triton", lambda x: False)
+    calls = []
+    kernel = gpu.paged_decode_attention
+    monkeypatch.setattr(gpu, "paged_decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    gather, paged = _tiny_engine(kv), _tiny_engine(kv)
+    paged.decode_kernel = True
+    assert all(b.attention.kernel_decodes for b in paged.model.blocks)
+    steps = []
+    for engine in (gather, paged):
+        cache = engine.new_kv_cache(32)
+        rows = list(range(len(PROMPTS)))
+        for row in rows:
+            cache.add_sequence(row)
+        with torch.inference_mode():
+            tokens = engine._prefill_rows(cache, rows, PROMPTS).argmax(-1, keepdim=True)
+            logits = []
+            for step in range(6):
+                positions = cache.prepare(rows, torch.tensor([[len(p) + step] for p in PROMPTS]))
+                logits.append(engine.decode_logits(tokens, positions, cache))
+                tokens = logits[-1].argmax(-1, keepdim=True)
+        steps.append(torch.stack(logits))
+    assert len(calls) == 6 * 2  # every decode step, every layer; never the prefill
+    torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-4 * float(steps[0].abs().max()))
+    assert paged.generate_ids(PROMPTS, 12, stop_ids=()) == gather.generate_ids(PROMPTS, 12, stop_ids=())
+
+
+def test_a_compiled_static_step_runs_the_paged_kernel_as_one_graph(no_triton):
+    from torch._dynamo.utils import counters
+
+    eager, static = _tiny_engine("fp8-dynamic"), _tiny_engine("fp8-dynamic")
+    eager.decode_kernel = static.decode_kernel = True
+    torch._dynamo.reset()
+    counters.clear()
+    static.compile_decode(static_shapes=True, warmup=False)
+    assert static.generate_ids(PROMPTS, 16, stop_ids=()) == eager.generate_ids(PROMPTS, 16, stop_ids=())
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
