@@ -14,7 +14,7 @@ each kernel's stated tolerance. Results have the input's dtype either way. The k
 so they are imported here only on the Triton path.
 
 Under torch.compile the GEMMs and the paged decode attention are the custom ops `kiln::fp8_linear`,
-`kiln::fp4_linear` and `kiln::paged_decode_attention` (torch.library): one opaque node each in the traced graph, so a compiled decode step traces whole (no graph break at a kernel's
+`kiln::fp4_linear`, `kiln::paged_decode_attention` and `kiln::mla_decode_attention` (torch.library): one opaque node each in the traced graph, so a compiled decode step traces whole (no graph break at a kernel's
 Python launch code) and a CUDA graph captures the kernel launches.
 """
 
@@ -171,7 +171,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, bloc
     """One decode step of attention over a paged BF16/FP8/NVFP4 KV cache -> [B, H, D] in q's dtype."""
     if torch.compiler.is_compiling():
         scale = float(sm_scale) if sm_scale is not None else q.shape[-1] ** -0.5
-        return torch.ops.kiln.paged_decode_attention(q, *_pool_fields(k_pool), *_pool_fields(v_pool), block_table,
+        return torch.ops.kiln.paged_decode_attention(q.contiguous(), *_pool_fields(k_pool), *_pool_fields(v_pool), block_table,
                                                      context_lens, block_size, scale)
     return _paged_decode_attention(q, k_pool, v_pool, block_table, context_lens, block_size, sm_scale)
 
@@ -203,7 +203,8 @@ def _paged_decode_attention_op(q: torch.Tensor, k_format: str, k_data: torch.Ten
 
 @_paged_decode_attention_op.register_fake
 def _(q, *args):
-    return torch.empty_like(q)
+    # contiguous, as the kernel's and the reference's outputs are (whatever the query's strides)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 def mla_decode_attention(q_latent: torch.Tensor, q_rot: torch.Tensor, latent_pool: KvPool, rot_pool: KvPool,
@@ -211,9 +212,39 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rot: torch.Tensor, latent_poo
                          sm_scale: float) -> torch.Tensor:
     """One MLA decode step in latent space (W_uk folded into q_latent, W_uv still to apply) over a paged
     BF16/FP8/NVFP4 latent cache -> [B, H, r] in q_latent's dtype."""
+    if torch.compiler.is_compiling():
+        # contiguous queries: the layout inductor gives an einsum's output need not be the one eager tracing saw
+        return torch.ops.kiln.mla_decode_attention(q_latent.contiguous(), q_rot.contiguous(),
+                                                   *_pool_fields(latent_pool),
+                                                   *_pool_fields(rot_pool), block_table, context_lens, block_size,
+                                                   float(sm_scale))
+    return _mla_decode_attention(q_latent, q_rot, latent_pool, rot_pool, block_table, context_lens, block_size,
+                                 sm_scale)
+
+
+def _mla_decode_attention(q_latent: torch.Tensor, q_rot: torch.Tensor, latent_pool: KvPool, rot_pool: KvPool,
+                          block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                          sm_scale: float) -> torch.Tensor:
     if use_triton(q_latent):
         from kiln.kernels.triton_mla_decode import mla_decode_attention as kernel
 
         return kernel(q_latent, q_rot, latent_pool, rot_pool, block_table, context_lens, block_size, sm_scale)
     return torch_refs.mla_decode_attention_ref(q_latent, q_rot, latent_pool, rot_pool, block_table,
                                                context_lens, block_size, sm_scale).to(q_latent.dtype)
+
+
+@torch.library.custom_op("kiln::mla_decode_attention", mutates_args=())
+def _mla_decode_attention_op(q_latent: torch.Tensor, q_rot: torch.Tensor, l_format: str, l_data: torch.Tensor,
+                             l_scale: torch.Tensor | None, l_global: torch.Tensor | None,
+                             l_offset: torch.Tensor | None, r_format: str, r_data: torch.Tensor,
+                             r_scale: torch.Tensor | None, r_global: torch.Tensor | None,
+                             r_offset: torch.Tensor | None, block_table: torch.Tensor, context_lens: torch.Tensor,
+                             block_size: int, sm_scale: float) -> torch.Tensor:
+    return _mla_decode_attention(q_latent, q_rot, KvPool(l_format, l_data, l_scale, l_global, l_offset),
+                                 KvPool(r_format, r_data, r_scale, r_global, r_offset), block_table, context_lens,
+                                 block_size, sm_scale)
+
+
+@_mla_decode_attention_op.register_fake
+def _(q_latent, *args):
+    return torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)

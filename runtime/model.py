@@ -377,6 +377,9 @@ class MlaAttention(nn.Module):
         self.kv_b_proj = weights.linear(lin["kv_b"], packable=False)
         self.o_proj = weights.linear(lin["o"])
         self.absorb: bool | None = None
+        # the absorbed decode kernel reads raw latents: no activation quantizer or bias on kv_b to apply first
+        self.kernel_decodes = (getattr(self.kv_b_proj, "input_quantizer", None) is None
+                               and self.kv_b_proj.bias is None)
 
     def stream_shapes(self) -> tuple[tuple[int, int], ...]:
         return ((1, self.spec.kv_lora_rank), (1, self.spec.qk_rope_head_dim))
@@ -396,6 +399,12 @@ class MlaAttention(nn.Module):
         cos, sin = rope
         q_rot = apply_rope(q_rot, cos, sin, s.rotary.interleaved)
         k_rot = apply_rope(k_rot.view(B, T, 1, rope_dim), cos, sin, s.rotary.interleaved)
+        if self.kernel_decodes and cache is not None and getattr(cache, "decode_kernel", False):
+            w = self.kv_b_proj.weight.view(H, nope + s.v_head_dim, s.kv_lora_rank)
+            q_latent = torch.einsum("bthn,hnr->bthr", q_pass, w[:, :nope])
+            mixed = cache.decode_attention(layer, (q_latent, q_rot), (latent, k_rot), s.softmax_scale)
+            out = torch.einsum("bthr,hvr->bthv", mixed, w[:, nope:])
+            return self.o_proj(out.reshape(B, T, H * s.v_head_dim))
         key_positions = positions
         if cache is not None:
             latent, k_rot = cache.update(layer, (latent, k_rot), positions)

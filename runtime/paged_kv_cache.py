@@ -316,9 +316,10 @@ class StepView:
     def decode_kernel(self) -> bool:
         return self.kernel is not None
 
-    def decode_attention(self, layer: int, q: Tensor, new: tuple[Tensor, Tensor], scale: float) -> Tensor:
-        """Write the step's K and V ([B, 1, Hkv, D]) and attend q [B, 1, H, D] through the paged decode kernel,
-        which reads the pools as stored -> [B, 1, H, D]."""
+    def decode_attention(self, layer: int, q: Tensor | tuple[Tensor, Tensor], new: tuple[Tensor, Tensor],
+                         scale: float) -> Tensor:
+        """Write the step's two streams and attend through the layer's paged decode kernel, which reads the
+        pools as stored (see `_kernel_attention`)."""
         return _kernel_attention(self.pools[layer], self.write_slots, self.kernel, q, new, scale)
 
     def update(self, layer: int, new: tuple[Tensor, ...], positions: Tensor) -> tuple[Tensor, ...]:
@@ -339,15 +340,22 @@ class DecodeTables:
     block_size: int
 
 
-def _kernel_attention(pools, write_slots: Tensor, tables: DecodeTables, q: Tensor, new: tuple[Tensor, Tensor],
-                      scale: float) -> Tensor:
+def _kernel_attention(pools, write_slots: Tensor, tables: DecodeTables, q: Tensor | tuple[Tensor, Tensor],
+                      new: tuple[Tensor, Tensor], scale: float) -> Tensor:
+    """Write a one-token step's two streams and attend through the decode kernel of the layer's kind: GQA's
+    (q [B, 1, H, D] -> [B, 1, H, D]) or MLA's absorbed one (q = (q_latent, q_rot) [B, 1, H, r | rope], the
+    streams the latent and the rotary key -> the mix of latents [B, 1, H, r])."""
     from kiln.kernels import gpu
 
     for pool, value in zip(pools, new, strict=True):
         pool.write(write_slots, value.reshape(-1, *value.shape[2:]))
-    k_pool, v_pool = (pool.kernel_pool() for pool in pools)
-    out = gpu.paged_decode_attention(q[:, 0], k_pool, v_pool, tables.block_table, tables.context_lens,
-                                     tables.block_size, scale)
+    first, second = (pool.kernel_pool() for pool in pools)
+    if isinstance(q, tuple):
+        out = gpu.mla_decode_attention(q[0][:, 0], q[1][:, 0], first, second, tables.block_table,
+                                       tables.context_lens, tables.block_size, scale)
+    else:
+        out = gpu.paged_decode_attention(q[:, 0], first, second, tables.block_table, tables.context_lens,
+                                         tables.block_size, scale)
     return out.unsqueeze(1)
 
 
@@ -626,9 +634,10 @@ class PagedKVCache:
         """Whether the prepared forward attends through the paged decode kernel (see `decode_attention`)."""
         return self._step is not None and self._step.kernel is not None
 
-    def decode_attention(self, layer: int, q: Tensor, new: tuple[Tensor, Tensor], scale: float) -> Tensor:
-        """Write the step's K and V ([B, 1, Hkv, D]) and attend q [B, 1, H, D] through the paged decode kernel,
-        which reads the pools as stored -> [B, 1, H, D]. Only when `decode_kernel` says the step allows it."""
+    def decode_attention(self, layer: int, q: Tensor | tuple[Tensor, Tensor], new: tuple[Tensor, Tensor],
+                         scale: float) -> Tensor:
+        """Write the step's two streams and attend through the layer's paged decode kernel, which reads the
+        pools as stored (see `_kernel_attention`). Only when `decode_kernel` says the step allows it."""
         return _kernel_attention(self.pools[layer], self._step.write_slots, self._step.kernel, q, new, scale)
 
     @property

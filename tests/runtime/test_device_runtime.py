@@ -134,50 +134,11 @@ def test_devices_and_dtypes_that_cannot_run_are_refused(artifacts):
         runtime.load(artifacts["fp8"], dtype=torch.int8)
 
 
-def test_the_static_shape_decode_step_pads_to_buckets_and_decodes_the_eager_tokens(artifacts):
-    """What `compile_decode(mode="reduce-overhead")` does on a GPU, on the CPU: the step traced as one graph
-    (fullgraph: a host sync inside would fail the trace), run at bucketed shapes only."""
-    from torch._dynamo.utils import counters
-
-    eager, static = runtime.load(artifacts["fp8"]), runtime.load(artifacts["fp8"])
-    torch._dynamo.reset()
-    counters.clear()
-    static.compile_decode(static_shapes=True, warmup=False)
-    compiled, shapes = static._compiled_forward, set()
-
-    def recorded(tokens, positions, view):
-        shapes.add((tokens.shape[0], view.length))
-        return compiled(tokens, positions, view)
-
-    static._compiled_forward = recorded
-    prompts = [[1, *range(100 + i, 104 + 5 * i)] for i in range(3)]  # histories of 5 to 14 tokens, then more
-    assert static.generate_ids(prompts, 24, stop_ids=()) == eager.generate_ids(prompts, 24, stop_ids=())
-    assert shapes == {(4, DECODE_LENGTH_STEP)} and 4 in DECODE_BATCH_SIZES  # 3 rows pad to 4, <= 37 keys to 256
-    assert not counters["graph_break"]
-
-
 def test_the_cli_refuses_a_device_it_does_not_have(artifacts, cli):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     code, out, err = cli("generate", artifacts["fp8"], "Once", "--device", "cuda")
     assert code == 2 and "no CUDA GPU" in err and len(err.strip().splitlines()) == 1 and not out
-
-
-@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
-def test_a_packed_decode_step_traces_whole_through_the_kernels_custom_ops(artifacts, name, no_triton):
-    """Packed linears reach the kernels through the custom ops kiln::fp8_linear / kiln::fp4_linear when
-    compiled: the static step traces as one graph (a kernel's Python launch code would break it) and decodes the
-    eager packed engine's tokens."""
-    from torch._dynamo.utils import counters
-
-    eager = runtime.load(artifacts[name], packed=True)
-    static = runtime.load(artifacts[name], packed=True)
-    torch._dynamo.reset()
-    counters.clear()
-    static.compile_decode(static_shapes=True, warmup=False)
-    prompts = [[1, *range(100 + i, 104 + 5 * i)] for i in range(2)]
-    assert static.generate_ids(prompts, 16, stop_ids=()) == eager.generate_ids(prompts, 16, stop_ids=())
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
 def test_the_gpu_decode_table_runs_here_on_the_cpu(capsys):
@@ -207,7 +168,11 @@ TINY = {  # a Llama shape whose heads the paged decode kernel serves (head dim 3
 PROMPTS = [[1, *range(10 + i, 14 + 5 * i)] for i in range(3)]  # histories of 5 to 14 tokens, then more
 
 
-def _tiny_engine(kv: str):
+def _tiny_engine(kv: str, packed: bool = False):
+    """TINY with random weights; `packed`: layer 0's linears FP8 W8A8 (per-token activations), layer 1's NVFP4
+    W4A16, both kept packed (runtime.model.PackedLinear)."""
+    from kiln.kernels.fp8 import fp8_quantize_per_channel
+    from kiln.kernels.nvfp4 import nvfp4_quantize
     from kiln.optimizer.loader_config import build_spec
     from kiln.runtime.engine import Engine
 
@@ -215,10 +180,19 @@ def _tiny_engine(kv: str):
     gen = torch.Generator().manual_seed(0)
     tensors = {spec.embedding: torch.randn(256, 128, generator=gen)}
     tensors.update({name: 1 + 0.1 * torch.randn(size, generator=gen) for name, size in spec.norms().items()})
+    formats = {}
     for lin in spec.linears()[:-1]:  # the lm_head is tied
-        tensors[f"{lin.name}.weight"] = torch.randn(lin.out_features, lin.in_features, generator=gen) * 0.15
+        w = torch.randn(lin.out_features, lin.in_features, generator=gen) * 0.15
+        tensors[f"{lin.name}.weight"] = w
+        if packed and ".layers.0." in lin.name:
+            tensors[f"{lin.name}.weight"], tensors[f"{lin.name}.weight_scale"] = fp8_quantize_per_channel(w)
+            formats[lin.name] = {"format": "fp8_e4m3", "activation": "fp8_dynamic_per_token"}
+        elif packed:
+            del tensors[f"{lin.name}.weight"]
+            tensors.update({f"{lin.name}.{k}": v for k, v in nvfp4_quantize(w).tensors().items()})
+            formats[lin.name] = {"format": "nvfp4", "activation": "none"}
     table = None if kv == "bf16" else {str(i): {"format": "fp8_e4m3", "scaling": "dynamic"} for i in range(2)}
-    return Engine(spec, tensors, {}, kv_cache=table, kv_block_size=4)
+    return Engine(spec, tensors, formats, kv_cache=table, kv_block_size=4, packed=packed)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8-dynamic"])
@@ -257,13 +231,90 @@ def test_decode_through_the_paged_kernel_gives_the_gathering_paths_logits(kv, tr
     assert paged.generate_ids(PROMPTS, 12, stop_ids=()) == gather.generate_ids(PROMPTS, 12, stop_ids=())
 
 
-def test_a_compiled_static_step_runs_the_paged_kernel_as_one_graph(no_triton):
+def test_a_static_decode_step_is_one_graph_at_bucketed_shapes(no_triton):
+    """What `compile_decode(mode="reduce-overhead")` captures as CUDA graphs on a GPU, here on the CPU: the
+    decode step of a GPU engine (packed FP8 W8A8 and NVFP4 linears, the paged decode kernel over an FP8 KV
+    cache) traces as one graph, its kernels the custom ops kiln::fp8_linear, kiln::fp4_linear and
+    kiln::paged_decode_attention (a kernel's Python launch code, or a host sync, would break or fail the
+    fullgraph trace); it runs at bucketed shapes only and decodes the eager engine's tokens."""
     from torch._dynamo.utils import counters
 
-    eager, static = _tiny_engine("fp8-dynamic"), _tiny_engine("fp8-dynamic")
+    eager, static = _tiny_engine("fp8-dynamic", packed=True), _tiny_engine("fp8-dynamic", packed=True)
+    eager.decode_kernel = static.decode_kernel = True
+    assert {type(m).__name__ for m in static.model.modules()} >= {"PackedLinear"}
+    torch._dynamo.reset()
+    counters.clear()
+    static.compile_decode(static_shapes=True, warmup=False)
+    compiled, shapes = static._compiled_forward, set()
+
+    def recorded(tokens, positions, view):
+        shapes.add((tokens.shape[0], view.length, tuple(view.kernel.block_table.shape)))
+        return compiled(tokens, positions, view)
+
+    static._compiled_forward = recorded
+    assert static.generate_ids(PROMPTS, 16, stop_ids=()) == eager.generate_ids(PROMPTS, 16, stop_ids=())
+    # 3 rows pad to 4; at most 30 keys pad to 256, the tables to 256 / 4 blocks
+    assert shapes == {(4, DECODE_LENGTH_STEP, (4, DECODE_LENGTH_STEP // 4))} and 4 in DECODE_BATCH_SIZES
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+@pytest.fixture(scope="module")
+def mla_artifact(tmp_path_factory):
+    """stories260K converted to MLA (half its KV, no healing), its latent cache FP8 per token (a dense pool
+    goes through the same kernels in the GQA tests above and in tests/kernels)."""
+    if not (STORIES / "config.json").is_file():
+        pytest.skip("../shared/models absent")
+    from kiln.passes.mla import MlaConversion
+
+    passes = (MlaConversion(kv_fraction=0.5, heal_steps=0), KvCacheQuantization(format="fp8", scaling="dynamic"))
+    return build(STORIES, "hopper", Recipe("mla-fp8-kv", passes), tmp_path_factory.mktemp("mla") / "mla",
+                 gate=False).path
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["reference", "triton"])
+def test_mla_decode_through_the_latent_kernel_gives_the_gathering_paths_logits(mla_artifact, triton, monkeypatch):
+    """MLA layers decode through kiln.kernels.gpu.mla_decode_attention (absorbed, reading the latent pool as
+    stored), against the CPU path (gathered latents, absorbed SDPA)."""
+    from kiln.kernels import gpu
+    from kiln.runtime.model import MlaAttention
+
+    if triton and not gpu.use_triton(torch.zeros(1)):
+        pytest.skip("Triton is not installed or not interpreting")
+    if not triton:
+        monkeypatch.setattr(gpu, "use_triton", lambda x: False)
+    calls = []
+    kernel = gpu.mla_decode_attention
+    monkeypatch.setattr(gpu, "mla_decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    gather, paged = runtime.load(mla_artifact), runtime.load(mla_artifact)
+    paged.decode_kernel = True
+    layers = [m for m in paged.model.modules() if isinstance(m, MlaAttention)]
+    assert layers and all(m.kernel_decodes for m in layers)
+    prompts = [TOKENS[0], TOKENS[1]]
+    steps = []
+    for engine in (gather, paged):
+        cache = engine.new_kv_cache(16)
+        for row in range(2):
+            cache.add_sequence(row)
+        with torch.inference_mode():
+            tokens = engine._prefill_rows(cache, [0, 1], prompts).argmax(-1, keepdim=True)
+            logits = []
+            for step in range(5):
+                positions = cache.prepare([0, 1], torch.tensor([[len(p) + step] for p in prompts]))
+                logits.append(engine.decode_logits(tokens, positions, cache))
+                tokens = logits[-1].argmax(-1, keepdim=True)
+        steps.append(torch.stack(logits))
+    assert len(calls) == 5 * len(layers)
+    torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-4 * float(steps[0].abs().max()))
+    assert paged.generate_ids(prompts, 10, stop_ids=()) == gather.generate_ids(prompts, 10, stop_ids=())
+
+
+def test_a_compiled_static_mla_step_runs_the_latent_kernel_as_one_graph(mla_artifact, no_triton):
+    from torch._dynamo.utils import counters
+
+    eager, static = runtime.load(mla_artifact), runtime.load(mla_artifact)
     eager.decode_kernel = static.decode_kernel = True
     torch._dynamo.reset()
     counters.clear()
     static.compile_decode(static_shapes=True, warmup=False)
-    assert static.generate_ids(PROMPTS, 16, stop_ids=()) == eager.generate_ids(PROMPTS, 16, stop_ids=())
+    assert static.generate_ids(TOKENS, 12, stop_ids=()) == eager.generate_ids(TOKENS, 12, stop_ids=())
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
