@@ -195,11 +195,8 @@ def _tiny_engine(kv: str, packed: bool = False):
     return Engine(spec, tensors, formats, kv_cache=table, kv_block_size=4, packed=packed)
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8-dynamic"])
-@pytest.mark.parametrize("triton", [False, True], ids=["reference", "triton"])
-def test_decode_through_the_paged_kernel_gives_the_gathering_paths_logits(kv, triton, monkeypatch):
-    """A GPU engine's decode steps attend through kiln.kernels.gpu.paged_decode_attention, reading the pools as
-    stored; here its torch reference, and the Triton kernel interpreted, against the CPU gather-and-SDPA path."""
+def _counted_kernel(monkeypatch, name: str, triton: bool) -> list:
+    """Count the calls of kiln.kernels.gpu's `name`, run by the Triton interpreter (`triton`) or its reference."""
     from kiln.kernels import gpu
 
     if triton and not gpu.use_triton(torch.zeros(1)):
@@ -207,27 +204,39 @@ def test_decode_through_the_paged_kernel_gives_the_gathering_paths_logits(kv, tr
     if not triton:
         monkeypatch.setattr(gpu, "use_triton", lambda x: False)
     calls = []
-    kernel = gpu.paged_decode_attention
-    monkeypatch.setattr(gpu, "paged_decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    kernel = getattr(gpu, name)
+    monkeypatch.setattr(gpu, name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    return calls
+
+
+def _decode_steps(engine, prompts, steps: int) -> torch.Tensor:
+    """Logits [steps, B, V] of `steps` greedy decode steps after prefilling `prompts`, one row each."""
+    cache = engine.new_kv_cache(32)
+    rows = list(range(len(prompts)))
+    for row in rows:
+        cache.add_sequence(row)
+    logits = []
+    with torch.inference_mode():
+        tokens = engine._prefill_rows(cache, rows, prompts).argmax(-1, keepdim=True)
+        for step in range(steps):
+            positions = cache.prepare(rows, torch.tensor([[len(p) + step] for p in prompts]))
+            logits.append(engine.decode_logits(tokens, positions, cache))
+            tokens = logits[-1].argmax(-1, keepdim=True)
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8-dynamic"])
+@pytest.mark.parametrize("triton", [False, True], ids=["reference", "triton"])
+def test_decode_through_the_paged_kernel_gives_the_gathering_paths_logits(kv, triton, monkeypatch):
+    """A GPU engine's decode steps attend through kiln.kernels.gpu.paged_decode_attention, reading the pools as
+    stored; here its torch reference, and the Triton kernel interpreted, against the CPU gather-and-SDPA path."""
+    calls = _counted_kernel(monkeypatch, "paged_decode_attention", triton)
     gather, paged = _tiny_engine(kv), _tiny_engine(kv)
     paged.decode_kernel = True
     assert all(b.attention.kernel_decodes for b in paged.model.blocks)
-    steps = []
-    for engine in (gather, paged):
-        cache = engine.new_kv_cache(32)
-        rows = list(range(len(PROMPTS)))
-        for row in rows:
-            cache.add_sequence(row)
-        with torch.inference_mode():
-            tokens = engine._prefill_rows(cache, rows, PROMPTS).argmax(-1, keepdim=True)
-            logits = []
-            for step in range(6):
-                positions = cache.prepare(rows, torch.tensor([[len(p) + step] for p in PROMPTS]))
-                logits.append(engine.decode_logits(tokens, positions, cache))
-                tokens = logits[-1].argmax(-1, keepdim=True)
-        steps.append(torch.stack(logits))
+    expected, got = _decode_steps(gather, PROMPTS, 6), _decode_steps(paged, PROMPTS, 6)
     assert len(calls) == 6 * 2  # every decode step, every layer; never the prefill
-    torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-4 * float(steps[0].abs().max()))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * float(expected.abs().max()))
     assert paged.generate_ids(PROMPTS, 12, stop_ids=()) == gather.generate_ids(PROMPTS, 12, stop_ids=())
 
 
@@ -275,36 +284,17 @@ def mla_artifact(tmp_path_factory):
 def test_mla_decode_through_the_latent_kernel_gives_the_gathering_paths_logits(mla_artifact, triton, monkeypatch):
     """MLA layers decode through kiln.kernels.gpu.mla_decode_attention (absorbed, reading the latent pool as
     stored), against the CPU path (gathered latents, absorbed SDPA)."""
-    from kiln.kernels import gpu
     from kiln.runtime.model import MlaAttention
 
-    if triton and not gpu.use_triton(torch.zeros(1)):
-        pytest.skip("Triton is not installed or not interpreting")
-    if not triton:
-        monkeypatch.setattr(gpu, "use_triton", lambda x: False)
-    calls = []
-    kernel = gpu.mla_decode_attention
-    monkeypatch.setattr(gpu, "mla_decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls = _counted_kernel(monkeypatch, "mla_decode_attention", triton)
     gather, paged = runtime.load(mla_artifact), runtime.load(mla_artifact)
     paged.decode_kernel = True
     layers = [m for m in paged.model.modules() if isinstance(m, MlaAttention)]
     assert layers and all(m.kernel_decodes for m in layers)
     prompts = [TOKENS[0], TOKENS[1]]
-    steps = []
-    for engine in (gather, paged):
-        cache = engine.new_kv_cache(16)
-        for row in range(2):
-            cache.add_sequence(row)
-        with torch.inference_mode():
-            tokens = engine._prefill_rows(cache, [0, 1], prompts).argmax(-1, keepdim=True)
-            logits = []
-            for step in range(5):
-                positions = cache.prepare([0, 1], torch.tensor([[len(p) + step] for p in prompts]))
-                logits.append(engine.decode_logits(tokens, positions, cache))
-                tokens = logits[-1].argmax(-1, keepdim=True)
-        steps.append(torch.stack(logits))
+    expected, got = _decode_steps(gather, prompts, 5), _decode_steps(paged, prompts, 5)
     assert len(calls) == 5 * len(layers)
-    torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-4 * float(steps[0].abs().max()))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * float(expected.abs().max()))
     assert paged.generate_ids(prompts, 10, stop_ids=()) == gather.generate_ids(prompts, 10, stop_ids=())
 
 
