@@ -96,14 +96,21 @@ GPU_KV_CACHE_FRACTION = 0.5
 (vLLM's gpu_memory_utilization is the same idea, counted over the whole device)."""
 
 
+RUNTIME_DEVICES = ("cpu", "cuda", "meta")
+"""Device types an engine is placed on ("meta": shapes only, for tests that check device placement)."""
+
+
 def resolve_placement(device: torch.device | str, dtype: torch.dtype | None,
                       packed: bool | None) -> tuple[torch.device, torch.dtype, bool]:
     """(device, compute dtype, packed) for a load: the CPU reference is fp32 with weights dequantized once; any
     other device defaults to bf16 activations over packed weights (what the Triton kernels run)."""
+    asked = device
     try:
         device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise KilnError(f"unknown device {device!r}: {exc}") from None
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in RUNTIME_DEVICES:
+        raise KilnError(f"unknown device {clip(str(asked), 40)!r}: the runtime runs on cpu or cuda (cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise KilnError(f"device {device} asked for, but this machine has no CUDA GPU (torch "
                         f"{torch.__version__}); use --device cpu")

@@ -128,8 +128,9 @@ def test_devices_and_dtypes_that_cannot_run_are_refused(artifacts):
     if not torch.cuda.is_available():
         with pytest.raises(KilnError, match="no CUDA GPU"):
             runtime.load(artifacts["fp8"], device="cuda")
-    with pytest.raises(KilnError, match="unknown device"):
-        runtime.load(artifacts["fp8"], device="gpu0")
+    for device in ("gpu0", "mps"):  # not a device; a device the runtime has no path for
+        with pytest.raises(KilnError, match=f"unknown device '{device}': the runtime runs on cpu or cuda"):
+            runtime.load(artifacts["fp8"], device=device)
     with pytest.raises(KilnError, match="compute dtype"):
         runtime.load(artifacts["fp8"], dtype=torch.int8)
 
