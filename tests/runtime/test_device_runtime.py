@@ -90,8 +90,19 @@ def test_bf16_engine_keeps_packed_bytes_and_tracks_the_fp32_reference(artifacts,
     # the scheduler and sampling in bf16: seeded sampling repeats itself, greedy decoding runs to its length
     sampled = [engine.generate_ids(TOKENS, 12, temperature=0.8, seed=7, repetition_penalty=1.3) for _ in range(2)]
     assert sampled[0] == sampled[1]
-    for out, reason in engine.generate_ids(TOKENS, 12, stop_ids=()):
+    greedy = engine.generate_ids(TOKENS, 12, stop_ids=())
+    for out, reason in greedy:
         assert reason == "length" and len(out) == 12 and all(0 <= t < engine.spec.vocab_size for t in out)
+    # speculative decoding in bf16: greedy verification, and the rejection sampler on bf16 probabilities
+    drafter = engine.drafter("prompt-lookup")
+    spec_greedy, stats = engine.speculative_ids(TOKENS, 12, drafter=drafter, stop_ids=())
+    assert stats.steps > 0 and [len(out) for out, _ in spec_greedy] == [12, 12]
+    # verification runs several tokens a forward, plain decoding one: in bf16 their roundings differ, so the
+    # outputs agree on a prefix at least (a near-tie may part them after)
+    assert all(a[:4] == b[:4] for (a, _), (b, _) in zip(spec_greedy, greedy, strict=True))
+    sampled_spec = [engine.speculative_ids(TOKENS, 12, drafter=drafter, temperature=0.8, seed=3, stop_ids=())[0]
+                    for _ in range(2)]
+    assert sampled_spec[0] == sampled_spec[1]
 
 
 # NVFP4 weights are left out: on a GPU they run the Triton kernels; their torch references, which run here,
