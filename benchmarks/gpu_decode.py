@@ -13,8 +13,9 @@ The engine is `runtime.Engine(device=...)`: packed weights through the Triton ke
 Protocol: B sequences of --prompt-tokens random tokens prefilled, then --steps decode steps, each one forward
 of the B rows on the paged cache, the greedy token of each row, and the one host sync that reads them (what a
 scheduler step does); ms/step is the median. "compiled" is the same step after
-`Engine.compile_decode(mode="reduce-overhead")`: torch.compile with CUDA graphs, one per bucketed shape
-(its compile time is printed, not timed). transformers: LlamaForCausalLM in bf16 with its default attention
+`Engine.compile_decode(mode="reduce-overhead")`: torch.compile with CUDA graphs, one per bucketed shape,
+compiled at its first step (whose time is printed) and recorded at the next ones; the first 3 steps are not
+timed. transformers: LlamaForCausalLM in bf16 with its default attention
 and a DynamicCache, the same steps. Roofline: the bytes a step reads, weights (linears and lm_head as
 stored) plus the KV cache at mid-run, divided by the bandwidth a device-to-device copy measured.
 """
@@ -106,26 +107,33 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def kiln_ms_per_step(engine, batch: int, prompt_tokens: int, steps: int) -> float:
-    """Median ms of a decode step of `batch` rows after a prefill of `prompt_tokens` each."""
+def kiln_ms_per_step(engine, batch: int, prompt_tokens: int, steps: int) -> tuple[float, float]:
+    """(median ms of a decode step of `batch` rows after a prefill of `prompt_tokens` each, ms of the first
+    step: a compiled engine compiles, or records its CUDA graph, there). The engine's own block pool is used
+    and left empty, so a compiled engine's static pool addresses hold across calls."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, engine.spec.vocab_size, (prompt_tokens,), generator=gen).tolist()
                for _ in range(batch)]
-    cache = engine.new_kv_cache(engine.kv_cache_blocks)
+    cache = engine.kv_pool
     rows = list(range(batch))
     times = []
     with torch.inference_mode():
         for row in rows:
             cache.add_sequence(row)
-        tokens = engine._prefill_rows(cache, rows, prompts).argmax(-1, keepdim=True)
-        for step in range(steps):
-            _sync(str(engine.device))
-            start = time.perf_counter()
-            positions = cache.prepare(rows, torch.full((batch, 1), prompt_tokens + step))
-            tokens = engine.decode_logits(tokens, positions, cache).argmax(-1, keepdim=True)
-            tokens.tolist()  # the scheduler's one host sync a step
-            times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[1:] if len(times) > 1 else times)
+        try:
+            tokens = engine._prefill_rows(cache, rows, prompts).argmax(-1, keepdim=True)
+            for step in range(steps):
+                _sync(str(engine.device))
+                start = time.perf_counter()
+                positions = cache.prepare(rows, torch.full((batch, 1), prompt_tokens + step))
+                tokens = engine.decode_logits(tokens, positions, cache).argmax(-1, keepdim=True)
+                tokens.tolist()  # the scheduler's one host sync a step
+                times.append(time.perf_counter() - start)
+        finally:
+            for row in rows:
+                cache.free_sequence(row)
+    # CUDA-graph trees run a new shape eagerly, then record it, then replay: the first steps are not timed
+    return 1e3 * statistics.median(times[3:] if len(times) > 4 else times), 1e3 * times[0]
 
 
 def transformers_ms_per_step(name: str, device: str, batch: int, prompt_tokens: int, steps: int) -> float:
@@ -153,7 +161,7 @@ def transformers_ms_per_step(name: str, device: str, batch: int, prompt_tokens: 
 
 def decode_table(device: str, bandwidth_gbps: float, models=tuple(MODELS), formats=FORMATS, batches=(1, 8),
                  prompt_tokens: int = 128, steps: int = 32, compile_models=("Llama-3.1-8B",),
-                 deadline: float = float("inf"), kv_blocks: int = 512) -> list[dict]:
+                 deadline: float = float("inf"), kv_blocks: int = 512, compile_formats=("fp8",)) -> list[dict]:
     """Print Markdown rows as they finish and return them as dicts. Rows past `deadline`
     (time.perf_counter()) are skipped, each with a line saying so."""
     print("| model | weights | batch | kiln eager ms/step | kiln compiled ms/step | transformers bf16 ms/step "
@@ -169,14 +177,17 @@ def decode_table(device: str, bandwidth_gbps: float, models=tuple(MODELS), forma
             try:
                 engine = random_engine(name, fmt, device, kv_blocks)
                 compiled = None
-                if name in compile_models:
-                    began = time.perf_counter()
+                if name in compile_models and fmt in compile_formats:  # compiled on its first step, below
                     compiled = random_engine(name, fmt, device, kv_blocks)
-                    compiled.compile_decode(mode="reduce-overhead" if device.startswith("cuda") else None)
-                    print(f"    (compiled {name} {fmt} in {time.perf_counter() - began:.0f} s)", flush=True)
+                    compiled.compile_decode(mode="reduce-overhead" if device.startswith("cuda") else None,
+                                            warmup=False)
                 for batch in batches:
-                    eager_ms = kiln_ms_per_step(engine, batch, prompt_tokens, steps)
-                    compiled_ms = kiln_ms_per_step(compiled, batch, prompt_tokens, steps) if compiled else None
+                    eager_ms, _ = kiln_ms_per_step(engine, batch, prompt_tokens, steps)
+                    compiled_ms = None
+                    if compiled is not None:
+                        compiled_ms, first_ms = kiln_ms_per_step(compiled, batch, prompt_tokens, steps)
+                        print(f"    (compiled {name} {fmt} batch {batch}: first step {first_ms / 1e3:.0f} s)",
+                              flush=True)
                     if batch not in baseline:
                         baseline[batch] = transformers_ms_per_step(name, device, batch, prompt_tokens, steps)
                     roof = step_bytes(engine, batch, prompt_tokens + steps // 2) / (bandwidth_gbps * 1e9) * 1e3

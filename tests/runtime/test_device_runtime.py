@@ -155,8 +155,8 @@ def test_the_cli_refuses_a_device_it_does_not_have(artifacts, cli):
 
 def test_the_gpu_decode_table_runs_here_on_the_cpu(capsys):
     """benchmarks/gpu_decode.py (gpu_check's decode rows) is written for a GPU this machine lacks: its code path
-    runs here on the CPU (bf16, stories260K's shape, both formats, eager and compiled), so a lent GPU's few
-    minutes are not lost to a broken script."""
+    runs here on the CPU (bf16, stories260K's shape, both formats, eager, and compiled for FP8 as the 8B shape
+    is on a GPU), so a lent GPU's few minutes are not lost to a broken script."""
     import importlib.util
 
     from tests.conftest import ROOT
@@ -164,11 +164,12 @@ def test_the_gpu_decode_table_runs_here_on_the_cpu(capsys):
     spec = importlib.util.spec_from_file_location("gpu_decode", ROOT / "benchmarks" / "gpu_decode.py")
     gpu_decode = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_decode)
-    rows = gpu_decode.decode_table("cpu", 10.0, ["stories260K"], batches=(1, 3), prompt_tokens=8, steps=3,
-                                   compile_models=())
+    rows = gpu_decode.decode_table("cpu", 10.0, ["stories260K"], batches=(1, 3), prompt_tokens=8, steps=5,
+                                   compile_models=("stories260K",))
     assert [(r["weights"], r["batch"]) for r in rows] == [("fp8", 1), ("fp8", 3), ("nvfp4", 1), ("nvfp4", 3)]
     for row in rows:
         assert row["eager_ms"] > 0 and row["transformers_ms"] > 0 and row["roofline_ms"] > 0
+        assert (row["compiled_ms"] is not None) == (row["weights"] == "fp8")  # compiled: the FP8 rows
     assert "error" not in capsys.readouterr().out
 
 
