@@ -89,14 +89,7 @@ def test_reads_the_runtimes_paged_cache(fmt, scaling):
 
     tables = (cache.block_tables[0], cache.block_tables[1])
     table = torch.tensor([t + [cache.num_blocks] * (3 - len(t)) for t in tables], dtype=torch.int32)
-    k_store, v_store = cache.pools[0]
-    pools = []
-    for store in (k_store, v_store):
-        if fmt == "nvfp4":
-            pools.append(KvPool(fmt, store.packed, store.block_scale, store.global_scale, store.offset))
-        else:
-            pools.append(KvPool(fmt, store.data, store.token_scale if scaling == "dynamic" else store.scale,
-                                offset=store.offset))
+    pools = [store.kernel_pool() for store in cache.pools[0]]  # the runtime's pools, as the kernel reads them
     q = torch.randn(2, heads, dim, generator=g)
     lens = torch.tensor(lengths, dtype=torch.int32)
     out = paged_decode_attention(q.to(DEVICE), *(pool_to(p) for p in pools), table.to(DEVICE), lens.to(DEVICE),
