@@ -176,6 +176,7 @@ class _DensePool:
 
     def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype, device: torch.device):
         self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=dtype, device=device)
+        self.kernel_pool = KvPool(KvFormat.BF16, self.data)  # what the decode kernels read (same tensors)
 
     def write(self, slots: Tensor, x: Tensor) -> None:
         self.data.index_copy_(0, slots, x.to(self.data.dtype))
@@ -183,8 +184,6 @@ class _DensePool:
     def read(self, slots: Tensor) -> Tensor:
         return self.data.index_select(0, slots)
 
-    def kernel_pool(self) -> KvPool:
-        return KvPool(KvFormat.BF16, self.data)
 
 
 class _QuantizedPool:
@@ -214,6 +213,7 @@ class _Fp8StaticPool(_QuantizedPool):
             raise KilnError(f"FP8 KV stream {stream.name!r} ({stream.scaling}) has no scale")
         self.scale = _on(stream.scale, device)
         self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=torch.float8_e4m3fn, device=device)
+        self.kernel_pool = KvPool(KvFormat.FP8_E4M3, self.data, self.scale, None, self.offset)
 
     def _store(self, slots: Tensor, x: Tensor) -> None:
         # index_copy_ has no float8 kernel on CPU: copy the bytes
@@ -222,8 +222,6 @@ class _Fp8StaticPool(_QuantizedPool):
     def _load(self, slots: Tensor) -> Tensor:
         return fp8_kv_dequantize(self.data.index_select(0, slots), self.scale)
 
-    def kernel_pool(self) -> KvPool:
-        return KvPool(KvFormat.FP8_E4M3, self.data, self.scale, None, self.offset)
 
 
 class _Fp8DynamicPool(_QuantizedPool):
@@ -235,6 +233,7 @@ class _Fp8DynamicPool(_QuantizedPool):
         super().__init__(stream, dtype, device)
         self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=torch.float8_e4m3fn, device=device)
         self.token_scale = torch.ones(slots, 1, 1, device=device)
+        self.kernel_pool = KvPool(KvFormat.FP8_E4M3, self.data, self.token_scale, None, self.offset)
 
     def _store(self, slots: Tensor, x: Tensor) -> None:
         q, scale = fp8_kv_quantize_per_token(x)
@@ -244,8 +243,6 @@ class _Fp8DynamicPool(_QuantizedPool):
     def _load(self, slots: Tensor) -> Tensor:
         return fp8_kv_dequantize(self.data.index_select(0, slots), self.token_scale.index_select(0, slots))
 
-    def kernel_pool(self) -> KvPool:
-        return KvPool(KvFormat.FP8_E4M3, self.data, self.token_scale, None, self.offset)
 
 
 class _Nvfp4Pool(_QuantizedPool):
@@ -264,6 +261,7 @@ class _Nvfp4Pool(_QuantizedPool):
         self.packed = torch.zeros(slots, stream.heads, stream.dim // 2, dtype=torch.uint8, device=device)
         self.block_scale = torch.zeros(slots, stream.heads, stream.dim // NVFP4_BLOCK_SIZE,
                                        dtype=torch.float8_e4m3fn, device=device)
+        self.kernel_pool = KvPool(KvFormat.NVFP4, self.packed, self.block_scale, self.global_scale, self.offset)
 
     def _store(self, slots: Tensor, x: Tensor) -> None:
         packed, block_scale = nvfp4_kv_quantize(x, self.global_scale)
@@ -274,8 +272,6 @@ class _Nvfp4Pool(_QuantizedPool):
         return nvfp4_kv_dequantize(self.packed.index_select(0, slots), self.block_scale.index_select(0, slots),
                                    self.global_scale)
 
-    def kernel_pool(self) -> KvPool:
-        return KvPool(KvFormat.NVFP4, self.packed, self.block_scale, self.global_scale, self.offset)
 
 
 _POOLS = {
@@ -349,7 +345,7 @@ def _kernel_attention(pools, write_slots: Tensor, tables: DecodeTables, q: Tenso
 
     for pool, value in zip(pools, new, strict=True):
         pool.write(write_slots, value.reshape(-1, *value.shape[2:]))
-    first, second = (pool.kernel_pool() for pool in pools)
+    first, second = (pool.kernel_pool for pool in pools)  # built with the pool: its tensors never move
     if isinstance(q, tuple):
         out = gpu.mla_decode_attention(q[0][:, 0], q[1][:, 0], first, second, tables.block_table,
                                        tables.context_lens, tables.block_size, scale)

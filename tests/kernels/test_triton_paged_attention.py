@@ -89,7 +89,7 @@ def test_reads_the_runtimes_paged_cache(fmt, scaling):
 
     tables = (cache.block_tables[0], cache.block_tables[1])
     table = torch.tensor([t + [cache.num_blocks] * (3 - len(t)) for t in tables], dtype=torch.int32)
-    pools = [store.kernel_pool() for store in cache.pools[0]]  # the runtime's pools, as the kernel reads them
+    pools = [store.kernel_pool for store in cache.pools[0]]  # the runtime's pools, as the kernel reads them
     q = torch.randn(2, heads, dim, generator=g)
     lens = torch.tensor(lengths, dtype=torch.int32)
     out = paged_decode_attention(q.to(DEVICE), *(pool_to(p) for p in pools), table.to(DEVICE), lens.to(DEVICE),
