@@ -2,7 +2,7 @@
 anchor; plus what the budget buys a Llama-3.1-8B-shaped model (bytes and concurrency only, meta device).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py [--paragraphs 200] [--fractions 0.75,0.5,0.25]
-        [--heal-steps 600] [--smollm2 DIR] [--out artifacts/mla]
+        [--heal-steps 600] [--smollm2 DIR [--smollm2-only]] [--out artifacts/mla]
 
 Each row runs the `mla` pass (calibration.txt: the first 256 paragraphs to observe and probe, all of it to
 heal) through the Python API and scores the result with the build's accuracy gate on evaluation.txt
@@ -157,17 +157,21 @@ def main() -> None:
     parser.add_argument("--fractions", default="0.75,0.5,0.25")
     parser.add_argument("--heal-steps", type=int, default=MlaConversion.heal_steps)
     parser.add_argument("--smollm2", type=Path, default=None, help="a SmolLM2 HF checkpoint (to_hf.py) for its rows")
+    parser.add_argument("--smollm2-only", action="store_true", help="skip the stories260K rows")
     parser.add_argument("--out", type=Path, default=ROOT / "artifacts" / "mla")
     args = parser.parse_args()
     torch.manual_seed(0)
     fractions = [float(f) for f in args.fractions.split(",")]
     rows = []
-    for fraction in fractions:
+    if args.smollm2_only and not args.smollm2:
+        parser.error("--smollm2-only needs --smollm2 DIR")
+    for fraction in [] if args.smollm2_only else fractions:
         for heal in (0, args.heal_steps):
             rows.append(run(STORIES, fraction, heal, False, args.paragraphs))
             print(rows[-1], flush=True)
-    rows.append(run(STORIES, 0.5, args.heal_steps, True, args.paragraphs))  # x0.25 with fp8 latents
-    print(rows[-1], flush=True)
+    if not args.smollm2_only:
+        rows.append(run(STORIES, 0.5, args.heal_steps, True, args.paragraphs))  # x0.25 with fp8 latents
+        print(rows[-1], flush=True)
     if args.smollm2:  # training-free: healing a 135M model is over the pass's heal_budget on CPU
         for fraction in fractions:
             rows.append(run(args.smollm2, fraction, 0, False, args.paragraphs))

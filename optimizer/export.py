@@ -4,7 +4,8 @@
                          transformers), which also carries what ModelOpt's cannot: FP8 weight-only, FP8 with
                          mixed scale granularities, NVFP4 / FP8 / MXFP4 mixed per layer
     hf-modelopt          NVIDIA ModelOpt's unified checkpoint (optimizer/export_modelopt.py; vLLM
-                         quantization="modelopt", SGLang, TensorRT-LLM)
+                         quantization="modelopt", SGLang, TensorRT-LLM); an MLA-converted model in DeepSeek-V3's
+                         layout (optimizer/export_deepseek_modelopt.py)
     hf                   an MLA-converted model, unquantized, in DeepSeek-V3's layout (optimizer/export_deepseek.py;
                          transformers' DeepseekV3ForCausalLM)
     eagle3               the artifact's EAGLE-3 draft head, as vLLM / SGLang load it beside the target
@@ -52,27 +53,29 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
         from kiln.optimizer.export_onnx import export_onnx
 
         return export_onnx(artifact, output, overwrite)
-    refuse_rewritten_structure(Path(artifact), fmt)
+    converted = converted_layers(Path(artifact))
+    if converted and fmt == "hf-modelopt":
+        from kiln.optimizer.export_deepseek_modelopt import export_deepseek_modelopt
+
+        return export_deepseek_modelopt(artifact, output, overwrite)
+    if converted:
+        raise KilnError(f"--format {fmt} keeps the source's layout, but layers {converted[:4]} were converted to MLA: "
+                        "export with --format hf-modelopt (DeepSeek-V3 layout, quantized) or --format hf "
+                        "(unquantized)")
     writer = export_compressed_tensors if fmt == "compressed-tensors" else export_hf_modelopt
     return writer(artifact, output, overwrite)
 
 
-def refuse_rewritten_structure(artifact: Path, fmt: str) -> None:
-    """The quantized layouts keep the source's config.json: a model a structural pass rewrote (MLA conversion)
-    no longer matches it, so it is refused rather than written as a checkpoint no engine could load."""
+def converted_layers(artifact: Path) -> list[int]:
+    """Layers a structural pass converted to MLA, in a model whose own config has no latent (a native MLA source
+    such as DeepSeek has one): the quantized layouts that keep the source's config.json cannot hold them."""
     from kiln.runtime.artifact import read_manifest
 
     manifest = read_manifest(artifact)
-    source = manifest.get("source", {}).get("model_type")
     config_path = artifact / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    # MLA layers in a model whose own config has no latent (a native MLA source such as DeepSeek has one)
-    converted = [layer["index"] for layer in manifest["architecture"]["layers"]
-                 if layer["attention"]["kind"] == "mla" and "kv_lora_rank" not in config]
-    if converted:
-        raise KilnError(f"--format {fmt} keeps the source's {source} layout, but layers {converted[:4]} were converted "
-                        "to MLA: export with --format hf (DeepSeek-V3 layout, unquantized); a quantized DeepSeek-V3 "
-                        "export of a converted model is not implemented")
+    return [layer["index"] for layer in manifest["architecture"]["layers"]
+            if layer["attention"]["kind"] == "mla" and "kv_lora_rank" not in config]
 
 
 def export_summary(path: Path | str, fmt: str) -> str:
@@ -96,4 +99,6 @@ def export_summary(path: Path | str, fmt: str) -> str:
     algo = "none"
     if (path / HF_QUANT_CONFIG).is_file():
         algo = json.loads((path / HF_QUANT_CONFIG).read_text())["quantization"]["quant_algo"]
-    return f"wrote {path} ({fmt}, quant_algo {algo}); dequantized export matches the artifact"
+    config = json.loads((path / "config.json").read_text())
+    layout = ", DeepSeek-V3 layout" if config.get("model_type") == "deepseek_v3" else ""
+    return f"wrote {path} ({fmt}{layout}, quant_algo {algo}); dequantized export matches the artifact"

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -106,11 +108,68 @@ def _slot_map(layer_freqs: tuple[float, ...], slots: list[float]) -> list[int]:
     return out
 
 
-def deepseek_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats: dict) -> dict[str, torch.Tensor]:
-    """The artifact's weights in DeepSeek-V3's uniform layout (fp32)."""
+class RowLayout(NamedTuple):
+    """Where one linear's rows and columns go in the export: `rows[i]` is the source row of export row i (-1: a
+    zero row), `scale[i]` the factor on it, `in_features` the export's K (extra columns are zero)."""
+
+    rows: torch.Tensor  # long [N']
+    scale: torch.Tensor  # float32 [N']
+    in_features: int
+
+
+def deepseek_layouts(spec: ModelSpec, scalable_rows: Callable[[str], bool] = lambda name: True
+                     ) -> tuple[dict[str, RowLayout], dict[str, float]]:
+    """How each MLA layer's q, kv_a and kv_b map onto the uniform layout (module docstring), and the factor on
+    each latent norm's weight. `scalable_rows(kv_a name)`: whether that linear can take a per-row factor (a
+    dense or per-channel-scaled weight can; one scale for the tensor cannot); where it cannot, the latent rows
+    keep α = 1, and transformers then normalises that latent with ε = 1e-6 r_max / r, not the model's."""
     slots = rotary_slots(spec)
     f_all, rank = len(slots), max(layer.attention.kv_lora_rank for layer in spec.layers)
-    out: dict[str, torch.Tensor] = {}
+    layouts: dict[str, RowLayout] = {}
+    norms: dict[str, float] = {}
+    for layer in spec.layers:
+        a = layer.attention
+        H, nope, f, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim // 2, a.kv_lora_rank
+        place = torch.tensor(_slot_map(a.rotary.inv_freq, slots), dtype=torch.long)
+        rope_index = torch.cat([place, place + f_all])  # our [first halves, second halves] -> their slots
+        q, kv_a, kv_b = (a.linears[k] for k in ("q", "kv_a", "kv_b"))
+        head = torch.full((nope + 2 * f_all,), -1, dtype=torch.long)
+        head[:nope] = torch.arange(nope)
+        head[nope + rope_index] = nope + torch.arange(2 * f)
+        rows = torch.cat([torch.where(head >= 0, head + h * (nope + 2 * f), -1) for h in range(H)])
+        q_scale = a.softmax_scale / (nope + 2 * f_all) ** -0.5  # DeepSeek's softmax scale, folded into q
+        layouts[q.name] = RowLayout(rows, torch.full((len(rows),), q_scale), q.in_features)
+        alpha = (HF_LATENT_EPS * rank / (r * spec.rms_norm_eps)) ** 0.5 if scalable_rows(kv_a.name) else 1.0
+        rows = torch.full((rank + 2 * f_all,), -1, dtype=torch.long)
+        rows[:r] = torch.arange(r)
+        rows[rank + rope_index] = r + torch.arange(2 * f)
+        scale = torch.ones(len(rows))
+        scale[:r] = alpha
+        layouts[kv_a.name] = RowLayout(rows, scale, kv_a.in_features)
+        layouts[kv_b.name] = RowLayout(torch.arange(kv_b.out_features), torch.ones(kv_b.out_features), rank)
+        norms[f"{layer.prefix}.self_attn.kv_a_layernorm.weight"] = (r / rank) ** 0.5
+    return layouts, norms
+
+
+def relayout_dense(weight: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    """A dense [N, K] weight in the export's layout."""
+    out = weight[layout.rows.clamp(min=0)] * layout.scale[:, None]
+    out[layout.rows < 0] = 0
+    return torch.cat([out, out.new_zeros(len(out), layout.in_features - out.shape[1])], dim=1)
+
+
+def deepseek_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats: dict,
+                     layout: tuple[dict[str, RowLayout], dict[str, float]] | None = None) -> dict[str, torch.Tensor]:
+    """The artifact's weights, dequantized, in DeepSeek-V3's uniform layout (fp32); `layout`: deepseek_layouts'
+    answer (default: every row scalable)."""
+    layouts, norms = layout or deepseek_layouts(spec)
+    linears = {f"{name}.weight": relayout_dense(w, layouts[name]) if name in layouts else w
+               for name, w in _dense_linears(spec, tensors, formats).items()}
+    return relayout_others(spec, tensors, linears, norms)
+
+
+def _dense_linears(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats: dict) -> dict[str, torch.Tensor]:
+    out = {}
     for lin in spec.linears():
         if lin.name == "lm_head" and spec.lm_head_tied(tensors):
             continue
@@ -118,33 +177,21 @@ def deepseek_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats:
         if entry.get("input_rotation"):
             raise KilnError(f"{lin.name}: its input is rotated online (Hadamard block {entry['input_rotation']}), "
                             "which an unquantized export does not undo; export a recipe without rotation")
-        out[f"{lin.name}.weight"] = dequantize_weight(lin.name, entry, tensors, (lin.out_features, lin.in_features))
+        out[lin.name] = dequantize_weight(lin.name, entry, tensors, (lin.out_features, lin.in_features))
+    return out
+
+
+def relayout_others(spec: ModelSpec, tensors: dict[str, torch.Tensor], linears: dict[str, torch.Tensor],
+                    norms: dict[str, float]) -> dict[str, torch.Tensor]:
+    """The export's tensor dict: `linears` (every linear's tensors by their names, already in the export's
+    layout), then every other tensor of the model (fp32), latent norms padded to the uniform rank."""
+    rank = max(layer.attention.kv_lora_rank for layer in spec.layers)
+    out = dict(linears)
     for name in spec.tensor_names():
         if name not in out and name in tensors:
             out[name] = tensors[name].float()
-    for layer in spec.layers:
-        a = layer.attention
-        H, nope, f = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim // 2
-        r = a.kv_lora_rank
-        place = torch.tensor(_slot_map(a.rotary.inv_freq, slots), dtype=torch.long)
-        rope_index = torch.cat([place, place + f_all])  # our [first halves, second halves] -> their slots
-        qname, aname, bname = (a.linears[k].name for k in ("q", "kv_a", "kv_b"))
-        hf_scale = (nope + 2 * f_all) ** -0.5
-        q = out[f"{qname}.weight"].view(H, nope + 2 * f, -1)
-        new_q = q.new_zeros(H, nope + 2 * f_all, q.shape[-1])
-        new_q[:, :nope] = q[:, :nope]
-        new_q[:, nope + rope_index] = q[:, nope:]
-        out[f"{qname}.weight"] = (new_q * (a.softmax_scale / hf_scale)).reshape(-1, q.shape[-1])
-        kv_a = out.pop(f"{aname}.weight")
-        new_a = kv_a.new_zeros(rank + 2 * f_all, kv_a.shape[-1])
-        alpha = (HF_LATENT_EPS * rank / (r * spec.rms_norm_eps)) ** 0.5
-        new_a[:r] = kv_a[:r] * alpha
-        new_a[rank + rope_index] = kv_a[r:]
-        out[f"{layer.prefix}.self_attn.kv_a_proj_with_mqa.weight"] = new_a
-        kv_b = out[f"{bname}.weight"]
-        out[f"{bname}.weight"] = torch.cat([kv_b, kv_b.new_zeros(kv_b.shape[0], rank - r)], dim=1)
-        norm = f"{layer.prefix}.self_attn.kv_a_layernorm.weight"
-        out[norm] = torch.cat([out[norm] * (r / rank) ** 0.5, out[norm].new_ones(rank - r)])
+    for norm, factor in norms.items():
+        out[norm] = torch.cat([out[norm] * factor, out[norm].new_ones(rank - len(out[norm]))])
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -220,9 +267,14 @@ def export_logit_difference(export: Path | str, artifact: Path | str, token_list
     the artifact, over `token_lists`."""
     from transformers import AutoModelForCausalLM
 
+    return logit_difference(AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval(), artifact,
+                            token_lists)
+
+
+def logit_difference(model, artifact: Path | str, token_lists: list[list[int]]) -> float:
+    """Largest |logit| difference between a transformers `model` and Kiln's runtime on `artifact`."""
     from kiln import runtime
 
-    model = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
     engine = runtime.load(artifact)
     worst = 0.0
     with torch.no_grad():
@@ -234,11 +286,18 @@ def export_logit_difference(export: Path | str, artifact: Path | str, token_list
 
 
 def verify_deepseek_export(export: Path, artifact: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    check_logits(AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval(), artifact, "the export")
+
+
+def check_logits(model, artifact: Path, what: str) -> None:
+    """transformers' `model` must give the artifact's logits (within VERIFY_TOLERANCE) on two random sequences."""
     spec = spec_from_json(read_manifest(artifact)["architecture"])
     gen = torch.Generator().manual_seed(0)
     length = min(24, spec.max_position_embeddings)
     tokens = [torch.randint(0, spec.vocab_size, (length,), generator=gen).tolist() for _ in range(2)]
-    diff = export_logit_difference(export, artifact, tokens)
+    diff = logit_difference(model, artifact, tokens)
     if not diff <= VERIFY_TOLERANCE:
-        raise KilnError(f"export check failed: transformers' logits on the export differ from the artifact's by "
+        raise KilnError(f"export check failed: transformers' logits on {what} differ from the artifact's by "
                         f"{diff:.3g} (> {VERIFY_TOLERANCE})")

@@ -20,6 +20,7 @@ from kiln.optimizer.runner import RuntimeRunner
 from kiln.passes.base import PassContext, Pipeline
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.passes.mla import MlaConversion, choose_ranks, converted_layer, install, unconvertible
+from kiln.runtime.artifact import WEIGHTS
 from kiln.runtime.kv_format import kv_bytes_per_token
 from tests.conftest import STORIES, needs_stories
 
@@ -237,13 +238,80 @@ def test_quantization_runs_after_mla_and_quantizes_the_new_projections(tiny_chec
     assert mla_linears and all(graph.linears[lin.name].format == "fp8_e4m3" for lin in mla_linears)
 
 
-def test_quantized_layouts_refuse_a_converted_model(tiny_checkpoints, tmp_path, cli):
+def _quantized_converted_artifact(tiny_checkpoints, tmp_path, quant):
+    """The tiny Llama, layers converted at different ranks and rotary widths (the export pads both), then `quant`."""
     graph = load_checkpoint(tiny_checkpoints["llama"])
-    _convert_by_hand(graph, {0: (16, 16), 1: (16, 16)}, _tokens(graph.spec.vocab_size))
-    art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
-    for fmt in ("hf-modelopt", "compressed-tensors"):
-        code, _out, err = cli("export", str(art), "--format", fmt, "-o", str(tmp_path / fmt))
-        assert code != 0 and "converted to MLA: export with --format hf" in err and not (tmp_path / fmt).exists()
+    tokens = _tokens(graph.spec.vocab_size)
+    _convert_by_hand(graph, {0: (8, 12), 1: (32, 20)}, tokens)
+    Pipeline([quant]).run(graph, _ctx(graph, tokens))
+    return write_artifact(graph, tmp_path / "art", MANIFEST, "report"), tokens
+
+
+def test_hf_modelopt_exports_a_converted_nvfp4_model_in_deepseek_layout(tiny_checkpoints, tmp_path, cli):
+    from safetensors.torch import load_file
+
+    from kiln.optimizer.export_deepseek import logit_difference
+    from kiln.optimizer.export_deepseek_modelopt import dequantized_model
+    from kiln.passes.weight_quant import WeightQuantization
+
+    art, tokens = _quantized_converted_artifact(tiny_checkpoints, tmp_path, WeightQuantization(format="nvfp4",
+                                                                                               method="rtn"))
+    out = tmp_path / "mo"
+    code, stdout, err = cli("export", str(art), "--format", "hf-modelopt", "-o", str(out))
+    assert code == 0, err
+    assert "DeepSeek-V3 layout" in stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["kv_lora_rank"] == 20
+    assert config["quantization_config"]["quant_method"] == "modelopt"
+    quant = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "W4A16_NVFP4" and quant["group_size"] == 16
+    stored, source = load_file(str(out / "model.safetensors")), load_file(str(art / WEIGHTS))
+    # layer 0's kv_b keeps its 12 latent columns' codes (8 bytes a row, padded to a 16-block) and pads to the
+    # largest rank, 20, with zero codes (32 columns with the block padding: 16 bytes a row)
+    kv_b = "model.layers.0.self_attn.kv_b_proj"
+    assert stored[f"{kv_b}.weight"].dtype == torch.uint8 and stored[f"{kv_b}.weight"].shape[1] == 16
+    assert torch.equal(stored[f"{kv_b}.weight"][:, :8], source[f"{kv_b}.weight"][:, :8])
+    assert not stored[f"{kv_b}.weight"][:, 8:].any()
+    # transformers' DeepseekV3 on the weights a serving engine dequantizes gives the runtime's logits
+    assert logit_difference(dequantized_model(out), art, tokens[:3]) < 1e-4
+
+
+def test_hf_modelopt_export_of_a_converted_w8a8_model_dequantizes_to_the_layout(tiny_checkpoints, tmp_path, cli):
+    from kiln.optimizer.export_deepseek import deepseek_tensors
+    from kiln.optimizer.export_modelopt import dequantize_hf_modelopt
+    from kiln.passes.weight_quant import WeightQuantization
+    from kiln.runtime.artifact import read_manifest
+    from kiln.runtime.spec import spec_from_json
+
+    art, _ = _quantized_converted_artifact(tiny_checkpoints, tmp_path, WeightQuantization(format="fp8",
+                                                                                          activations="dynamic"))
+    code, _out, err = cli("export", str(art), "--format", "hf-modelopt", "-o", str(tmp_path / "mo"))
+    assert code == 0, err
+    quant = json.loads((tmp_path / "mo" / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN"
+    from safetensors.torch import load_file
+
+    manifest = read_manifest(art)
+    # per-channel scales take every per-row factor, the latent's epsilon correction included: the same weights
+    # as the unquantized DeepSeek-V3 layout of the dequantized artifact
+    expected = deepseek_tensors(spec_from_json(manifest["architecture"]), load_file(str(art / WEIGHTS)),
+                                manifest["formats"])
+    for name, weight in dequantize_hf_modelopt(tmp_path / "mo").items():
+        if f"{name}.weight" in expected:
+            torch.testing.assert_close(weight, expected[f"{name}.weight"], rtol=1e-6, atol=0)
+
+
+def test_quantized_exports_of_a_converted_model_refuse_what_they_cannot_hold(tiny_checkpoints, tmp_path, cli):
+    from kiln.passes.weight_quant import WeightQuantization
+
+    art, _ = _quantized_converted_artifact(tiny_checkpoints, tmp_path, WeightQuantization(format="mxfp4",
+                                                                                          method="rtn"))
+    code, _out, err = cli("export", str(art), "--format", "compressed-tensors", "-o", str(tmp_path / "ct"))
+    assert code != 0 and "converted to MLA: export with --format hf-modelopt" in err
+    # the softmax scale folded into q is not a power of two: MXFP4's E8M0 scales cannot take it exactly
+    code, _out, err = cli("export", str(art), "--format", "hf-modelopt", "-o", str(tmp_path / "mo"))
+    assert code != 0 and "q_proj: MXFP4 scales are powers of two" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ct").exists() and not (tmp_path / "mo").exists()
 
 
 def test_hf_export_refuses_what_an_unquantized_checkpoint_cannot_compute(tiny_checkpoints, tmp_path, cli):

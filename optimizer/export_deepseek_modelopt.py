@@ -1,0 +1,215 @@
+"""Engine artifact of an MLA-converted, quantized model -> a DeepSeek-V3-layout ModelOpt unified checkpoint
+("hf-modelopt" on a converted model): optimizer/export_deepseek.py's layout, with every quantized linear kept in
+its stored format under ModelOpt's names and algorithms (optimizer/export_modelopt.py).
+
+    DIR/model.safetensors     DeepSeek-V3 names; quantized linears as <module>.weight / .weight_scale /
+                              .weight_scale_2 / .input_scale, every other tensor fp32
+    DIR/hf_quant_config.json  as optimizer/export_modelopt.py writes it
+    DIR/config.json           export_deepseek's DeepSeek-V3 config plus "quantization_config"
+
+The layout moves, pads and scales rows of q, kv_a and kv_b (export_deepseek.deepseek_layouts). On stored
+quantized tensors this is exact:
+  - rows are gathered with their codes and per-row block scales; an inserted row is all zero codes;
+  - a factor common to every row (DeepSeek's softmax scale folded into q) goes into the tensor's own scale
+    (FP8 weight_scale, NVFP4 weight_scale_2, an MXFP4 power of two into its E8M0 exponents); per-row factors
+    into per-row scales (FP8 per channel), and a format with neither is a one-line refusal;
+  - kv_b's padded latent columns are zero codes.
+The latent rows' ε correction α (export_deepseek) is a per-row factor on kv_a: a kv_a with one scale for the
+tensor keeps α = 1, and transformers then normalises that latent with ε = 1e-6 r_max / r instead of the model's.
+
+After writing, the export is dequantized as a serving engine reads it (dequantize_hf_modelopt) and must equal
+the artifact's weights in the same layout (up to the rounding of a folded scale, rtol 1e-6). When no linear
+quantizes its activations (transformers has no FP8/FP4 activation path), transformers' DeepseekV3ForCausalLM on
+those dequantized weights must also give the runtime's logits within 1e-4.
+A quantized KV cache is refused, as in export_modelopt.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.kernels.errors import KilnError
+from kiln.kernels.formats import WeightFormat
+from kiln.optimizer.export_deepseek import (
+    RowLayout,
+    check_expressible,
+    check_logits,
+    deepseek_config,
+    deepseek_layouts,
+    deepseek_tensors,
+    relayout_dense,
+    relayout_others,
+)
+from kiln.optimizer.export_modelopt import (
+    HF_QUANT_CONFIG,
+    copy_tokenizer_files,
+    dequantize_hf_modelopt,
+    export_tensors,
+    hf_quant_config,
+    quantization_config,
+)
+from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
+from kiln.optimizer.unfuse import unfuse_artifact
+from kiln.passes.fuse import unfuse_spec
+from kiln.runtime.artifact import WEIGHTS, read_manifest
+from kiln.runtime.spec import ModelSpec, spec_from_json
+from kiln.runtime.weights import stored_weight
+
+SCALE_RTOL = 1e-6  # a factor folded into a stored scale rounds once: code * (scale * f) vs (code * scale) * f
+
+
+def rows_scalable(entry: dict, tensors: dict[str, torch.Tensor], name: str) -> bool:
+    """Whether a linear stored as `entry` can take a different factor on each row exactly."""
+    fmt = entry.get("format", WeightFormat.DENSE)
+    return fmt == WeightFormat.DENSE or (fmt == WeightFormat.FP8_E4M3 and tensors[f"{name}.weight_scale"].numel() > 1)
+
+
+def _gather_rows(t: torch.Tensor, layout: RowLayout, fill: float) -> torch.Tensor:
+    raw = t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # byte formats (fp8, codes) gathered as bytes
+    out = raw[layout.rows.clamp(min=0)].clone()
+    out[layout.rows < 0] = fill
+    return out.view(t.dtype)
+
+
+def _pad_columns(t: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    raw = t.view(torch.uint8)
+    pad = raw.new_full((raw.shape[0], width - raw.shape[1]), fill)
+    return torch.cat([raw, pad], dim=1).view(t.dtype)
+
+
+def _common_factor(name: str, fmt: str, layout: RowLayout) -> float:
+    factors = layout.scale[layout.rows >= 0].unique()
+    if len(factors) != 1:
+        raise KilnError(f"{name}: its {fmt} weight has one scale for the whole tensor, so the DeepSeek-V3 layout's "
+                        "per-row factors cannot be folded into it exactly; quantize it per channel (FP8) or export "
+                        "with --format hf")
+    return float(factors[0])
+
+
+def relayout_stored(name: str, fmt: str, stored: dict[str, torch.Tensor], layout: RowLayout
+                    ) -> dict[str, torch.Tensor]:
+    """`name`'s stored tensors (its format's names) in the export's layout, exactly (module docstring)."""
+    out = dict(stored)
+    if fmt == WeightFormat.FP8_E4M3:
+        out["weight"] = _pad_columns(_gather_rows(stored["weight"], layout, 0), layout.in_features, 0)
+        scale = stored["weight_scale"]
+        if scale.numel() > 1:
+            out["weight_scale"] = _gather_rows(scale, layout, 1.0) * layout.scale[:, None]
+        else:
+            out["weight_scale"] = scale * _common_factor(name, fmt, layout)
+        return out
+    from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE
+    from kiln.kernels.mxfp4 import padded_in_features as mx_padded
+    from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
+    from kiln.kernels.nvfp4 import padded_in_features as nv_padded
+
+    factor = _common_factor(name, fmt, layout)
+    if fmt == WeightFormat.NVFP4:
+        padded, block, empty_scale = nv_padded(layout.in_features), NVFP4_BLOCK_SIZE, 0  # E4M3 zero
+        out["weight_scale_2"] = stored["weight_scale_2"] * factor
+    elif fmt == WeightFormat.MXFP4:
+        padded, block, empty_scale = mx_padded(layout.in_features), MXFP4_BLOCK_SIZE, 127  # E8M0 1.0
+        exponent = torch.tensor(factor).log2()
+        if exponent != exponent.round():
+            raise KilnError(f"{name}: MXFP4 scales are powers of two and cannot take the DeepSeek-V3 layout's "
+                            f"factor {factor:.6g} on its rows exactly; export with --format hf")
+        shifted = stored["weight_scale"].int() + int(exponent)
+        if int(shifted.min()) < 0 or int(shifted.max()) > 254:
+            raise KilnError(f"{name}: its MXFP4 exponents overflow when scaled by {factor:g}")
+        out["weight_scale"] = shifted.to(torch.uint8)
+    else:
+        raise KilnError(f"{name}: format {fmt} is not mapped onto the DeepSeek-V3 layout")
+    # K grows to layout.in_features (kv_b's padded latent): zero codes, past the stored codes' own zero padding
+    out["weight"] = _pad_columns(_gather_rows(out["weight"], layout, 0), padded // 2, 0)
+    out["weight_scale"] = _pad_columns(_gather_rows(out["weight_scale"], layout, empty_scale), padded // block,
+                                       empty_scale)
+    return out
+
+
+def deepseek_modelopt_tensors(spec: ModelSpec, manifest: dict, tensors: dict[str, torch.Tensor],
+                              layout: tuple[dict[str, RowLayout], dict[str, float]]) -> dict[str, torch.Tensor]:
+    """Every tensor of the export: quantized linears as stored, in the layout; the rest fp32."""
+    layouts, norms = layout
+    linears: dict[str, torch.Tensor] = {}
+    for lin in spec.linears():
+        if lin.name == "lm_head" and spec.lm_head_tied(tensors):
+            continue
+        entry = manifest["formats"].get(lin.name, {"format": WeightFormat.DENSE})
+        fmt, stored, _ = stored_weight(lin.name, entry, tensors, (lin.out_features, lin.in_features))
+        row_layout = layouts.get(lin.name)
+        if fmt == WeightFormat.DENSE:
+            weight = stored["weight"].float()
+            linears[f"{lin.name}.weight"] = relayout_dense(weight, row_layout) if row_layout else weight
+            continue
+        if row_layout is not None:
+            stored = relayout_stored(lin.name, fmt, stored, row_layout)
+        linears.update({f"{lin.name}.{k}": v for k, v in stored.items()})
+        if f"{lin.name}.input_scale" in tensors:
+            linears[f"{lin.name}.input_scale"] = tensors[f"{lin.name}.input_scale"]
+    return export_tensors(manifest, relayout_others(spec, tensors, linears, norms))
+
+
+def export_deepseek_modelopt(artifact: Path | str, output: Path | str, overwrite: bool = False) -> Path:
+    """Write an MLA-converted artifact as a DeepSeek-V3 ModelOpt unified checkpoint in `output` (atomically),
+    verified (module docstring)."""
+    artifact, output = Path(artifact), Path(output)
+    manifest = read_manifest(artifact)
+    check_output(output, overwrite, [artifact])
+    spec = unfuse_spec(spec_from_json(manifest["architecture"]))
+    check_expressible(spec)
+    manifest, tensors = unfuse_artifact(manifest, load_file(str(artifact / WEIGHTS)))
+    formats = manifest["formats"]
+    # refuses formats ModelOpt has no algorithm for, and a quantized KV cache
+    hf_quant = hf_quant_config(manifest, tensors, spec.embedding.removesuffix(".weight"),
+                               [lin.name for lin in spec.linears()])
+    layout = deepseek_layouts(spec, lambda name: rows_scalable(formats.get(name, {}), tensors, name))
+    exported = deepseek_modelopt_tensors(spec, manifest, tensors, layout)
+    config = deepseek_config(spec, json.loads((artifact / "config.json").read_text()))
+    if hf_quant["quantization"]["quant_algo"]:
+        config["quantization_config"] = quantization_config(hf_quant)
+    reference = deepseek_tensors(spec, tensors, formats, layout)
+    weight_only = all(entry.get("activation", "none") == "none" for entry in formats.values())
+    with atomic_directory(output, overwrite, [artifact]) as tmp:
+        mark_export(tmp, artifact, "hf-modelopt")
+        save_file(exported, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if hf_quant["quantization"]["quant_algo"]:
+            (tmp / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copy_tokenizer_files(artifact, tmp)
+        verify_deepseek_modelopt(tmp, artifact, reference, weight_only)
+    return output
+
+
+def dequantized_model(export: Path):
+    """transformers' DeepseekV3ForCausalLM holding the export's weights as a serving engine dequantizes them."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    config = json.loads((export / "config.json").read_text())
+    config.pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(DeepseekV3Config(**config), dtype=torch.float32).eval()
+    state = {k: v.float() for k, v in load_file(str(export / "model.safetensors")).items()}
+    state.update({f"{name}.weight": w for name, w in dequantize_hf_modelopt(export).items()})
+    expected = model.state_dict().keys()
+    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+    missing = [k for k in expected if k not in state and not (k == "lm_head.weight" and config["tie_word_embeddings"])]
+    if missing:
+        raise KilnError(f"export check failed: the export has no {missing[0]}")
+    model.tie_weights()
+    return model
+
+
+def verify_deepseek_modelopt(export: Path, artifact: Path, reference: dict[str, torch.Tensor],
+                             weight_only: bool) -> None:
+    for name, weight in dequantize_hf_modelopt(export).items():
+        expected = reference.get(f"{name}.weight")
+        if expected is None:  # a tied lm_head: the embedding
+            continue
+        if weight.shape != expected.shape or not torch.allclose(weight, expected, rtol=SCALE_RTOL, atol=0):
+            raise KilnError(f"export check failed: {name} dequantizes differently from the artifact's weight in "
+                            "the DeepSeek-V3 layout")
+    if weight_only:
+        check_logits(dequantized_model(export), artifact, "the dequantized export")
