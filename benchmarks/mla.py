@@ -3,11 +3,18 @@ anchor; plus what the budget buys a Llama-3.1-8B-shaped model (bytes and concurr
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py [--paragraphs 200] [--fractions 0.75,0.5,0.25]
         [--heal-steps 600] [--smollm2 DIR [--smollm2-only]] [--out artifacts/mla]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py --decode SOURCE_ART,MLA_ART [--decode ...]
+        [--batches 1,8] [--cached 1024]
 
 Each row runs the `mla` pass (calibration.txt: the first 256 paragraphs to observe and probe, all of it to
 heal) through the Python API and scores the result with the build's accuracy gate on evaluation.txt
 (recovery = ppl_source / ppl; KL and top-1 against the source). `fp8 latent` rows add the fp8-kv pass.
 Writes a markdown table and a PNG (KV bytes per token, as a fraction of the source's, against recovery).
+
+--decode times the scheduler's decode step of two artifacts of one model (the source, e.g. `--recipe none`,
+and its MLA conversion) with `--cached` tokens in each sequence's cache (random prompts; capped at the model's
+context less the new tokens), batch by batch, eager and compiled (Engine.compile_decode): ms per step, the
+best of 3, one thread. MLA decodes absorbed (W_uk folded into the query, W_uv after the latent attention).
 """
 
 from __future__ import annotations
@@ -96,6 +103,51 @@ def source_decode_ms(checkpoint: Path) -> float:
     return decode_ms(engine_from_graph(load_checkpoint(checkpoint)))
 
 
+def step_ms(engine, batch: int, prompt: int, new: int, repeats: int = 3) -> float:
+    """Milliseconds per scheduler decode step: `batch` random prompts of `prompt` tokens, `new` greedy tokens."""
+    from kiln.runtime.scheduler import SamplingParams, Scheduler
+
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(3, engine.spec.vocab_size, (batch, prompt), generator=gen).tolist()
+    best = float("inf")
+    for _ in range(repeats):
+        scheduler = Scheduler(engine, max_num_seqs=batch, max_num_batched_tokens=1 << 16, prefix_caching=False,
+                              num_blocks=engine.kv_cache_blocks)
+        for ids in prompts:
+            scheduler.add_request(ids, SamplingParams(max_tokens=new, stop_ids=()))
+        scheduler.step()  # prefill
+        start, steps = time.perf_counter(), 0
+        while scheduler.has_work():
+            scheduler.step()
+            steps += 1
+        best = min(best, (time.perf_counter() - start) / steps * 1e3)
+    return best
+
+
+def decode_rows(pairs: list[tuple[Path, Path]], batches: list[int], cached: int, new: int = 32) -> list[str]:
+    """The --decode table: GQA source against its MLA conversion, eager and compiled, per batch."""
+    from kiln import runtime
+
+    lines = [("| model | cached tokens | batch | source eager ms | MLA eager ms | ratio | source compiled ms | "
+             "MLA compiled ms | ratio |"), "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for source, mla in pairs:
+        engines = {}
+        for key, path in (("source", source), ("mla", mla)):
+            engines[key, "eager"] = runtime.load(path)
+            engines[key, "compiled"] = runtime.load(path)
+            engines[key, "compiled"].compile_decode()
+        prompt = min(cached, engines["source", "eager"].spec.max_position_embeddings - new)
+        for batch in batches:
+            ms = {k: step_ms(e, batch, prompt, new) for k, e in engines.items()}
+            line = (f"| {source.name} vs {mla.name} | {prompt}-{prompt + new} | {batch} | "
+                    f"{ms['source', 'eager']:.2f} | {ms['mla', 'eager']:.2f} | "
+                    f"{ms['mla', 'eager'] / ms['source', 'eager']:.2f}x | {ms['source', 'compiled']:.2f} | "
+                    f"{ms['mla', 'compiled']:.2f} | {ms['mla', 'compiled'] / ms['source', 'compiled']:.2f}x |")
+            print(line, flush=True)
+            lines.append(line)
+    return lines
+
+
 def meta_8b_rows(fractions: list[float]) -> list[str]:
     """Bytes per token and concurrency of a Llama-3.1-8B-shaped model converted uniformly (rotary key 64 dims,
     as DeepSeek-V3's) at each fraction: no weights, so no accuracy."""
@@ -158,9 +210,22 @@ def main() -> None:
     parser.add_argument("--heal-steps", type=int, default=MlaConversion.heal_steps)
     parser.add_argument("--smollm2", type=Path, default=None, help="a SmolLM2 HF checkpoint (to_hf.py) for its rows")
     parser.add_argument("--smollm2-only", action="store_true", help="skip the stories260K rows")
+    parser.add_argument("--decode", action="append", default=[], metavar="SOURCE_ART,MLA_ART",
+                        help="time decode of these two artifacts instead (repeatable)")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--cached", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=ROOT / "artifacts" / "mla")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.decode:
+        torch.set_num_threads(1)
+        pairs = [tuple(Path(p) for p in pair.split(",")) for pair in args.decode]
+        lines = decode_rows(pairs, [int(b) for b in args.batches.split(",")], args.cached)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "mla_decode.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        print(f"wrote {args.out / 'mla_decode.md'}")
+        return
     fractions = [float(f) for f in args.fractions.split(",")]
     rows = []
     if args.smollm2_only and not args.smollm2:
