@@ -50,14 +50,19 @@ from kiln.runtime.kv_format import kv_bytes_per_token
 PCA_ANCHOR = {0.75: 0.990, 0.62: 0.973, 0.50: 0.902, 0.38: 0.665}
 
 
-def run(checkpoint: Path, fraction: float, heal_steps: int, fp8_latent: bool, paragraphs: int) -> dict:
+# SmolLM2 rows (30 layers, 49K vocabulary) on 2 CPU cores: each rank probe reruns the model from its layer, so
+# each row fixes the rotary key's width (--smollm2-rope-dims) and probes score 8 paragraphs: ~210 probes, not ~600
+SMOLLM2_PROBE_PARAGRAPHS = 8
+
+
+def run(checkpoint: Path, fraction: float, heal_steps: int, fp8_latent: bool, paragraphs: int, **options) -> dict:
     graph = load_checkpoint(checkpoint)
     tokenizer = load_tokenizer(checkpoint)
     observe = load_token_lists(tokenizer, CALIB, 256)
     heal = load_token_lists(tokenizer, CALIB, 100_000)
     gate = AccuracyGate(engine_from_graph(graph), load_token_lists(tokenizer, EVAL, paragraphs))
     source = sum(kv_bytes_per_token(graph.spec).values())
-    passes = [MlaConversion(kv_fraction=fraction, heal_steps=heal_steps)]
+    passes = [MlaConversion(kv_fraction=fraction, heal_steps=heal_steps, **options)]
     if fp8_latent:
         passes.append(KvCacheQuantization(format="fp8"))
     ctx = PassContext(get_target("hopper"), runner=RuntimeRunner(graph, observe, distillation_tokens=heal))
@@ -210,6 +215,7 @@ def main() -> None:
     parser.add_argument("--heal-steps", type=int, default=MlaConversion.heal_steps)
     parser.add_argument("--smollm2", type=Path, default=None, help="a SmolLM2 HF checkpoint (to_hf.py) for its rows")
     parser.add_argument("--smollm2-only", action="store_true", help="skip the stories260K rows")
+    parser.add_argument("--smollm2-rope-dims", default="64,128", help="rotary key widths of the SmolLM2 rows")
     parser.add_argument("--decode", action="append", default=[], metavar="SOURCE_ART,MLA_ART",
                         help="time decode of these two artifacts instead (repeatable)")
     parser.add_argument("--batches", default="1,8")
@@ -239,8 +245,10 @@ def main() -> None:
         print(rows[-1], flush=True)
     if args.smollm2:  # training-free: healing a 135M model is over the pass's heal_budget on CPU
         for fraction in fractions:
-            rows.append(run(args.smollm2, fraction, 0, False, args.paragraphs))
-            print(rows[-1], flush=True)
+            for rope_dim in (int(d) for d in args.smollm2_rope_dims.split(",")):
+                rows.append(run(args.smollm2, fraction, 0, False, args.paragraphs, rope_dim=rope_dim,
+                                sensitivity_paragraphs=SMOLLM2_PROBE_PARAGRAPHS))
+                print(rows[-1], flush=True)
     header = ("| model | budget | healing | cache | KV bytes/token | x source | recovery | KL | top-1 | layers "
               "(rotary+latent) | pass s | decode ms @1024 (source) |")
     lines = [header, "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|"]

@@ -15,8 +15,10 @@ DeepSeek-V3's config holds one latent rank, one rotary width and one set of rota
 layer, where the conversion chose them per layer. The export makes them uniform without changing what the
 model computes:
   - latents are zero-padded to the largest rank; the latent norm's weight is scaled by sqrt(r / r_max), which
-    undoes the padding's effect on the RMS, and the latent rows of kv_a by α with α² = 1e-6 r_max / (r eps),
-    which turns transformers' fixed 1e-6 epsilon of that norm into the model's own: exact;
+    undoes the padding's effect on the RMS, and kv_a by α with α² = 1e-6 r_max / (r eps), which turns
+    transformers' fixed 1e-6 epsilon of that norm into the model's own; α also scales the rotary key, so kv_b
+    takes α and q 1/α (the scores are unchanged), and o_proj 1/α (V grew by α): exact, and one factor per
+    linear, which a quantized export folds into the linear's own scale (optimizer/export_deepseek_modelopt.py);
   - rotary slots: each frequency gets as many slots as the layer that uses it most; a layer's rotary dims go
     to slots of their own frequency, the rest of its query and key slots are zero;
   - the frequencies, in the order of the slots, are written as LongRoPE factors (`short_factor` =
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -109,20 +110,20 @@ def _slot_map(layer_freqs: tuple[float, ...], slots: list[float]) -> list[int]:
 
 
 class RowLayout(NamedTuple):
-    """Where one linear's rows and columns go in the export: `rows[i]` is the source row of export row i (-1: a
-    zero row), `scale[i]` the factor on it, `in_features` the export's K (extra columns are zero)."""
+    """Where one linear's rows go in the export: `rows[i]` is the source row of export row i (-1: a zero row);
+    `factor` multiplies the whole weight, `input_factor` its input (so an activation scale takes it too);
+    `in_features` is the export's K (extra columns are zero)."""
 
     rows: torch.Tensor  # long [N']
-    scale: torch.Tensor  # float32 [N']
+    factor: float
     in_features: int
+    input_factor: float = 1.0
 
 
-def deepseek_layouts(spec: ModelSpec, scalable_rows: Callable[[str], bool] = lambda name: True
-                     ) -> tuple[dict[str, RowLayout], dict[str, float]]:
-    """How each MLA layer's q, kv_a and kv_b map onto the uniform layout (module docstring), and the factor on
-    each latent norm's weight. `scalable_rows(kv_a name)`: whether that linear can take a per-row factor (a
-    dense or per-channel-scaled weight can; one scale for the tensor cannot); where it cannot, the latent rows
-    keep α = 1, and transformers then normalises that latent with ε = 1e-6 r_max / r, not the model's."""
+def deepseek_layouts(spec: ModelSpec) -> tuple[dict[str, RowLayout], dict[str, float]]:
+    """How each MLA layer's q, kv_a, kv_b and o_proj map onto the uniform layout (module docstring), and the
+    factor on each latent norm's weight. Every factor covers a whole linear, so a quantized weight takes it
+    exactly in its own per-tensor scale."""
     slots = rotary_slots(spec)
     f_all, rank = len(slots), max(layer.attention.kv_lora_rank for layer in spec.layers)
     layouts: dict[str, RowLayout] = {}
@@ -132,37 +133,36 @@ def deepseek_layouts(spec: ModelSpec, scalable_rows: Callable[[str], bool] = lam
         H, nope, f, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim // 2, a.kv_lora_rank
         place = torch.tensor(_slot_map(a.rotary.inv_freq, slots), dtype=torch.long)
         rope_index = torch.cat([place, place + f_all])  # our [first halves, second halves] -> their slots
-        q, kv_a, kv_b = (a.linears[k] for k in ("q", "kv_a", "kv_b"))
+        q, kv_a, kv_b, o = (a.linears[k] for k in ("q", "kv_a", "kv_b", "o"))
+        # α on kv_a makes transformers' fixed-epsilon latent norm compute the model's (it also scales the
+        # rotary key); α on kv_b and 1/α on q restore the scores, 1/α on o_proj the output
+        alpha = (HF_LATENT_EPS * rank / (r * spec.rms_norm_eps)) ** 0.5
         head = torch.full((nope + 2 * f_all,), -1, dtype=torch.long)
         head[:nope] = torch.arange(nope)
         head[nope + rope_index] = nope + torch.arange(2 * f)
         rows = torch.cat([torch.where(head >= 0, head + h * (nope + 2 * f), -1) for h in range(H)])
         q_scale = a.softmax_scale / (nope + 2 * f_all) ** -0.5  # DeepSeek's softmax scale, folded into q
-        layouts[q.name] = RowLayout(rows, torch.full((len(rows),), q_scale), q.in_features)
-        alpha = (HF_LATENT_EPS * rank / (r * spec.rms_norm_eps)) ** 0.5 if scalable_rows(kv_a.name) else 1.0
+        layouts[q.name] = RowLayout(rows, q_scale / alpha, q.in_features)
         rows = torch.full((rank + 2 * f_all,), -1, dtype=torch.long)
         rows[:r] = torch.arange(r)
         rows[rank + rope_index] = r + torch.arange(2 * f)
-        scale = torch.ones(len(rows))
-        scale[:r] = alpha
-        layouts[kv_a.name] = RowLayout(rows, scale, kv_a.in_features)
-        layouts[kv_b.name] = RowLayout(torch.arange(kv_b.out_features), torch.ones(kv_b.out_features), rank)
+        layouts[kv_a.name] = RowLayout(rows, alpha, kv_a.in_features)
+        layouts[kv_b.name] = RowLayout(torch.arange(kv_b.out_features), alpha, rank)
+        layouts[o.name] = RowLayout(torch.arange(o.out_features), 1 / alpha, o.in_features, input_factor=alpha)
         norms[f"{layer.prefix}.self_attn.kv_a_layernorm.weight"] = (r / rank) ** 0.5
     return layouts, norms
 
 
 def relayout_dense(weight: torch.Tensor, layout: RowLayout) -> torch.Tensor:
     """A dense [N, K] weight in the export's layout."""
-    out = weight[layout.rows.clamp(min=0)] * layout.scale[:, None]
+    out = weight[layout.rows.clamp(min=0)] * layout.factor
     out[layout.rows < 0] = 0
     return torch.cat([out, out.new_zeros(len(out), layout.in_features - out.shape[1])], dim=1)
 
 
-def deepseek_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats: dict,
-                     layout: tuple[dict[str, RowLayout], dict[str, float]] | None = None) -> dict[str, torch.Tensor]:
-    """The artifact's weights, dequantized, in DeepSeek-V3's uniform layout (fp32); `layout`: deepseek_layouts'
-    answer (default: every row scalable)."""
-    layouts, norms = layout or deepseek_layouts(spec)
+def deepseek_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats: dict) -> dict[str, torch.Tensor]:
+    """The artifact's weights, dequantized, in DeepSeek-V3's uniform layout (fp32)."""
+    layouts, norms = deepseek_layouts(spec)
     linears = {f"{name}.weight": relayout_dense(w, layouts[name]) if name in layouts else w
                for name, w in _dense_linears(spec, tensors, formats).items()}
     return relayout_others(spec, tensors, linears, norms)

@@ -7,15 +7,13 @@ its stored format under ModelOpt's names and algorithms (optimizer/export_modelo
     DIR/hf_quant_config.json  as optimizer/export_modelopt.py writes it
     DIR/config.json           export_deepseek's DeepSeek-V3 config plus "quantization_config"
 
-The layout moves, pads and scales rows of q, kv_a and kv_b (export_deepseek.deepseek_layouts). On stored
-quantized tensors this is exact:
+The layout moves and pads rows of q, kv_a and kv_b and multiplies q, kv_a, kv_b and o_proj by one factor each
+(export_deepseek.deepseek_layouts). On stored quantized tensors this is exact:
   - rows are gathered with their codes and per-row block scales; an inserted row is all zero codes;
-  - a factor common to every row (DeepSeek's softmax scale folded into q) goes into the tensor's own scale
-    (FP8 weight_scale, NVFP4 weight_scale_2, an MXFP4 power of two into its E8M0 exponents); per-row factors
-    into per-row scales (FP8 per channel), and a format with neither is a one-line refusal;
+  - a linear's factor goes into its own scale (FP8 weight_scale, per tensor or per channel; NVFP4
+    weight_scale_2; an MXFP4 power of two into its E8M0 exponents, any other factor a one-line refusal), and
+    o_proj's calibrated input_scale takes the factor on its input;
   - kv_b's padded latent columns are zero codes.
-The latent rows' ε correction α (export_deepseek) is a per-row factor on kv_a: a kv_a with one scale for the
-tensor keeps α = 1, and transformers then normalises that latent with ε = 1e-6 r_max / r instead of the model's.
 
 After writing, the export is dequantized as a serving engine reads it (dequantize_hf_modelopt) and must equal
 the artifact's weights in the same layout (up to the rounding of a folded scale, rtol 1e-6). When no linear
@@ -62,12 +60,6 @@ from kiln.runtime.weights import stored_weight
 SCALE_RTOL = 1e-6  # a factor folded into a stored scale rounds once: code * (scale * f) vs (code * scale) * f
 
 
-def rows_scalable(entry: dict, tensors: dict[str, torch.Tensor], name: str) -> bool:
-    """Whether a linear stored as `entry` can take a different factor on each row exactly."""
-    fmt = entry.get("format", WeightFormat.DENSE)
-    return fmt == WeightFormat.DENSE or (fmt == WeightFormat.FP8_E4M3 and tensors[f"{name}.weight_scale"].numel() > 1)
-
-
 def _gather_rows(t: torch.Tensor, layout: RowLayout, fill: float) -> torch.Tensor:
     raw = t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # byte formats (fp8, codes) gathered as bytes
     out = raw[layout.rows.clamp(min=0)].clone()
@@ -81,15 +73,6 @@ def _pad_columns(t: torch.Tensor, width: int, fill: int) -> torch.Tensor:
     return torch.cat([raw, pad], dim=1).view(t.dtype)
 
 
-def _common_factor(name: str, fmt: str, layout: RowLayout) -> float:
-    factors = layout.scale[layout.rows >= 0].unique()
-    if len(factors) != 1:
-        raise KilnError(f"{name}: its {fmt} weight has one scale for the whole tensor, so the DeepSeek-V3 layout's "
-                        "per-row factors cannot be folded into it exactly; quantize it per channel (FP8) or export "
-                        "with --format hf")
-    return float(factors[0])
-
-
 def relayout_stored(name: str, fmt: str, stored: dict[str, torch.Tensor], layout: RowLayout
                     ) -> dict[str, torch.Tensor]:
     """`name`'s stored tensors (its format's names) in the export's layout, exactly (module docstring)."""
@@ -97,29 +80,25 @@ def relayout_stored(name: str, fmt: str, stored: dict[str, torch.Tensor], layout
     if fmt == WeightFormat.FP8_E4M3:
         out["weight"] = _pad_columns(_gather_rows(stored["weight"], layout, 0), layout.in_features, 0)
         scale = stored["weight_scale"]
-        if scale.numel() > 1:
-            out["weight_scale"] = _gather_rows(scale, layout, 1.0) * layout.scale[:, None]
-        else:
-            out["weight_scale"] = scale * _common_factor(name, fmt, layout)
+        out["weight_scale"] = (_gather_rows(scale, layout, 1.0) if scale.numel() > 1 else scale) * layout.factor
         return out
     from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE
     from kiln.kernels.mxfp4 import padded_in_features as mx_padded
     from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
     from kiln.kernels.nvfp4 import padded_in_features as nv_padded
 
-    factor = _common_factor(name, fmt, layout)
     if fmt == WeightFormat.NVFP4:
         padded, block, empty_scale = nv_padded(layout.in_features), NVFP4_BLOCK_SIZE, 0  # E4M3 zero
-        out["weight_scale_2"] = stored["weight_scale_2"] * factor
+        out["weight_scale_2"] = stored["weight_scale_2"] * layout.factor
     elif fmt == WeightFormat.MXFP4:
         padded, block, empty_scale = mx_padded(layout.in_features), MXFP4_BLOCK_SIZE, 127  # E8M0 1.0
-        exponent = torch.tensor(factor).log2()
+        exponent = torch.tensor(layout.factor, dtype=torch.float64).log2()
         if exponent != exponent.round():
             raise KilnError(f"{name}: MXFP4 scales are powers of two and cannot take the DeepSeek-V3 layout's "
-                            f"factor {factor:.6g} on its rows exactly; export with --format hf")
+                            f"factor {layout.factor:.6g} exactly; export with --format hf")
         shifted = stored["weight_scale"].int() + int(exponent)
         if int(shifted.min()) < 0 or int(shifted.max()) > 254:
-            raise KilnError(f"{name}: its MXFP4 exponents overflow when scaled by {factor:g}")
+            raise KilnError(f"{name}: its MXFP4 exponents overflow when scaled by {layout.factor:g}")
         out["weight_scale"] = shifted.to(torch.uint8)
     else:
         raise KilnError(f"{name}: format {fmt} is not mapped onto the DeepSeek-V3 layout")
@@ -130,10 +109,10 @@ def relayout_stored(name: str, fmt: str, stored: dict[str, torch.Tensor], layout
     return out
 
 
-def deepseek_modelopt_tensors(spec: ModelSpec, manifest: dict, tensors: dict[str, torch.Tensor],
-                              layout: tuple[dict[str, RowLayout], dict[str, float]]) -> dict[str, torch.Tensor]:
+def deepseek_modelopt_tensors(spec: ModelSpec, manifest: dict, tensors: dict[str, torch.Tensor]
+                              ) -> dict[str, torch.Tensor]:
     """Every tensor of the export: quantized linears as stored, in the layout; the rest fp32."""
-    layouts, norms = layout
+    layouts, norms = deepseek_layouts(spec)
     linears: dict[str, torch.Tensor] = {}
     for lin in spec.linears():
         if lin.name == "lm_head" and spec.lm_head_tied(tensors):
@@ -148,8 +127,9 @@ def deepseek_modelopt_tensors(spec: ModelSpec, manifest: dict, tensors: dict[str
         if row_layout is not None:
             stored = relayout_stored(lin.name, fmt, stored, row_layout)
         linears.update({f"{lin.name}.{k}": v for k, v in stored.items()})
-        if f"{lin.name}.input_scale" in tensors:
-            linears[f"{lin.name}.input_scale"] = tensors[f"{lin.name}.input_scale"]
+        if f"{lin.name}.input_scale" in tensors:  # a calibrated activation scale takes the input's factor
+            factor = row_layout.input_factor if row_layout is not None else 1.0
+            linears[f"{lin.name}.input_scale"] = tensors[f"{lin.name}.input_scale"] * factor
     return export_tensors(manifest, relayout_others(spec, tensors, linears, norms))
 
 
@@ -166,12 +146,11 @@ def export_deepseek_modelopt(artifact: Path | str, output: Path | str, overwrite
     # refuses formats ModelOpt has no algorithm for, and a quantized KV cache
     hf_quant = hf_quant_config(manifest, tensors, spec.embedding.removesuffix(".weight"),
                                [lin.name for lin in spec.linears()])
-    layout = deepseek_layouts(spec, lambda name: rows_scalable(formats.get(name, {}), tensors, name))
-    exported = deepseek_modelopt_tensors(spec, manifest, tensors, layout)
+    exported = deepseek_modelopt_tensors(spec, manifest, tensors)
     config = deepseek_config(spec, json.loads((artifact / "config.json").read_text()))
     if hf_quant["quantization"]["quant_algo"]:
         config["quantization_config"] = quantization_config(hf_quant)
-    reference = deepseek_tensors(spec, tensors, formats, layout)
+    reference = deepseek_tensors(spec, tensors, formats)
     weight_only = all(entry.get("activation", "none") == "none" for entry in formats.values())
     with atomic_directory(output, overwrite, [artifact]) as tmp:
         mark_export(tmp, artifact, "hf-modelopt")

@@ -276,29 +276,34 @@ def test_hf_modelopt_exports_a_converted_nvfp4_model_in_deepseek_layout(tiny_che
     assert logit_difference(dequantized_model(out), art, tokens[:3]) < 1e-4
 
 
-def test_hf_modelopt_export_of_a_converted_w8a8_model_dequantizes_to_the_layout(tiny_checkpoints, tmp_path, cli):
+@pytest.mark.parametrize("activations,granularity,algo", [("dynamic", "per_channel", "FP8_PER_CHANNEL_PER_TOKEN"),
+                                                         ("static", "per_tensor", "FP8")])
+def test_hf_modelopt_export_of_a_converted_w8a8_model_dequantizes_to_the_layout(tiny_checkpoints, tmp_path, cli,
+                                                                               activations, granularity, algo):
+    from safetensors.torch import load_file
+
     from kiln.optimizer.export_deepseek import deepseek_tensors
     from kiln.optimizer.export_modelopt import dequantize_hf_modelopt
     from kiln.passes.weight_quant import WeightQuantization
     from kiln.runtime.artifact import read_manifest
     from kiln.runtime.spec import spec_from_json
 
-    art, _ = _quantized_converted_artifact(tiny_checkpoints, tmp_path, WeightQuantization(format="fp8",
-                                                                                          activations="dynamic"))
+    art, _ = _quantized_converted_artifact(tiny_checkpoints, tmp_path, WeightQuantization(
+        format="fp8", activations=activations, granularity=granularity))
     code, _out, err = cli("export", str(art), "--format", "hf-modelopt", "-o", str(tmp_path / "mo"))
     assert code == 0, err
-    quant = json.loads((tmp_path / "mo" / "hf_quant_config.json").read_text())["quantization"]
-    assert quant["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN"
-    from safetensors.torch import load_file
-
-    manifest = read_manifest(art)
-    # per-channel scales take every per-row factor, the latent's epsilon correction included: the same weights
-    # as the unquantized DeepSeek-V3 layout of the dequantized artifact
-    expected = deepseek_tensors(spec_from_json(manifest["architecture"]), load_file(str(art / WEIGHTS)),
-                                manifest["formats"])
+    assert json.loads((tmp_path / "mo" / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == algo
+    manifest, source = read_manifest(art), load_file(str(art / WEIGHTS))
+    # each linear's factor went into its scale: the same weights as the unquantized DeepSeek-V3 layout
+    expected = deepseek_tensors(spec_from_json(manifest["architecture"]), source, manifest["formats"])
     for name, weight in dequantize_hf_modelopt(tmp_path / "mo").items():
         if f"{name}.weight" in expected:
             torch.testing.assert_close(weight, expected[f"{name}.weight"], rtol=1e-6, atol=0)
+    if activations == "static":  # o_proj's input grew by the factor its weight lost: its output is unchanged
+        stored, o = load_file(str(tmp_path / "mo" / "model.safetensors")), "model.layers.0.self_attn.o_proj"
+        product = stored[f"{o}.input_scale"] * stored[f"{o}.weight_scale"]
+        torch.testing.assert_close(product, source[f"{o}.input_scale"] * source[f"{o}.weight_scale"])
+        assert not torch.equal(stored[f"{o}.input_scale"], source[f"{o}.input_scale"])
 
 
 def test_quantized_exports_of_a_converted_model_refuse_what_they_cannot_hold(tiny_checkpoints, tmp_path, cli):
@@ -308,9 +313,10 @@ def test_quantized_exports_of_a_converted_model_refuse_what_they_cannot_hold(tin
                                                                                           method="rtn"))
     code, _out, err = cli("export", str(art), "--format", "compressed-tensors", "-o", str(tmp_path / "ct"))
     assert code != 0 and "converted to MLA: export with --format hf-modelopt" in err
-    # the softmax scale folded into q is not a power of two: MXFP4's E8M0 scales cannot take it exactly
+    # the layout's factors (the latent norm's epsilon, the softmax scale) are not powers of two: MXFP4's E8M0
+    # scales cannot take them exactly
     code, _out, err = cli("export", str(art), "--format", "hf-modelopt", "-o", str(tmp_path / "mo"))
-    assert code != 0 and "q_proj: MXFP4 scales are powers of two" in err and len(err.strip().splitlines()) == 1
+    assert code != 0 and "MXFP4 scales are powers of two" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "ct").exists() and not (tmp_path / "mo").exists()
 
 
