@@ -433,11 +433,30 @@ class MlaAttention(nn.Module):
         B, T, H = q_pass.shape[:3]
         q_latent = torch.einsum("bthn,hnr->bthr", q_pass, w[:, : s.qk_nope_head_dim])
         # every head reads the same key and value: the T x H queries attend as the rows of one head
-        q = torch.cat([q_latent, q_rot], dim=-1).reshape(B, 1, T * H, -1)
-        k = torch.cat([latent, k_rot], dim=-1).unsqueeze(1)  # [B, 1, S, r + rope]
         rows_mask = None if mask is None else mask.repeat_interleave(H, dim=2)  # [B, 1, T * H, S]
-        mixed = F.scaled_dot_product_attention(q, k, latent.unsqueeze(1), attn_mask=rows_mask, scale=s.softmax_scale)
+        if T == 1:
+            mixed = _latent_decode(q_latent.view(B, H, -1), q_rot.reshape(B, H, -1), latent, k_rot,
+                                   None if rows_mask is None else rows_mask[:, 0], s.softmax_scale)
+        else:  # SDPA: a chunk of queries never materialises its [T x H, S] scores on the fused backends
+            q = torch.cat([q_latent, q_rot], dim=-1).reshape(B, 1, T * H, -1)
+            k = torch.cat([latent, k_rot], dim=-1).unsqueeze(1)  # [B, 1, S, r + rope]
+            mixed = F.scaled_dot_product_attention(q, k, latent.unsqueeze(1), attn_mask=rows_mask,
+                                                   scale=s.softmax_scale)
         return torch.einsum("bthr,hvr->bthv", mixed.view(B, T, H, -1), w[:, s.qk_nope_head_dim:])
+
+
+def _latent_decode(q_latent, q_rot, latent, k_rot, mask, scale):
+    """One decode step of absorbed MLA: q_latent [B, H, r], q_rot [B, H, rope], latent [B, S, r], k_rot
+    [B, S, rope], mask [B, H, S] (True: attend) or None -> [B, H, r]. The latent and rotary scores are two
+    batched matmuls into one buffer: no [S, r + rope] key is concatenated per step, which costs SDPA 2-3x on a
+    CPU at decode shapes. A row with nothing to attend gives zeros, as SDPA does."""
+    scores = torch.baddbmm(torch.bmm(q_rot, k_rot.transpose(1, 2)), q_latent, latent.transpose(1, 2))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores * scale, dim=-1)
+    if mask is not None:
+        probs = probs.nan_to_num(0.0)
+    return torch.bmm(probs, latent)
 
 
 def _attend(q, k, v, mask, scale):

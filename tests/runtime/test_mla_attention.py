@@ -74,3 +74,24 @@ def test_decode_never_expands_the_cached_latents(tiny_checkpoints):
     assert rows == [6] * layers  # decode: kv_b_proj never ran again
     for h in handles:
         h.remove()
+
+
+def test_latent_decode_equals_sdpa_over_the_concatenated_key():
+    """The decode step's two-matmul latent attention is SDPA over [latent, rotary key] with the latent as value,
+    masked rows included (a row with nothing to attend gives zeros in both)."""
+    from torch.nn import functional as F
+
+    from kiln.runtime.model import _latent_decode
+
+    gen = torch.Generator().manual_seed(8)
+    B, H, S, r, rope = 3, 4, 37, 24, 8
+    q_latent, q_rot = torch.randn(B, H, r, generator=gen), torch.randn(B, H, rope, generator=gen)
+    latent, k_rot = torch.randn(B, S, r, generator=gen), torch.randn(B, S, rope, generator=gen)
+    mask = torch.rand(B, H, S, generator=gen) > 0.3
+    mask[1, 2] = False
+    for m in (None, mask):
+        ref = F.scaled_dot_product_attention(torch.cat([q_latent, q_rot], -1)[:, None],
+                                             torch.cat([latent, k_rot], -1)[:, None], latent[:, None],
+                                             attn_mask=None if m is None else m[:, None], scale=0.3)[:, 0]
+        torch.testing.assert_close(_latent_decode(q_latent, q_rot, latent, k_rot, m, 0.3), ref, rtol=1e-5, atol=1e-6)
+    assert not _latent_decode(q_latent, q_rot, latent, k_rot, mask, 0.3)[1, 2].any()
