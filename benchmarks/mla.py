@@ -2,7 +2,8 @@
 anchor; plus what the budget buys a Llama-3.1-8B-shaped model (bytes and concurrency only, meta device).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py [--paragraphs 200] [--fractions 0.75,0.5,0.25]
-        [--heal-steps 600] [--smollm2 DIR [--smollm2-only]] [--out artifacts/mla]
+        [--heal-steps 600] [--smollm2 DIR [--smollm2-only] [--smollm2-rope-dims 64,128]
+        [--smollm2-heal-steps 0]] [--out artifacts/mla]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mla.py --decode SOURCE_ART,MLA_ART [--decode ...]
         [--batches 1,8] [--cached 1024]
 
@@ -56,13 +57,14 @@ SMOLLM2_PROBE_PARAGRAPHS = 8
 
 
 def run(checkpoint: Path, fraction: float, heal_steps: int, fp8_latent: bool, paragraphs: int, **options) -> dict:
+    options.setdefault("heal_steps", heal_steps)
     graph = load_checkpoint(checkpoint)
     tokenizer = load_tokenizer(checkpoint)
     observe = load_token_lists(tokenizer, CALIB, 256)
     heal = load_token_lists(tokenizer, CALIB, 100_000)
     gate = AccuracyGate(engine_from_graph(graph), load_token_lists(tokenizer, EVAL, paragraphs))
     source = sum(kv_bytes_per_token(graph.spec).values())
-    passes = [MlaConversion(kv_fraction=fraction, heal_steps=heal_steps, **options)]
+    passes = [MlaConversion(kv_fraction=fraction, **options)]
     if fp8_latent:
         passes.append(KvCacheQuantization(format="fp8"))
     ctx = PassContext(get_target("hopper"), runner=RuntimeRunner(graph, observe, distillation_tokens=heal))
@@ -216,6 +218,8 @@ def main() -> None:
     parser.add_argument("--smollm2", type=Path, default=None, help="a SmolLM2 HF checkpoint (to_hf.py) for its rows")
     parser.add_argument("--smollm2-only", action="store_true", help="skip the stories260K rows")
     parser.add_argument("--smollm2-rope-dims", default="64,128", help="rotary key widths of the SmolLM2 rows")
+    parser.add_argument("--smollm2-heal-steps", type=int, default=0,
+                        help="healing steps of 512 tokens for the SmolLM2 rows (0: training-free)")
     parser.add_argument("--decode", action="append", default=[], metavar="SOURCE_ART,MLA_ART",
                         help="time decode of these two artifacts instead (repeatable)")
     parser.add_argument("--batches", default="1,8")
@@ -243,11 +247,13 @@ def main() -> None:
     if not args.smollm2_only:
         rows.append(run(STORIES, 0.5, args.heal_steps, True, args.paragraphs))  # x0.25 with fp8 latents
         print(rows[-1], flush=True)
-    if args.smollm2:  # training-free: healing a 135M model is over the pass's heal_budget on CPU
+    if args.smollm2:  # the pass's default healing (600 x 2048 tokens) is over its heal_budget for 135M on CPU
+        heal = {"heal_steps": args.smollm2_heal_steps, "heal_batch_tokens": 512, "heal_budget": 1e15}
         for fraction in fractions:
             for rope_dim in (int(d) for d in args.smollm2_rope_dims.split(",")):
-                rows.append(run(args.smollm2, fraction, 0, False, args.paragraphs, rope_dim=rope_dim,
-                                sensitivity_paragraphs=SMOLLM2_PROBE_PARAGRAPHS))
+                rows.append(run(args.smollm2, fraction, args.smollm2_heal_steps, False, args.paragraphs,
+                                rope_dim=rope_dim, sensitivity_paragraphs=SMOLLM2_PROBE_PARAGRAPHS,
+                                **(heal if args.smollm2_heal_steps else {})))
                 print(rows[-1], flush=True)
     header = ("| model | budget | healing | cache | KV bytes/token | x source | recovery | KL | top-1 | layers "
               "(rotary+latent) | pass s | decode ms @1024 (source) |")
