@@ -248,7 +248,7 @@ def main() -> None:
         rows.append(run(STORIES, 0.5, args.heal_steps, True, args.paragraphs))  # x0.25 with fp8 latents
         print(rows[-1], flush=True)
     if args.smollm2:  # the pass's default healing (600 x 2048 tokens) is over its heal_budget for 135M on CPU
-        heal = {"heal_steps": args.smollm2_heal_steps, "heal_batch_tokens": 512, "heal_budget": 1e15}
+        heal = {"heal_batch_tokens": 512, "heal_budget": 1e15}
         for fraction in fractions:
             for rope_dim in (int(d) for d in args.smollm2_rope_dims.split(",")):
                 rows.append(run(args.smollm2, fraction, args.smollm2_heal_steps, False, args.paragraphs,
