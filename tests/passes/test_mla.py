@@ -347,3 +347,31 @@ def test_a_rank_probe_rebuilds_and_reruns_only_the_converted_block(tiny_checkpoi
     assert Counter(kept.builds) - before == Counter({1: 1})
     fresh = LogitKl(load_checkpoint(tiny_checkpoints["llama"]), tokens)(graph, 8)
     assert probed > 0 and probed == pytest.approx(fresh, rel=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_tensor", "fp8_channel", "nvfp4", "mxfp4"])
+def test_stored_relayout_equals_the_dense_relayout(fmt):
+    """Rows moved, zero rows inserted, a factor folded and K padded on the stored codes dequantize to the same
+    layout applied to the dequantized weight (MXFP4: a power-of-two factor; any other is refused)."""
+    from kiln.kernels import fp8
+    from kiln.kernels.dequantize import dequantize
+    from kiln.kernels.mxfp4 import mxfp4_quantize
+    from kiln.kernels.nvfp4 import nvfp4_quantize
+    from kiln.optimizer.export_deepseek import RowLayout, relayout_dense
+    from kiln.optimizer.export_deepseek_modelopt import relayout_stored
+
+    w = torch.randn(12, 40, generator=torch.Generator().manual_seed(3))
+    if fmt.startswith("fp8"):
+        codes, scale = (fp8.fp8_quantize_per_tensor if fmt == "fp8_tensor" else fp8.fp8_quantize_per_channel)(w)
+        name, stored = "fp8_e4m3", {"weight": codes, "weight_scale": scale}
+    else:
+        name, stored = fmt, (nvfp4_quantize(w) if fmt == "nvfp4" else mxfp4_quantize(w)).tensors()
+    factor = 2.0 if fmt == "mxfp4" else 0.37
+    layout = RowLayout(torch.tensor([3, -1, 0, 11, -1, 5, 7]), factor, 72)
+    moved = relayout_stored("m", name, stored, layout)
+    got = dequantize(name, moved, 72)
+    torch.testing.assert_close(got, relayout_dense(dequantize(name, stored, 40), layout), rtol=1e-6, atol=0)
+    assert not got[[1, 4]].any() and not got[:, 40:].any()
+    if fmt == "mxfp4":
+        with pytest.raises(KilnError, match="MXFP4 scales are powers of two"):
+            relayout_stored("m", name, stored, layout._replace(factor=0.37))
