@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import WeightFormat
@@ -43,14 +43,12 @@ from kiln.optimizer.export_deepseek import (
     relayout_others,
 )
 from kiln.optimizer.export_modelopt import (
-    HF_QUANT_CONFIG,
-    copy_tokenizer_files,
     dequantize_hf_modelopt,
     export_tensors,
     hf_quant_config,
-    quantization_config,
+    write_modelopt_files,
 )
-from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
+from kiln.optimizer.output_dir import atomic_directory, check_output
 from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.passes.fuse import unfuse_spec
 from kiln.runtime.artifact import WEIGHTS, read_manifest
@@ -148,30 +146,25 @@ def export_deepseek_modelopt(artifact: Path | str, output: Path | str, overwrite
                                [lin.name for lin in spec.linears()])
     exported = deepseek_modelopt_tensors(spec, manifest, tensors)
     config = deepseek_config(spec, json.loads((artifact / "config.json").read_text()))
-    if hf_quant["quantization"]["quant_algo"]:
-        config["quantization_config"] = quantization_config(hf_quant)
     reference = deepseek_tensors(spec, tensors, formats)
     weight_only = all(entry.get("activation", "none") == "none" for entry in formats.values())
     with atomic_directory(output, overwrite, [artifact]) as tmp:
-        mark_export(tmp, artifact, "hf-modelopt")
-        save_file(exported, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if hf_quant["quantization"]["quant_algo"]:
-            (tmp / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        copy_tokenizer_files(artifact, tmp)
+        write_modelopt_files(tmp, artifact, exported, hf_quant, config)
         verify_deepseek_modelopt(tmp, artifact, reference, weight_only)
     return output
 
 
-def dequantized_model(export: Path):
-    """transformers' DeepseekV3ForCausalLM holding the export's weights as a serving engine dequantizes them."""
+def dequantized_model(export: Path, linears: dict[str, torch.Tensor] | None = None):
+    """transformers' DeepseekV3ForCausalLM holding the export's weights as a serving engine dequantizes them
+    (`linears`: dequantize_hf_modelopt(export), when the caller has it already)."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
     config = json.loads((export / "config.json").read_text())
     config.pop("quantization_config", None)
     model = AutoModelForCausalLM.from_config(DeepseekV3Config(**config), dtype=torch.float32).eval()
     state = {k: v.float() for k, v in load_file(str(export / "model.safetensors")).items()}
-    state.update({f"{name}.weight": w for name, w in dequantize_hf_modelopt(export).items()})
+    linears = dequantize_hf_modelopt(export) if linears is None else linears
+    state.update({f"{name}.weight": w for name, w in linears.items()})
     expected = model.state_dict().keys()
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     missing = [k for k in expected if k not in state and not (k == "lm_head.weight" and config["tie_word_embeddings"])]
@@ -183,7 +176,8 @@ def dequantized_model(export: Path):
 
 def verify_deepseek_modelopt(export: Path, artifact: Path, reference: dict[str, torch.Tensor],
                              weight_only: bool) -> None:
-    for name, weight in dequantize_hf_modelopt(export).items():
+    linears = dequantize_hf_modelopt(export)
+    for name, weight in linears.items():
         expected = reference.get(f"{name}.weight")
         if expected is None:  # a tied lm_head: the embedding
             continue
@@ -191,4 +185,4 @@ def verify_deepseek_modelopt(export: Path, artifact: Path, reference: dict[str, 
             raise KilnError(f"export check failed: {name} dequantizes differently from the artifact's weight in "
                             "the DeepSeek-V3 layout")
     if weight_only:
-        check_logits(dequantized_model(export), artifact, "the dequantized export")
+        check_logits(dequantized_model(export, linears), artifact, "the dequantized export")

@@ -250,15 +250,22 @@ def export_hf_modelopt(artifact: Path | str, output: Path | str, overwrite: bool
     hf_quant = hf_quant_config(manifest, tensors, embedding, [lin.name for lin in spec.linears()])
     exported = export_tensors(manifest, tensors)
     with atomic_directory(output, overwrite, [artifact]) as tmp:
-        mark_export(tmp, artifact, "hf-modelopt")
-        save_file(exported, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if hf_quant["quantization"]["quant_algo"] or hf_quant["quantization"]["kv_cache_quant_algo"]:
-            (tmp / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
-            config["quantization_config"] = quantization_config(hf_quant)
-        (tmp / "config.json").write_text(json.dumps(config, indent=4) + "\n")
-        copy_tokenizer_files(artifact, tmp)
+        write_modelopt_files(tmp, artifact, exported, hf_quant, config)
         verify_export(tmp, artifact)
     return output
+
+
+def write_modelopt_files(directory: Path, artifact: Path, tensors: dict[str, torch.Tensor], hf_quant: dict,
+                         config: dict) -> None:
+    """An hf-modelopt export's files in `directory`: the marker, the weights, hf_quant_config.json (when anything
+    is quantized), config.json with its quantization_config, the tokenizer."""
+    mark_export(directory, artifact, "hf-modelopt")
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if hf_quant["quantization"]["quant_algo"] or hf_quant["quantization"]["kv_cache_quant_algo"]:
+        (directory / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
+        config = {**config, "quantization_config": quantization_config(hf_quant)}
+    (directory / "config.json").write_text(json.dumps(config, indent=4) + "\n")
+    copy_tokenizer_files(artifact, directory)
 
 
 MODELOPT_TENSORS = {"FP8": ("weight", "weight_scale"), "FP8_PER_CHANNEL_PER_TOKEN": ("weight", "weight_scale"),
