@@ -57,14 +57,13 @@ SMOLLM2_PROBE_PARAGRAPHS = 8
 
 
 def run(checkpoint: Path, fraction: float, heal_steps: int, fp8_latent: bool, paragraphs: int, **options) -> dict:
-    options.setdefault("heal_steps", heal_steps)
     graph = load_checkpoint(checkpoint)
     tokenizer = load_tokenizer(checkpoint)
     observe = load_token_lists(tokenizer, CALIB, 256)
     heal = load_token_lists(tokenizer, CALIB, 100_000)
     gate = AccuracyGate(engine_from_graph(graph), load_token_lists(tokenizer, EVAL, paragraphs))
     source = sum(kv_bytes_per_token(graph.spec).values())
-    passes = [MlaConversion(kv_fraction=fraction, **options)]
+    passes = [MlaConversion(kv_fraction=fraction, heal_steps=heal_steps, **options)]
     if fp8_latent:
         passes.append(KvCacheQuantization(format="fp8"))
     ctx = PassContext(get_target("hopper"), runner=RuntimeRunner(graph, observe, distillation_tokens=heal))

@@ -185,7 +185,6 @@ class _DensePool:
         return self.data.index_select(0, slots)
 
 
-
 class _QuantizedPool:
     """Shared by the quantized pools: the stream's calibrated offset comes off before storing, back on reading
     (in fp32); reads come back in the model's dtype."""
@@ -223,7 +222,6 @@ class _Fp8StaticPool(_QuantizedPool):
         return fp8_kv_dequantize(self.data.index_select(0, slots), self.scale)
 
 
-
 class _Fp8DynamicPool(_QuantizedPool):
     """float8_e4m3fn bytes with one fp32 scale per token (amax over the token's heads and dims / 448)."""
 
@@ -242,7 +240,6 @@ class _Fp8DynamicPool(_QuantizedPool):
 
     def _load(self, slots: Tensor) -> Tensor:
         return fp8_kv_dequantize(self.data.index_select(0, slots), self.token_scale.index_select(0, slots))
-
 
 
 class _Nvfp4Pool(_QuantizedPool):
