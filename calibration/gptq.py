@@ -147,7 +147,7 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
                 multiplier[:, col // bs] = part.multiplier[:, 0]
                 chosen_stored.append(part.stored)
             m = multiplier[:, block_of[col]] if dynamic else multiplier_t[block_of[col]]
-            q = layout.round(w1[i] / m) * m
+            q = layout.round_(w1[i] / m).mul_(m)
             work[col] = q
             e = (w1[i] - q) / u1[i, i]
             w1[i:] -= u1[i, i:].unsqueeze(1) * e.unsqueeze(0)
@@ -157,7 +157,7 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
             work[r1:r2] -= upper[i1:i2, r1:r2].T @ err1
     del upper
 
-    values = work[torch.argsort(perm)].T.contiguous()
+    values = work.T[:, torch.argsort(perm)]  # one [N, K] copy, unpermuted as it is gathered
     del work
     if not dynamic:
         result_scales = fixed
@@ -188,23 +188,44 @@ def cholesky_in_place(a: Tensor) -> bool:
 
 
 def _inverse_cholesky_upper(damped: Callable[[float], Tensor], diag_mean: float) -> Tensor:
-    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) in fp32, as reference GPTQ implementations compute it,
-    H = damped(extra), raising `extra` until H is positive definite.
+    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) in fp32, H = damped(extra), raising `extra` until H is
+    positive definite; only U's upper triangle is meaningful (the strictly lower one is zeroed).
 
-    potrf, potri, potrf run in place in the damped copy (`cholesky_in_place`), the only [K, K] matrix made
-    here. Only U's upper triangle is meaningful; the strictly lower one is zeroed."""
+    Reference GPTQ implementations factor H, invert it from the factor and factor the inverse (potrf, potri,
+    potrf: 4/3 K^3). Here H's order is reversed instead, A = J H J (J the reversal), and factored A = L L^T;
+    then H^-1 = J L^-T L^-1 J = U^T U with U = J L^-1 J, which is upper triangular: potrf and trtri, 2/3 K^3
+    (K = 14336 at an 8B model's down_proj: 9 s instead of 18 s on 2 cores), and U never goes through the
+    explicit inverse. All of it runs in place in the damped copy, the only [K, K] matrix made here (LAPACK
+    through scipy: torch's factorizations allocate a second one). The row-major buffer read column-major is
+    its transpose, so LAPACK's upper (column-major) routines leave L and then L^-1 in the buffer's lower
+    triangle, and reversing the whole buffer (both axes at once) turns L^-1 into U."""
     from scipy.linalg import lapack
 
     extra = 0.0
     for _ in range(8):
         work = damped(extra).contiguous()
-        if cholesky_in_place(work):  # H = L L^T, L^T in work's upper triangle
-            _, info = lapack.spotri(work.numpy().T, lower=1, overwrite_c=1)  # H^-1, in the same triangle
-            if info == 0 and cholesky_in_place(work):  # H^-1 = U^T U
+        _reverse_in_place(work)  # A = J H J
+        _, info = lapack.spotrf(work.numpy().T, lower=0, clean=0, overwrite_a=1)  # A = L L^T, L in the lower
+        if info == 0:
+            _, info = lapack.strtri(work.numpy().T, lower=0, overwrite_c=1)  # L^-1, in the same triangle
+            if info == 0:
+                _reverse_in_place(work)  # U = J L^-1 J, in the upper triangle
                 return work.triu_()
         del work
         extra = max(extra * 10, 1e-6 * diag_mean)
     raise ValueError("gptq: the Hessian is not positive definite even with extra damping")
+
+
+def _reverse_in_place(a: Tensor, chunk: int = 1 << 22) -> None:
+    """Reverse a contiguous tensor's elements in place (for a row-major matrix: both axes flipped), a chunk at
+    a time, so no second copy of it is made."""
+    flat = a.numpy().reshape(-1)
+    n = flat.shape[0]
+    for start in range(0, n // 2, chunk):
+        end = min(start + chunk, n // 2)
+        head = flat[start:end].copy()
+        flat[start:end] = flat[n - end:n - start][::-1]
+        flat[n - end:n - start] = head[::-1]
 
 
 def _concat_block_scales(layout: WeightLayout, parts: list[dict[str, Tensor]], global_scale: Tensor | None) -> Scales:

@@ -48,9 +48,9 @@ def block_errors(layout: WeightLayout, w: Tensor, multipliers: Tensor, importanc
     for r in range(0, blocks.shape[0], step):
         b = blocks[r:r + step]
         m = multipliers[r:r + step].unsqueeze(-1)  # [n, blocks, C, 1]
-        err = (layout.round(b / m) * m - b).pow(2)  # [n, blocks, C, B]
+        err = layout.round_(b / m).mul_(m).sub_(b).square_()  # [n, blocks, C, B], one buffer
         if imp is not None:
-            err = err * imp
+            err.mul_(imp)
         out.append(err.sum(-1))
     return torch.cat(out) if len(out) > 1 else out[0]
 

@@ -500,6 +500,9 @@ class WeightQuantization(Pass):
                                                         global_scale=shared.get(lin.name)) for lin in group]
                     for lin, qw in zip(group, found, strict=True):
                         self._store(lin, weights[lin.name], replace(qw, rotation_block=self.rotation_block), result)
+                del weights, shared, stats, obs
+                for lin in members:  # this stage's observations (an 8B down_proj's Hessian: 0.8 GB) go now
+                    derived.pop(lin.name, None)
         if idle:
             result.notes.append(f"{len(idle)} linear(s) saw no calibration token (experts never routed to), "
                                 f"data-free MSE scales: {', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''}")

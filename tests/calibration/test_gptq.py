@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.calibration.gptq import gptq_quantize, output_error, rtn_quantize
+from kiln.calibration.gptq import _inverse_cholesky_upper, _reverse_in_place, gptq_quantize, output_error, rtn_quantize
 from kiln.calibration.grids import WeightLayout
 from kiln.calibration.scale_search import mse_scales
 from kiln.passes.weight_quant import quantize_linear_weight
@@ -123,3 +123,39 @@ def test_large_siblings_are_quantized_one_by_one(monkeypatch):
     assert calls == [(32, 64), (32, 64)]
     for a, b in zip(stacked, alone, strict=True):
         assert torch.equal(a.dequantize(), b.dequantize())
+
+
+@pytest.mark.parametrize("k, tokens", [(7, 40), (72, 30), (257, 2048)])
+def test_inverse_cholesky_factor_matches_the_reference_route(k, tokens):
+    """U with H^-1 = U^T U from the reversed factorization (potrf, trtri) equals the reference GPTQ route
+    (factor, invert, factor the inverse) in float64, to fp32 precision, rank-deficient Hessians included."""
+    _, x = correlated_layer(k=k, tokens=tokens, seed=k)
+    h = (x.T @ x / tokens).double()
+    h.diagonal().add_(0.01 * h.diagonal().mean())
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    upper = _inverse_cholesky_upper(lambda extra: h.float(), float(h.diagonal().mean()))
+    assert torch.equal(upper, upper.triu())
+    assert float((upper.double() - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+    assert torch.allclose(upper.double().T @ upper.double(), torch.linalg.inv(h), rtol=1e-3, atol=1e-4 * float(ref.abs().max()) ** 2)
+
+
+def test_inverse_cholesky_factor_adds_damping_until_positive_definite():
+    h = torch.zeros(5, 5)
+    h[0, 0] = 1.0  # singular
+    extras = []
+
+    def damped(extra):
+        extras.append(extra)
+        return h + extra * torch.eye(5)
+
+    upper = _inverse_cholesky_upper(damped, 0.2)
+    assert extras[0] == 0.0 and extras[-1] > 0
+    assert torch.allclose(upper.T @ upper, torch.linalg.inv(damped(extras[-1])), rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 3), (5, 7), (64, 64)])
+def test_reverse_in_place_flips_both_axes(shape):
+    a = torch.randn(shape)
+    expected = a.flip(0, 1)
+    _reverse_in_place(a, chunk=4)  # small chunks: several of them, and a partial last one
+    assert torch.equal(a, expected)
