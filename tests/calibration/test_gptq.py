@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.calibration.gptq import _inverse_cholesky_upper, _reverse_in_place, gptq_quantize, output_error, rtn_quantize
+from kiln.calibration.gptq import (
+    _inverse_cholesky_upper,
+    _reverse_in_place,
+    gptq_quantize,
+    output_error,
+    rtn_quantize,
+)
 from kiln.calibration.grids import WeightLayout
 from kiln.calibration.scale_search import mse_scales
 from kiln.passes.weight_quant import quantize_linear_weight
