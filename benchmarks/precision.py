@@ -169,7 +169,8 @@ def _count(values) -> dict[str, int]:
     return out
 
 
-def modelopt_row(label: str, paragraphs: int, checkpoint: Path, ood_data: Path | None) -> dict:
+def modelopt_row(label: str, paragraphs: int, checkpoint: Path, ood_data: Path | None,
+                 calib_paragraphs: int = 256) -> dict:
     import modelopt.torch.quantization as mtq
     import torch
 
@@ -177,7 +178,7 @@ def modelopt_row(label: str, paragraphs: int, checkpoint: Path, ood_data: Path |
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(checkpoint)
-    calib = token_lists(tokenizer, CALIB, 256)
+    calib = token_lists(tokenizer, CALIB, calib_paragraphs)
     evaluation = token_lists(tokenizer, EVAL, paragraphs)
     baseline = hf_model(checkpoint)  # the fp32 source, kept beside the model ModelOpt quantizes in place
     model = hf_model(checkpoint)
@@ -204,7 +205,7 @@ def modelopt_row(label: str, paragraphs: int, checkpoint: Path, ood_data: Path |
     seconds = time.perf_counter() - start
     row = {"label": label, "method": "modelopt", **figures(hf_compare(baseline, model, evaluation)),
            "bits": modelopt_bits(model), "seconds": seconds, "peak_rss_mib": peak_rss_mib(), "decision": "",
-           "formats": {}}
+           "formats": {}, "calib_paragraphs": len(calib), "calib_tokens": sum(map(len, calib))}
     if ood_data is not None:
         row.update(figures(hf_compare(baseline, model, token_lists(tokenizer, ood_data, None)), "ood_"))
     return row
@@ -271,7 +272,7 @@ def modelopt_bits(model) -> float:
 
 def run_row(args) -> None:
     if args.row in MODELOPT_ROWS:
-        row = modelopt_row(args.row, args.paragraphs, args.checkpoint, args.ood_data)
+        row = modelopt_row(args.row, args.paragraphs, args.checkpoint, args.ood_data, args.modelopt_calib)
     else:
         row = kiln_row(args.row, args.method, args.paragraphs, args.checkpoint, args.target, args.ood_data)
     Path(args.json).write_text(json.dumps(row))
@@ -298,6 +299,8 @@ def table(rows: list[dict]) -> str:
         notes = ", ".join(f"{n}x {o}" for o, n in sorted(r.get("formats", {}).items()))
         if r.get("recipe"):
             notes = f"--recipe {r['recipe']}: {notes}"
+        if "calib_tokens" in r:
+            notes = f"calibrated on {r['calib_paragraphs']} paragraphs ({r['calib_tokens']} tokens)"
         cells = [f"{r[key]:{w}{spec}}" if key in r else f"{'-':>{w}s}" for (_, key, spec), w in
                  zip(columns, widths, strict=True)]
         lines.append(f"| {r['label']:27s} | {r['method']:8s} | " + " | ".join(cells) + f" | {notes} |")
@@ -342,6 +345,9 @@ def main() -> None:
     parser.add_argument("--methods", default="rtn,best", help=f"Kiln calibration, comma-separated: {', '.join(METHODS)}")
     parser.add_argument("--rows", default="", help="only these rows (comma-separated labels)")
     parser.add_argument("--paragraphs", type=int, default=600)
+    parser.add_argument("--modelopt-calib", type=int, default=256,
+                        help="calibration paragraphs of the ModelOpt rows (its INT4_AWQ search on CPU costs about "
+                             "0.4 s per SmolLM2 token: 256 paragraphs take hours there)")
     parser.add_argument("--jobs", type=int, default=1, help="rows run at once (one core each; times then contend)")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--method", default="rtn", help=argparse.SUPPRESS)
@@ -365,7 +371,7 @@ def main() -> None:
         out = args.out / f"row-{index}.json"
         cmd = [sys.executable, __file__, "--row", label, "--method", method, "--json", str(out),
                "--paragraphs", str(args.paragraphs), "--checkpoint", str(args.checkpoint),
-               "--target", args.target]
+               "--target", args.target, "--modelopt-calib", str(args.modelopt_calib)]
         if args.ood_data is not None:
             cmd += ["--ood-data", str(args.ood_data)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)

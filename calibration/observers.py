@@ -54,11 +54,15 @@ class InputObserver:
         # fp32 throughout, as GPTQ implementations keep H (float64 matmuls are several times slower on CPU, and
         # the rounding, ~1e-6 relative, is far below GPTQ's damping); the mean is rescaled in place
         seen = self.tokens + x.shape[0]
-        self._h.mul_(self.tokens / seen).addmm_(x.T, x, alpha=1.0 / seen)
-        self._abs_sum += x.abs().sum(0, dtype=torch.float64)
-        self._absmax = torch.maximum(self._absmax, x.abs().amax(0))
+        here = self._h.device
+        if x.device == here:
+            self._h.mul_(self.tokens / seen).addmm_(x.T, x, alpha=1.0 / seen)
+        else:  # inputs on a GPU (a build's --device): the product there, the statistics stay on the CPU
+            self._h.mul_(self.tokens / seen).add_((x.T @ x).to(here), alpha=1.0 / seen)
+        self._abs_sum += x.abs().sum(0, dtype=torch.float64).to(here)
+        self._absmax = torch.maximum(self._absmax, x.abs().amax(0).to(here))
         if self.max_samples:
-            self._reservoir(x)
+            self._reservoir(x.to(here))
         self.tokens += x.shape[0]
 
     def _reservoir(self, x: Tensor) -> None:

@@ -31,7 +31,7 @@ from kiln.optimizer.sensitivity import precision_files
 from kiln.passes.base import PassContext, PassRecord, Pipeline
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.artifact import sha256_file
-from kiln.runtime.engine import load_tokenizer
+from kiln.runtime.engine import load_tokenizer, resolve_placement
 from kiln.runtime.kv_budget import kv_budget
 
 
@@ -74,8 +74,8 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
           trust_remote_code: bool = False, allow_custom_passes: bool = False,
           log: Callable[[str], None] = lambda m: None, progress_factory=None, weight_bits: float | None = None,
           weight_bytes: int | None = None, max_kl: float | None = None, min_top1: float | None = None,
-          force: bool = False, kv_fraction: float | None = None, kv_bytes_per_token: int | None = None
-          ) -> BuildResult:
+          force: bool = False, kv_fraction: float | None = None, kv_bytes_per_token: int | None = None,
+          device: str = "cpu") -> BuildResult:
     """Load CHECKPOINT, run RECIPE's gated passes for TARGET and write the artifact to OUTPUT (None: don't).
 
     The CLI and this function share every default: without `eval_data` / `calib_data` the gate and the
@@ -84,7 +84,9 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     end-to-end tuning all of them; `calib_tokens` bounds both (whole paragraphs in file order, at least one).
     `min_recovery`, `max_kl` and `min_top1` replace every pass's default floors. Paragraphs are cut at the
     model's context (calibration.data.token_cap). Gate text the model cannot read (optimizer.gate.
-    check_native_text) is refused unless `force`.
+    check_native_text) is refused unless `force`. `device` ("cuda"): the gate runs through the runtime on the
+    GPU (what ships there: packed weights, bf16) and calibration's block forwards run there (in fp32);
+    quantization searches, sensitivity probes, K/V capture and tuning stay on the CPU.
     """
     tgt = get_target(target)
     if isinstance(recipe, Recipe) and (weight_bits is not None or weight_bytes is not None):
@@ -99,6 +101,9 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
                                                                     kv_bytes_per_token=kv_bytes_per_token)
     pipeline = Pipeline(rec.passes)  # ordering rules checked here, before anything loads
     check_floors(min_recovery, max_kl, min_top1)
+    place, _, _ = resolve_placement(device, None, None)  # an unknown device, or cuda without a GPU: one line
+    if place.type not in ("cpu", "cuda"):
+        raise KilnError(f"a build runs on cpu or cuda, not {place.type}")
     if paragraphs <= 0 or calib_paragraphs <= 0:
         raise KilnError(f"paragraph counts must be positive, got {paragraphs} and {calib_paragraphs}")
     if calib_tokens is not None and calib_tokens <= 0:
@@ -126,12 +131,12 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         log(f"gate data: {len(tokens)} paragraphs of {eval_data}")
         progress = progress_factory(len(tokens)) if progress_factory else None
         with stage("gate baseline"):
-            gate_fn = AccuracyGate(engine_from_graph(graph), tokens, progress)
+            gate_fn = AccuracyGate(engine_from_graph(graph, device=place), tokens, progress)
         check_native_text(gate_fn.baseline.perplexity, graph.spec.vocab_size, f"the gate text {Path(eval_data).name}",
                           force, log)
         eval_info = {"data": Path(eval_data).name, **data_file(eval_data), "paragraphs": len(tokens),
                      "paragraph_budget": paragraphs, "tokens": gate_fn.baseline.tokens,
-                     "baseline_perplexity": round(gate_fn.baseline.perplexity, 6)}
+                     "baseline_perplexity": round(gate_fn.baseline.perplexity, 6), "device": place.type}
     observation, tuning, calib_info = [], [], None
     if pipeline.passes:
         texts = read_paragraphs(calib_data, None)
@@ -142,7 +147,7 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         tuning = within_tokens(head + rest, calib_tokens)
         calib_info = calibration_record(calib_data, observation, tuning, calib_tokens)
         log(f"calibration data: {calibration_summary(calib_info)} of {calib_data}")
-    runner = RuntimeRunner(graph, observation, distillation_tokens=tuning) if observation else None
+    runner = RuntimeRunner(graph, observation, distillation_tokens=tuning, device=place) if observation else None
     ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, max_kl=max_kl, min_top1=min_top1, runner=runner,
                       log=log)
 

@@ -17,6 +17,10 @@ has changed (a tensor or quant annotation replaced), starts again from the embed
 
 The source for distillation is the graph as it stood when the session was created (before the pass).
 
+Device: a session made with `device` ("cuda") keeps the hidden states there and runs each block there in fp32
+(moved as it is built; the graph's tensors stay where they are); the callback gets inputs on that device.
+Distillation runs on the CPU whatever the device.
+
 Memory: the hidden states of the calibration set ([tokens, hidden] fp32) plus one block's modules (built from
 the graph's lazily lowered tensors, so only that block is read), and the embedding in its source dtype while
 the hidden states restart from it; the observers decide what they keep of each batch (Hessians, not
@@ -38,7 +42,7 @@ from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
 from kiln.passes.graph import ModelGraph
-from kiln.runtime.model import Block, LayerRotaries, QuantLinear, Transformer, Weights, build_block
+from kiln.runtime.model import Block, LayerRotaries, QuantLinear, Transformer, Weights, build_block, place
 
 Callback = Callable[[str, torch.Tensor], None]
 MICRO_BATCH_TOKENS = 512  # distillation's autograd batch: SmolLM2's activations for 512 tokens are ~1 GB
@@ -52,7 +56,8 @@ class RuntimeCalibrator:
     """
 
     def __init__(self, token_lists: Sequence[Sequence[int]], max_batch_tokens: int = FORWARD_BATCH_TOKENS,
-                 observe_sequences: int | None = None):
+                 observe_sequences: int | None = None, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         self.token_lists = [list(t) for t in token_lists if len(t) > 0]
         if not self.token_lists:
             raise KilnError("calibration needs at least one non-empty token list")
@@ -62,7 +67,8 @@ class RuntimeCalibrator:
         self.observe_sequences = observe_sequences
 
     def session(self, graph: ModelGraph) -> RuntimeCalibrationSession:
-        return RuntimeCalibrationSession(graph, self.token_lists, self.max_batch_tokens, self.observe_sequences)
+        return RuntimeCalibrationSession(graph, self.token_lists, self.max_batch_tokens, self.observe_sequences,
+                                         self.device)
 
 
 class _RecordingWeights(Weights):
@@ -99,26 +105,27 @@ class _Same:
 
 
 class _Batch:
-    def __init__(self, token_lists: list[list[int]]):
+    def __init__(self, token_lists: list[list[int]], device: torch.device | None = None):
         lengths = [len(t) for t in token_lists]
         T = max(lengths)
-        self.tokens = torch.zeros(len(token_lists), T, dtype=torch.long)
+        self.tokens = torch.zeros(len(token_lists), T, dtype=torch.long)  # on the CPU, beside the embedding
         for row, ids in enumerate(token_lists):
             self.tokens[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        self.positions = torch.arange(T).expand(len(token_lists), -1)
-        self.mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # [B, T] real tokens
+        self.positions = torch.arange(T, device=device).expand(len(token_lists), -1)
+        self.mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).to(device)  # [B, T] real tokens
         self.hidden: torch.Tensor | None = None  # [B, T, C] at the session's position
 
 
 class RuntimeCalibrationSession:
     def __init__(self, graph: ModelGraph, token_lists: list[list[int]], max_batch_tokens: int,
-                 observe_sequences: int | None = None):
+                 observe_sequences: int | None = None, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         self.graph = graph
         self.spec = graph.spec  # the structure when the session starts: the distillation teacher's
         self.all_token_lists = token_lists  # distillation
         token_lists = token_lists[:observe_sequences] if observe_sequences else token_lists
-        self.batches = [_Batch([token_lists[j] for j in batch]) for batch in length_batches(token_lists,
-                                                                                            max_batch_tokens)]
+        self.batches = [_Batch([token_lists[j] for j in batch], self.device)
+                        for batch in length_batches(token_lists, max_batch_tokens)]
         self._rotary: tuple | None = None  # (spec, its LayerRotaries): blocks run as the graph's spec says now
         self.position: int | None = None  # hidden states are at the input of this block
         self._ran: dict[int, tuple[_Same, ...]] = {}  # what each block held when the hidden states went through
@@ -161,7 +168,7 @@ class RuntimeCalibrationSession:
         if self.position is None:
             embed = self.graph.tensors[self.graph.embedding]  # source dtype: rows are widened after the lookup
             for b in self.batches:
-                b.hidden = F.embedding(b.tokens, embed).float() * b.mask.unsqueeze(-1)
+                b.hidden = F.embedding(b.tokens, embed).to(self.device, torch.float32) * b.mask.unsqueeze(-1)
             del embed
             self.position = 0
             self._ran = {-1: self._fingerprint(-1)}
@@ -191,12 +198,16 @@ class RuntimeCalibrationSession:
         return _RecordingWeights(tensors, formats, self.graph.spec)
 
     def _block(self, index: int, weights: _RecordingWeights) -> Block:
-        return build_block(self.graph.spec.layers[index], weights).eval()
+        return self._place(build_block(self.graph.spec.layers[index], weights).eval())
+
+    def _place(self, module: torch.nn.Module) -> torch.nn.Module:
+        """`module` on the session's device in fp32 (on the CPU, as built)."""
+        return module if self.device.type == "cpu" else place(module, self.device, torch.float32)
 
     def rotary(self, positions: torch.Tensor) -> list:
         spec = self.graph.spec
         if self._rotary is None or self._rotary[0] is not spec:
-            self._rotary = (spec, LayerRotaries(spec.layers))
+            self._rotary = (spec, self._place(LayerRotaries(spec.layers)))
         return self._rotary[1](positions)
 
     @torch.inference_mode()
@@ -228,7 +239,7 @@ class RuntimeCalibrationSession:
     @torch.inference_mode()
     def _run_head(self, linears: Sequence[str], callback: Callback) -> None:
         weights = self._weights()
-        norm = weights.norm(self.graph.spec.final_norm)
+        norm = self._place(weights.norm(self.graph.spec.final_norm))
         head = weights.linear(self.graph.spec.lm_head)
         for b in self.batches:
             callback(self.graph.spec.lm_head.name, norm(b.hidden)[b.mask])

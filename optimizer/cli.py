@@ -37,6 +37,9 @@ MAX_MESSAGE = 300
 DEVICE_HELP = ("cpu: the fp32 reference, weights dequantized once; cuda: weights packed on the GPU (FP8 bytes, FP4 "
                "nibbles and their scales, through the Triton kernels), bf16 activations, KV cache and sampling "
                "on the GPU")
+BUILD_DEVICE_HELP = ("where calibration's block forwards and the gate run: cpu (the fp32 reference) or cuda (the "
+                     "gate through the GPU runtime: packed weights, bf16 activations); quantization searches, "
+                     "sensitivity probes and tuning run on the CPU either way")
 """Longest error line printed: a message built from hostile input must not flood a CI log."""
 
 
@@ -134,6 +137,7 @@ def build(
                                                       "of the source's (e.g. 0.5)")] = None,
     kv_bytes_per_token: Annotated[int | None, typer.Option(help="mla recipe: KV bytes per token, all layers, "
                                                            "with a BF16 cache")] = None,
+    device: Annotated[str, typer.Option(help=BUILD_DEVICE_HELP)] = "cpu",
 ) -> None:
     """Optimize CHECKPOINT with RECIPE for TARGET and write an engine artifact."""
     from kiln.optimizer.build import build as run_build
@@ -153,7 +157,7 @@ def build(
                        allow_custom_passes=allow_custom_passes, log=_log,
                        weight_bits=weight_bits,
                        weight_bytes=weight_bytes, max_kl=max_kl, min_top1=min_top1, force=force,
-                       kv_fraction=kv_fraction, kv_bytes_per_token=kv_bytes_per_token)
+                       kv_fraction=kv_fraction, kv_bytes_per_token=kv_bytes_per_token, device=device)
     manifest = result.manifest
     if manifest["passes"]:
         out.print(_gate_table(manifest["passes"]))

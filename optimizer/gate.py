@@ -215,13 +215,15 @@ class AccuracyGate:
     """Callable gate: holds the baseline's final hidden states and lm_head once, and scores each candidate graph
     against them, baseline and candidate logits side by side a HEAD_CHUNK of positions at a time.
 
-    Only the baseline's lm_head is kept, not its model, so a build holds one model beside the candidate's."""
+    Only the baseline's lm_head is kept, not its model, so a build holds one model beside the candidate's.
+    Candidates are built on the baseline engine's device, in its compute dtype."""
 
     def __init__(self, baseline: Engine, token_lists: Sequence[Sequence[int]], progress=None,
                  resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED):
         self.token_lists = list(token_lists)
         self.progress = progress
         self.resamples, self.seed = resamples, seed
+        self.device, self.dtype = baseline.device, baseline.dtype  # each candidate runs where the baseline did
         self.baseline_head = baseline.model.lm_head
         self.baseline_hidden: list[torch.Tensor | None] = [None] * len(self.token_lists)  # [n-1, C] per list
         self.scored = np.array([len(t) - 1 for t in self.token_lists])  # tokens scored per document
@@ -267,13 +269,13 @@ class AccuracyGate:
     def __call__(self, graph: ModelGraph, floor: float, metrics: Sequence[PassMetric] = (),
                  before: ModelGraph | None = None) -> GateResult:
         start = time.perf_counter()
-        candidate = engine_from_graph(graph)
+        candidate = engine_from_graph(graph, device=self.device, dtype=self.dtype)
         result = self.compare(candidate, floor)
         measured = ()
         if metrics:
             if before is None:
                 raise ValueError("pass metrics are measured against the graph before the pass: pass `before`")
-            reference = engine_from_graph(before)
+            reference = engine_from_graph(before, device=self.device, dtype=self.dtype)
             measured = tuple(MetricResult(m.name, float(m.measure(candidate, reference, self.token_lists)), m.floor,
                                           m.higher_is_better) for m in metrics)
         return dataclasses.replace(result, metrics=measured, seconds=time.perf_counter() - start)

@@ -13,6 +13,9 @@ modules on the calibration tokens.
     runner.draft_distillation(graph, module, init, extra)   a draft head's self-distillation objective on all
                                      the calibration text plus `extra` token lists (optimizer.draft_training)
 
+`device` ("cuda"): observation's block forwards (its Gram products too) and `logits`/`generate` run there;
+K/V capture, sensitivity, Fisher estimates and distillation run on the CPU.
+
 The source is the graph as it stands when the runner is made (before any pass): passes replace tensors, never
 change them in place, so holding it by reference costs nothing.
 """
@@ -42,13 +45,14 @@ class RuntimeRunner:
 
     def __init__(self, source: ModelGraph, calibration_tokens: Sequence[Sequence[int]], *,
                  distillation_tokens: Sequence[Sequence[int]] | None = None,
-                 max_batch_tokens: int = FORWARD_BATCH_TOKENS):
+                 max_batch_tokens: int = FORWARD_BATCH_TOKENS, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         self.calibration_tokens = [list(t) for t in calibration_tokens]
         if distillation_tokens is None:
-            self._calibrator = RuntimeCalibrator(self.calibration_tokens, max_batch_tokens)
+            self._calibrator = RuntimeCalibrator(self.calibration_tokens, max_batch_tokens, device=self.device)
         else:
             self._calibrator = RuntimeCalibrator(distillation_tokens, max_batch_tokens,
-                                                 observe_sequences=len(self.calibration_tokens))
+                                                 observe_sequences=len(self.calibration_tokens), device=self.device)
         self._kv = KvCapture(self.calibration_tokens, max_batch_tokens)
         self._kl = LogitKl(source, self.calibration_tokens)
         self._fisher = FisherKl(self.calibration_tokens)
@@ -67,11 +71,11 @@ class RuntimeRunner:
 
     @torch.inference_mode()
     def logits(self, graph: ModelGraph, token_lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        return engine_from_graph(graph).logits(token_lists)
+        return [t.float().cpu() for t in engine_from_graph(graph, device=self.device).logits(token_lists)]
 
     @torch.inference_mode()
     def generate(self, graph: ModelGraph, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        engine = engine_from_graph(graph)
+        engine = engine_from_graph(graph, device=self.device)
         return [tokens for tokens, _ in engine.generate_ids(prompts, max_new_tokens, stop_ids=())]
 
     def draft_distillation(self, graph: ModelGraph, module, init, extra_token_lists, max_batch_tokens: int = 2048):

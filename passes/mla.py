@@ -433,7 +433,7 @@ class MlaConversion(Pass):
                 count = [0]
 
                 def callback(_name, x, cov=cov, kept=kept, count=count):
-                    x = x.double()
+                    x = x.to("cpu", torch.float64)  # from the session's device
                     cov.addmm_(x.T, x)
                     count[0] += x.shape[0]
                     room = NORM_SAMPLE_ROWS - sum(t.shape[0] for t in kept)

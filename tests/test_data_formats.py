@@ -109,6 +109,7 @@ def test_calib_tokens_bounds_the_calibration_and_the_manifest_records_it(cli, tm
     assert (evaluation["path"], evaluation["data"], evaluation["paragraphs"], evaluation["paragraph_budget"]) == \
         (str(held_out), "eval.parquet", 20, 20)
     assert evaluation["sha256"] == hashlib.sha256(held_out.read_bytes()).hexdigest()
+    assert evaluation["device"] == "cpu"  # where the gate ran (--device)
     report = (out / "report.md").read_text()
     assert f"- calibration: `{calib}` (sha256 `{manifest['calibration']['sha256']}`)" in report
     assert f"a budget of {budget} tokens" in report and f"- held-out (the gate): `{held_out}`" in report

@@ -68,6 +68,17 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(cli, generated_checkpoi
     assert list(outdir.iterdir()) == []
 
 
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "no CUDA GPU"), ("tpu", "unknown device 'tpu'"), ("meta", "a build runs on cpu or cuda")])
+def test_build_device_is_checked_before_anything_loads(cli, generated_checkpoint, tmp_path, device, message):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    out = tmp_path / "art"
+    code, _, stderr = cli("build", generated_checkpoint, "--device", device, "-o", out, "--eval-data", SAMPLE_TEXT)
+    assert code == 2 and stderr.startswith("error: ") and message in stderr and stderr.count("\n") == 1
+    assert not out.exists()
+
+
 def test_corrupted_artifact_is_refused(cli, generated_checkpoint, tmp_path):
     out = tmp_path / "art"
     assert cli("build", generated_checkpoint, "--recipe", "none", "-o", out, "--no-gate")[0] == 0
