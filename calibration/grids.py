@@ -89,13 +89,10 @@ class WeightLayout:
         return self.padded(w.float()).reshape(w.shape[0], -1, bs)
 
     # --- the grid ------------------------------------------------------------------------------------------
-    def round(self, scaled: Tensor) -> Tensor:
-        """Nearest grid value (saturating) of values already divided by their multiplier."""
-        return self.round_(scaled.float().clone())
-
     def round_(self, scaled: Tensor) -> Tensor:
-        """`round` in place on an fp32 tensor (returned): no fp32 temporaries, which at an 8B model's sizes
-        cost more in page faults than the rounding itself."""
+        """Nearest grid value (saturating) of fp32 values already divided by their multiplier, in place (the
+        tensor is returned): no fp32 temporaries, which at an 8B model's sizes cost more in page faults than the
+        rounding itself."""
         if self.format == WeightFormat.FP8_E4M3:
             scaled.clamp_(-fp8.E4M3_MAX, fp8.E4M3_MAX)
             return scaled.copy_(scaled.to(fp8.FP8_DTYPE))

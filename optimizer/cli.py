@@ -34,13 +34,13 @@ DATA_FORMATS = "a text file (paragraphs split at blank lines), or .jsonl/.json/.
 
 
 MAX_MESSAGE = 300
+"""Longest error line printed: a message built from hostile input must not flood a CI log."""
 DEVICE_HELP = ("cpu: the fp32 reference, weights dequantized once; cuda: weights packed on the GPU (FP8 bytes, FP4 "
                "nibbles and their scales, through the Triton kernels), bf16 activations, KV cache and sampling "
                "on the GPU")
 BUILD_DEVICE_HELP = ("where calibration's block forwards and the gate run: cpu (the fp32 reference) or cuda (the "
                      "gate through the GPU runtime: packed weights, bf16 activations); quantization searches, "
                      "sensitivity probes and tuning run on the CPU either way")
-"""Longest error line printed: a message built from hostile input must not flood a CI log."""
 
 
 class Interrupted(BaseException):
