@@ -151,6 +151,19 @@ batch's activations ([2048, 1536] fp32 at SmolLM2's MLP: 12 MiB) then stay under
 allocation (32 MiB; larger buffers are fresh mappings, zero-filled page by page on every use): SmolLM2's gate
 took 47 s with 8192-token batches and 30 s with 2048 (150 paragraphs, 2 cores), the same arithmetic."""
 
+ACTIVATION_BYTES = 32 << 20
+"""The most bytes one fp32 activation of a forward batch may take, [tokens, width] (see forward_batch_tokens)."""
+
+
+def forward_batch_tokens(widest: int, max_tokens: int = FORWARD_BATCH_TOKENS) -> int:
+    """Tokens per forward batch for blocks whose widest activation has `widest` features: at most `max_tokens`,
+    and few enough that a [tokens, widest] fp32 buffer takes at most ACTIVATION_BYTES. SmolLM2 (1536 wide)
+    keeps 2048; an 8B model's MLP (14336 wide) gets 585: its gate, up and SiLU outputs at 2048 tokens took
+    336 MiB, and an observer's copies of the down_proj input as much again, of a 3.4 GiB block peak."""
+    if widest < 1:
+        raise ValueError(f"widest must be positive, got {widest}")
+    return max(1, min(max_tokens, ACTIVATION_BYTES // (4 * widest)))
+
 
 def length_batches(token_lists: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
     """Indices of `token_lists` in batches: sorted by length (so padding stays small), each batch padded to its

@@ -26,6 +26,9 @@ from torch import Tensor
 from kiln.kernels.errors import KilnError
 
 
+SUM_SLICE_BYTES = 8 << 20  # float64 bytes of the rows summed at once
+
+
 class InputObserver:
     def __init__(self, in_features: int, max_samples: int = 0, seed: int = 0, name: str | None = None):
         self.in_features = in_features
@@ -48,9 +51,13 @@ class InputObserver:
         if x.shape[0] and not bool(torch.isfinite(row_max).all()):
             raise KilnError(f"calibration inputs of {self._what()} are not finite (NaN or Inf): the checkpoint's "
                             "activations overflow float32")
-        x = x[row_max > 0]  # padding rows
+        real = row_max > 0  # padding rows are zero
+        if not bool(real.all()):
+            x = x[real]
         if x.shape[0] == 0:
             return
+        # |x| once for the mean and the maximum (an 8B down_proj's batch is [tokens, 14336] fp32)
+        magnitude = x.abs()
         # fp32 throughout, as GPTQ implementations keep H (float64 matmuls are several times slower on CPU, and
         # the rounding, ~1e-6 relative, is far below GPTQ's damping); the mean is rescaled in place
         seen = self.tokens + x.shape[0]
@@ -59,8 +66,12 @@ class InputObserver:
             self._h.mul_(self.tokens / seen).addmm_(x.T, x, alpha=1.0 / seen)
         else:  # inputs on a GPU (a build's --device): the product there, the statistics stay on the CPU
             self._h.mul_(self.tokens / seen).add_((x.T @ x).to(here), alpha=1.0 / seen)
-        self._abs_sum += x.abs().sum(0, dtype=torch.float64).to(here)
-        self._absmax = torch.maximum(self._absmax, x.abs().amax(0).to(here))
+        # summed in float64 a slice of rows at a time: sum(dtype=float64) first copies what it sums to float64
+        rows = max(1, SUM_SLICE_BYTES // (8 * x.shape[1]))
+        for part in magnitude.split(rows):
+            self._abs_sum += part.sum(0, dtype=torch.float64).to(here)
+        self._absmax = torch.maximum(self._absmax, magnitude.amax(0).to(here))
+        del magnitude
         if self.max_samples:
             self._reservoir(x.to(here))
         self.tokens += x.shape[0]

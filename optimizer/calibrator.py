@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from kiln.calibration.data import FORWARD_BATCH_TOKENS, length_batches
+from kiln.calibration.data import FORWARD_BATCH_TOKENS, forward_batch_tokens, length_batches
 from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
@@ -124,8 +124,12 @@ class RuntimeCalibrationSession:
         self.spec = graph.spec  # the structure when the session starts: the distillation teacher's
         self.all_token_lists = token_lists  # distillation
         token_lists = token_lists[:observe_sequences] if observe_sequences else token_lists
+        # blocks run batch by batch: narrower batches for wide blocks bound their activations
+        widest = max((max(lin.in_features, lin.out_features) for lin in graph.linears.values()
+                      if lin.layer is not None), default=graph.spec.hidden_size)
+        self.batch_tokens = forward_batch_tokens(widest, max_batch_tokens)
         self.batches = [_Batch([token_lists[j] for j in batch], self.device)
-                        for batch in length_batches(token_lists, max_batch_tokens)]
+                        for batch in length_batches(token_lists, self.batch_tokens)]
         self._rotary: tuple | None = None  # (spec, its LayerRotaries): blocks run as the graph's spec says now
         self.position: int | None = None  # hidden states are at the input of this block
         self._ran: dict[int, tuple[_Same, ...]] = {}  # what each block held when the hidden states went through

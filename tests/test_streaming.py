@@ -9,6 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kiln.calibration import data
+from kiln.calibration.data import ACTIVATION_BYTES, FORWARD_BATCH_TOKENS, forward_batch_tokens
+from kiln.calibration.observers import InputObserver
 from kiln.kernels.targets import get_target
 from kiln.optimizer.calibrator import RuntimeCalibrator
 from kiln.optimizer.loader import CheckpointTensors, load_checkpoint
@@ -140,3 +143,37 @@ def test_a_store_copy_is_a_snapshot(tmp_path):
     assert list(store) == ["a", "c"] and torch.equal(store["a"], torch.full((2,), 7.0))
     assert list(snapshot) == ["a", "b"] and torch.equal(snapshot["a"], torch.ones(2))
     assert "b" not in store and store.info("c") == (torch.int64, (3,))
+
+
+def test_forward_batches_narrow_for_wide_blocks():
+    assert forward_batch_tokens(1536) == FORWARD_BATCH_TOKENS  # SmolLM2: as before
+    assert forward_batch_tokens(14336) == 585  # an 8B MLP: [585, 14336] fp32 is just under 32 MiB
+    assert forward_batch_tokens(14336) * 14336 * 4 <= ACTIVATION_BYTES < (forward_batch_tokens(14336) + 1) * 14336 * 4
+    assert forward_batch_tokens(10**9) == 1
+    with pytest.raises(ValueError):
+        forward_batch_tokens(0)
+
+
+def test_narrow_forward_batches_observe_the_same_statistics(tiny_checkpoints, monkeypatch):
+    """A session's batches hold at most forward_batch_tokens(widest) padded tokens (a longer paragraph alone),
+    and the statistics they add up to are those of one batch."""
+    tokens = [[int(t) for t in torch.randint(3, 160, (n,), generator=torch.Generator().manual_seed(n))]
+              for n in (3, 4, 6, 9, 12, 17)]
+    name = "model.layers.1.mlp.down_proj"
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    widest = max(max(lin.in_features, lin.out_features) for lin in graph.linears.values() if lin.layer is not None)
+    observers = {}
+    for cap in (None, 8):
+        if cap is not None:
+            monkeypatch.setattr(data, "ACTIVATION_BYTES", 4 * widest * cap)
+        session = RuntimeCalibrator(tokens, max_batch_tokens=10_000).session(load_checkpoint(tiny_checkpoints["llama"]))
+        assert session.batch_tokens == (cap or 10_000)
+        assert len(session.batches) == (1 if cap is None else 5)  # 3+4, 6, 9, 12, 17: the longer ones alone
+        assert all(b.tokens.numel() <= session.batch_tokens or b.tokens.shape[0] == 1 for b in session.batches)
+        observer = observers[cap] = InputObserver(graph.linears[name].in_features)
+        session.observe([name], lambda n, x, o=observer: o.update(x))
+    wide, narrow = observers[None], observers[8]
+    assert wide.tokens == narrow.tokens == sum(map(len, tokens))
+    torch.testing.assert_close(narrow.hessian, wide.hessian, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(narrow.abs_mean, wide.abs_mean, rtol=1e-6, atol=1e-8)
+    assert torch.equal(narrow.absmax, wide.absmax)
