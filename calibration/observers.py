@@ -25,7 +25,6 @@ from torch import Tensor
 
 from kiln.kernels.errors import KilnError
 
-
 SUM_SLICE_BYTES = 8 << 20  # float64 bytes of the rows summed at once
 
 

@@ -17,7 +17,7 @@ from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.runner import RuntimeRunner
 from kiln.passes.base import PassContext, Pipeline
-from kiln.passes.weight_quant import WeightQuantization, _awq_groups, _fold_input_scale
+from kiln.passes.weight_quant import WeightQuantization, _awq_groups, _fold_input_scale, stage_of
 from kiln.runtime.engine import Engine
 from tests.conftest import CALIB_TEXT, EVAL_TEXT, STORIES, needs_stories
 
@@ -374,3 +374,36 @@ def test_tuning_over_its_budget_is_skipped_and_said(tiny_checkpoints):
     assert any("not tuned" in n and "tune_budget" in n for n in results[1.0][1])
     with pytest.raises(KilnError, match="tune_budget"):
         WeightQuantization(format="nvfp4", tune_steps=3, tune_budget=0)
+
+
+@pytest.mark.parametrize("true_sequential", [False, True])
+def test_stage_order_widest_first_only_when_stages_are_uncoupled(tiny_checkpoints, monkeypatch, true_sequential):
+    """Observed up front (not true-sequential), a block's stages quantize widest input first (down_proj's
+    Hessian is freed before gate/up's GPTQ) and the stored tensors are those of input-to-output order, bit for
+    bit; true-sequential keeps input-to-output order."""
+    tokens = token_lists(160, count=6)
+    order = []
+    original = WeightQuantization._stage_order
+
+    def recording(self, lins):
+        stages = original(self, lins)
+        order.append([sorted({lin.role for lin in lins if stage_of(lin) == s}) for s in stages])
+        return stages
+
+    def stored(stage_order):
+        monkeypatch.setattr(WeightQuantization, "_stage_order", stage_order)
+        graph = load_checkpoint(tiny_checkpoints["llama"])
+        ctx = PassContext(get_target("hopper"), runner=RuntimeRunner(graph, tokens))
+        Pipeline([WeightQuantization(format="fp8", method="gptq", awq=True, true_sequential=true_sequential)]).run(graph, ctx)
+        return {n: dict(lin.quant.tensors) for n, lin in graph.linears.items() if lin.quant is not None}
+
+    default = stored(recording)
+    # widest first; stages of one width (q/k/v, o and gate/up all read the hidden size here) input to output
+    expected = [["down"], ["k", "q", "v"], ["o"], ["gate", "up"]] if not true_sequential else \
+        [["k", "q", "v"], ["o"], ["gate", "up"], ["down"]]
+    assert order and all(o == expected for o in order)
+    forward = stored(lambda self, lins: sorted({stage_of(lin) for lin in lins}))
+    assert default.keys() == forward.keys() and default
+    for name in default:
+        for key, value in default[name].items():
+            assert torch.equal(value, forward[name][key]), (name, key)
