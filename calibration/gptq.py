@@ -20,7 +20,6 @@ The returned values lie exactly on the grid of the returned scales (`WeightLayou
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +69,8 @@ def choose_scales(layout: WeightLayout, w: Tensor, method: str, importance: Tens
 
 def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: float = 0.01,
                   act_order: bool = True, scales: str = "mse", static_scales: bool | None = None,
-                  batch: int = 128, global_scale: Tensor | None = None) -> GptqResult:
+                  batch: int = 128, global_scale: Tensor | None = None,
+                  consume_hessian: bool = False) -> GptqResult:
     """GPTQ of w [N, K] on `layout`'s grid against the input Hessian [K, K] (X^T X, any normalization).
 
     Args:
@@ -79,6 +79,8 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
         scales: "absmax" or "mse" (calibration.scale_search, weighted by diag H).
         static_scales: choose all scales before GPTQ runs (default: only when act_order needs it).
         global_scale: NVFP4's per-tensor scale (default: from w's maximum); fused siblings share one.
+        consume_hessian: factor in `hessian`'s own buffer (fp32, contiguous), which is overwritten, instead of
+            in a [K, K] copy (0.8 GB at an 8B model's down_proj); the result then holds no Hessian.
     """
     if w.ndim != 2 or hessian.shape != (w.shape[1], w.shape[1]):
         raise ValueError(f"gptq_quantize: w [N, K] and hessian [K, K] needed, got {tuple(w.shape)} and "
@@ -114,17 +116,16 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
 
     perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(k)
     damp = damping * float(diag.mean())
-
-    def damped(extra: float) -> Tensor:
-        """H in the chosen order, fp32, with damping + extra on the diagonal: one [K, K] copy."""
-        h = hessian.float()
-        h = h[perm.unsqueeze(1), perm.unsqueeze(0)] if act_order else (h.clone() if h is hessian else h)
-        d = torch.diagonal(h)
-        d[dead[perm]] = 1.0
-        d += damp + extra
-        return h
-
-    upper = _inverse_cholesky_upper(damped, float(diag.mean()))
+    # A = J P H P^T J (J the reversal, see _inverse_cholesky_upper): H in the chosen order, reversed
+    reverse = perm.flip(0)
+    if consume_hessian:
+        if hessian.dtype != torch.float32 or not hessian.is_contiguous():
+            raise ValueError("consume_hessian needs a contiguous float32 hessian")
+        a = permute_symmetric_(hessian, reverse)
+    else:
+        a = hessian.float()[reverse.unsqueeze(1), reverse.unsqueeze(0)]  # one [K, K] copy
+    upper = _inverse_cholesky_upper(a, diag[reverse] + damp, float(diag.mean()))  # dead inputs' diag is 1
+    del a
     # one column-major [K, N] buffer: row `col` holds the column's working weights until it is quantized, then
     # its values; a lazy batch is [columns, N], so each column's rounding and rank-1 update read contiguous rows
     # (on an [N, K] layout every column is strided, several times slower for 4096+ rows)
@@ -163,7 +164,7 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
         result_scales = fixed
     else:
         result_scales = _concat_block_scales(layout, chosen_stored, global_scale)
-    return GptqResult(values, result_scales, w, hessian)
+    return GptqResult(values, result_scales, w, None if consume_hessian else hessian)
 
 
 def rtn_quantize(w: Tensor, layout: WeightLayout, hessian: Tensor | None = None, scales: str = "absmax") -> GptqResult:
@@ -187,33 +188,77 @@ def cholesky_in_place(a: Tensor) -> bool:
     return info == 0
 
 
-def _inverse_cholesky_upper(damped: Callable[[float], Tensor], diag_mean: float) -> Tensor:
-    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) in fp32, H = damped(extra), raising `extra` until H is
-    positive definite; only U's upper triangle is meaningful (the strictly lower one is zeroed).
+def _inverse_cholesky_upper(a: Tensor, diagonal: Tensor, diag_mean: float) -> Tensor:
+    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U) in fp32, computed in place in `a` = J H J (J the reversal
+    of the order; a symmetric, C-contiguous fp32 [K, K] whose diagonal is ignored: `diagonal` [K] replaces it,
+    plus `extra`, raised until H is positive definite); returns `a`, which then holds U (the strictly lower
+    triangle zeroed).
 
     Reference GPTQ implementations factor H, invert it from the factor and factor the inverse (potrf, potri,
-    potrf: 4/3 K^3). Here H's order is reversed instead, A = J H J (J the reversal), and factored A = L L^T;
-    then H^-1 = J L^-T L^-1 J = U^T U with U = J L^-1 J, which is upper triangular: potrf and trtri, 2/3 K^3
-    (K = 14336 at an 8B model's down_proj: 10.6 s instead of 18 s on 2 cores), and U never goes through the
-    explicit inverse. All of it runs in place in the damped copy, the only [K, K] matrix made here (LAPACK
-    through scipy: torch's factorizations allocate a second one). The row-major buffer read column-major is
-    its transpose, so LAPACK's upper (column-major) routines leave L and then L^-1 in the buffer's lower
-    triangle, and reversing the whole buffer (both axes at once) turns L^-1 into U."""
+    potrf: 4/3 K^3). Here A = J H J is factored A = L L^T; then H^-1 = J L^-T L^-1 J = U^T U with
+    U = J L^-1 J, which is upper triangular: potrf and trtri, 2/3 K^3 (K = 14336 at an 8B model's down_proj:
+    10.6 s instead of 18 s on 2 cores), and U never goes through the explicit inverse. LAPACK through scipy
+    works in the buffer (torch's factorizations allocate a second [K, K]). The row-major buffer read
+    column-major is its transpose, so LAPACK's upper (column-major) routines write L and then L^-1 in the
+    buffer's lower triangle only: a failed try is undone from the untouched strict upper triangle
+    (symmetric), so a retry needs no copy of H. Reversing the whole buffer (both axes at once) turns L^-1
+    into U."""
     from scipy.linalg import lapack
 
     extra = 0.0
-    for _ in range(8):
-        work = damped(extra).contiguous()
-        _reverse_in_place(work)  # A = J H J
-        _, info = lapack.spotrf(work.numpy().T, lower=0, clean=0, overwrite_a=1)  # A = L L^T, L in the lower
+    for attempt in range(8):
+        if attempt:
+            _mirror_upper_(a)  # the failed factorization's lower triangle, restored
+        torch.diagonal(a).copy_(diagonal + extra)
+        _, info = lapack.spotrf(a.numpy().T, lower=0, clean=0, overwrite_a=1)  # A = L L^T, L in the lower
         if info == 0:
-            _, info = lapack.strtri(work.numpy().T, lower=0, overwrite_c=1)  # L^-1, in the same triangle
+            _, info = lapack.strtri(a.numpy().T, lower=0, overwrite_c=1)  # L^-1, in the same triangle
             if info == 0:
-                _reverse_in_place(work)  # U = J L^-1 J, in the upper triangle
-                return work.triu_()
-        del work
+                _reverse_in_place(a)  # U = J L^-1 J, in the upper triangle
+                return a.triu_()
         extra = max(extra * 10, 1e-6 * diag_mean)
     raise ValueError("gptq: the Hessian is not positive definite even with extra damping")
+
+
+def _mirror_upper_(a: Tensor, rows: int = 256) -> None:
+    """a's strictly lower triangle := its strictly upper one, transposed (a square, in place), a slab of `rows`
+    rows at a time (no [K, K] temporary)."""
+    for r1 in range(0, a.shape[0], rows):
+        r2 = min(r1 + rows, a.shape[0])
+        a[r1:r2, :r1] = a[:r1, r1:r2].T
+        square = a[r1:r2, r1:r2]
+        square.copy_(square.triu() + square.triu(1).T)
+
+
+def permute_symmetric_(a: Tensor, perm: Tensor, rows: int = 256) -> Tensor:
+    """a[perm][:, perm] in a's own buffer (a square and contiguous; returns a): the rows are moved along the
+    permutation's cycles one row at a time, then each slab of `rows` rows is gathered along its columns. No
+    [K, K] temporary (an 8B model's down_proj Hessian is 0.8 GB)."""
+    k = a.shape[0]
+    order = perm.tolist()
+    if order == list(range(k)):
+        return a
+    if order == list(range(k - 1, -1, -1)):
+        _reverse_in_place(a)
+        return a
+    seen = [False] * k
+    for start in range(k):  # a[i] = old a[order[i]]: along each cycle i -> order[i] -> ...
+        if seen[start] or order[start] == start:
+            continue
+        first = a[start].clone()
+        i = start
+        while True:
+            seen[i] = True
+            j = order[i]
+            if j == start:
+                a[i] = first
+                break
+            a[i] = a[j]
+            i = j
+    for r1 in range(0, k, rows):
+        r2 = min(r1 + rows, k)
+        a[r1:r2] = a[r1:r2][:, perm]
+    return a
 
 
 def _reverse_in_place(a: Tensor, chunk: int = 1 << 22) -> None:

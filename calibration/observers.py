@@ -3,7 +3,8 @@
     InputObserver(K).update(x [..., K])   for every calibration batch, then read:
         hessian      X^T X / tokens                      [K, K]  (GPTQ, and every output-error proxy); fp32, a
                                                          running mean updated in place (no [K, K] temporary:
-                                                         an 8B down_proj has K = 14336, 0.8 GB); read-only
+                                                         an 8B down_proj has K = 14336, 0.8 GB); read-only,
+                                                         or handed over by take_hessian() to its last reader
         abs_mean     mean |x| per input channel          [K]     (AWQ)
         absmax       max |x| over everything seen        0-dim   (static activation scales; kept per channel)
         sample       up to `max_samples` input rows      [S, K]  (searches that must see activation
@@ -133,7 +134,16 @@ class InputObserver:
         """E[x^T x] (fp32, the observer's own tensor: read it, do not change it)."""
         if self.tokens == 0:
             raise self._no_tokens()
+        if self._h is None:
+            raise ValueError(f"the Hessian of {self._what()} was taken (take_hessian) and overwritten")
         return self._h
+
+    def take_hessian(self) -> Tensor:
+        """The Hessian's own buffer, for its last reader to overwrite (GPTQ's consume_hessian: no [K, K] copy,
+        0.8 GB at an 8B down_proj); the observer has none afterwards."""
+        h = self.hessian
+        self._h = None
+        return h
 
     @property
     def abs_mean(self) -> Tensor:

@@ -30,13 +30,13 @@ METHODS = ("rtn", "mse", "gptq")
 
 def quantize_weight(w: torch.Tensor, fmt: str, granularity: str = "per_channel", *, method: str = "rtn",
                     hessian: torch.Tensor | None = None, act_order: bool = True, damping: float = 0.01,
-                    global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                    global_scale: torch.Tensor | None = None, consume_hessian: bool = False) -> dict[str, torch.Tensor]:
     """The stored tensors of one fp32 [out, in] weight in `fmt`.
 
     method "rtn" is the kernels' round-to-nearest (what every calibration refines); "mse" searches the
     scales (weighted by diag(hessian) when given); "gptq" needs `hessian` (E[x^T x] of the layer's inputs).
     `global_scale` pins NVFP4's per-tensor scale (fused siblings share one: `shared_global_scales`); None:
-    from this weight alone."""
+    from this weight alone. `consume_hessian`: GPTQ may overwrite `hessian` (gptq_quantize)."""
     check_choice("method", method, METHODS)
     fmt = parse_weight_format(fmt, WEIGHT_FORMATS)
     w = w.float()
@@ -63,7 +63,8 @@ def quantize_weight(w: torch.Tensor, fmt: str, granularity: str = "per_channel",
         if hessian is None:
             raise KilnError("method='gptq' needs the layer's input Hessian (calibration data)")
         result = gptq_quantize(w, hessian, layout, damping=damping, act_order=act_order, scales="mse",
-                               global_scale=global_scale if fmt == WeightFormat.NVFP4 else None)
+                               global_scale=global_scale if fmt == WeightFormat.NVFP4 else None,
+                               consume_hessian=consume_hessian)
         values, scales = result.values, result.scales
     return layout.pack(values, scales)
 

@@ -30,6 +30,7 @@ from kiln.optimizer.runner import RuntimeRunner
 from kiln.optimizer.sensitivity import precision_files
 from kiln.passes.base import PassContext, PassRecord, Pipeline
 from kiln.passes.graph import ModelGraph
+from kiln.passes.tensor_store import bound_heap
 from kiln.runtime.artifact import sha256_file
 from kiln.runtime.engine import load_tokenizer, resolve_placement
 from kiln.runtime.kv_budget import kv_budget
@@ -115,6 +116,7 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     inputs = [checkpoint, eval_data, calib_data, recipe if isinstance(recipe, str) else None]
     if output is not None:  # refuse an output we may not write before hours of work, not after
         check_output(output, overwrite, inputs)
+    bound_heap()  # freed buffers go back to the system, so a block's peak does not grow along the model
     with stage("load checkpoint"):
         graph = load_checkpoint(checkpoint, trust_remote_code, log=log)
     if output is not None:

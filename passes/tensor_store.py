@@ -31,6 +31,20 @@ from typing import NamedTuple
 
 import torch
 
+MMAP_THRESHOLD = 4 << 20
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+def bound_heap() -> None:
+    """Give every allocation of MMAP_THRESHOLD bytes or more its own mapping, returned to the system when freed
+    (glibc's mallopt). By default glibc raises that threshold to the largest block freed so far (up to 32 MiB),
+    so a streaming build's activations and per-linear buffers of 4-32 MiB land in the heap, whose holes then grow
+    a block's peak block after block: an 8B-shaped build's per-block peak went from 3.3 GiB at block 0 to
+    4.1 GiB from block 9 on, with the same 0.77 GiB live between blocks; with this threshold, 3.8 GiB over
+    blocks 0-13. Elsewhere than glibc: nothing."""
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
 
 def release_freed_memory() -> None:
     """Give the heap's free pages back to the system (glibc's malloc_trim): called between blocks of a streaming

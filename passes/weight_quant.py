@@ -104,11 +104,12 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
                            activation: str = "none", *, method: str = "rtn", hessian: torch.Tensor | None = None,
                            act_order: bool = True, damping: float = 0.01,
                            input_scale: torch.Tensor | None = None,
-                           global_scale: torch.Tensor | None = None) -> QuantizedWeight:
+                           global_scale: torch.Tensor | None = None, consume_hessian: bool = False) -> QuantizedWeight:
     """Quantize one [out, in] weight to `fmt` (calibration.quantize.quantize_weight) as the graph stores it.
-    `input_scale` (static activations) is stored beside the weight."""
+    `input_scale` (static activations) is stored beside the weight. `consume_hessian`: GPTQ may overwrite
+    `hessian`."""
     tensors = quantize_weight(w, fmt, granularity, method=method, hessian=hessian, act_order=act_order,
-                              damping=damping, global_scale=global_scale)
+                              damping=damping, global_scale=global_scale, consume_hessian=consume_hessian)
     if input_scale is not None:
         tensors = {**tensors, "input_scale": input_scale.float().reshape(()).clone()}  # its own (siblings share a value)
     stored = parse_weight_format(fmt, WEIGHT_FORMATS)
@@ -128,20 +129,24 @@ STACK_BYTES = 128 << 20  # fp32 bytes of siblings quantized as one stack (SmolLM
 def quantize_sibling_weights(ws: list[torch.Tensor], fmt: str, granularity: str = "per_channel",
                              activation: str = "none", *, method: str, hessian: torch.Tensor, act_order: bool = True,
                              damping: float = 0.01, input_scale: torch.Tensor | None = None,
-                             global_scale: torch.Tensor | None = None) -> list[QuantizedWeight]:
+                             global_scale: torch.Tensor | None = None,
+                             consume_hessian: bool = False) -> list[QuantizedWeight]:
     """`quantize_linear_weight` of linears that read one input (one Hessian; fused siblings share the NVFP4
     per-tensor scale): rows are quantized independently of each other (per-row or per-block scales; GPTQ
     pushes errors along a row), so the weights are stacked and quantized once, one GPTQ instead of three for
     q/k/v, and split again. FP8 per-tensor scales span the rows, and stacks over STACK_BYTES would hold GPTQ's
-    working copies of every sibling at once (an 8B model's gate/up: 0.47 GB each): quantized one by one."""
+    working copies of every sibling at once (an 8B model's gate/up: 0.47 GB each): quantized one by one.
+    `consume_hessian`: the last GPTQ may overwrite `hessian` (the ones before it only read it)."""
     if len(ws) == 1 or (parse_weight_format(fmt, WEIGHT_FORMATS) == WeightFormat.FP8_E4M3
                         and granularity != "per_channel") or sum(4 * w.numel() for w in ws) > STACK_BYTES:
         return [quantize_linear_weight(w, fmt, granularity, activation, method=method, hessian=hessian,
                                        act_order=act_order, damping=damping, input_scale=input_scale,
-                                       global_scale=global_scale) for w in ws]
+                                       global_scale=global_scale, consume_hessian=consume_hessian and i == len(ws) - 1)
+                for i, w in enumerate(ws)]
     stacked = quantize_linear_weight(torch.cat([w.float() for w in ws]), fmt, granularity, activation,
                                      method=method, hessian=hessian, act_order=act_order, damping=damping,
-                                     input_scale=input_scale, global_scale=global_scale)
+                                     input_scale=input_scale, global_scale=global_scale,
+                                     consume_hessian=consume_hessian)
     rows = sum(w.shape[0] for w in ws)
     out, start = [], 0
     for w in ws:
@@ -486,11 +491,14 @@ class WeightQuantization(Pass):
                         absmax = obs.absmax if obs.tokens else torch.tensor(max(seen))
                         input_scale = static_input_scale(self.format, absmax)
                     if obs.tokens:
+                        # the observation's last reader: GPTQ factors its Hessian in place (an 8B down_proj:
+                        # no second 0.8 GB)
                         found = quantize_sibling_weights([weights[lin.name] for lin in group], self.format,
                                                          self.granularity, self._act(), method=self.method,
-                                                         hessian=obs.hessian, act_order=self.act_order,
+                                                         hessian=obs.take_hessian(), act_order=self.act_order,
                                                          damping=self.damping, input_scale=input_scale,
-                                                         global_scale=shared.get(group[0].name))
+                                                         global_scale=shared.get(group[0].name),
+                                                         consume_hessian=True)
                         found = [replace(qw, method=self._method_label(tuned=False)) for qw in found]
                     else:
                         idle += [lin.name for lin in group]

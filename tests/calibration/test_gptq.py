@@ -11,6 +11,7 @@ from kiln.calibration.gptq import (
     _reverse_in_place,
     gptq_quantize,
     output_error,
+    permute_symmetric_,
     rtn_quantize,
 )
 from kiln.calibration.grids import WeightLayout
@@ -139,24 +140,64 @@ def test_inverse_cholesky_factor_matches_the_reference_route(k, tokens):
     h = (x.T @ x / tokens).double()
     h.diagonal().add_(0.01 * h.diagonal().mean())
     ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    upper = _inverse_cholesky_upper(lambda extra: h.float(), float(h.diagonal().mean()))
+    a = h.float().flip(0, 1).contiguous()  # J H J
+    upper = _inverse_cholesky_upper(a, a.diagonal().clone(), float(h.diagonal().mean()))
+    assert upper.data_ptr() == a.data_ptr()  # factored in the buffer given
     assert torch.equal(upper, upper.triu())
     assert float((upper.double() - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
     assert torch.allclose(upper.double().T @ upper.double(), torch.linalg.inv(h), rtol=1e-3, atol=1e-4 * float(ref.abs().max()) ** 2)
 
 
 def test_inverse_cholesky_factor_adds_damping_until_positive_definite():
-    h = torch.zeros(5, 5)
-    h[0, 0] = 1.0  # singular
-    extras = []
+    """An indefinite H (rank 2 of 6, less a little on the diagonal): failed factorizations are undone in place
+    from the untouched triangle, so the factor found is bit for bit the one of a fresh copy damped by the
+    extra that succeeded."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, generator=g)
+    h = x.T @ x
+    mean = float(h.diagonal().mean())
+    h.diagonal().sub_(5e-4 * mean)  # needs an extra of more than 5e-4 of the mean diagonal: several retries
+    a = h.flip(0, 1).contiguous()
+    upper = _inverse_cholesky_upper(a, a.diagonal().clone(), mean)
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.cholesky(h.double())
+    fresh = []
+    for n in range(7):  # the extras tried: 0, then 1e-6, 1e-5, ... of the mean diagonal
+        b = h.flip(0, 1).contiguous()
+        try:
+            fresh.append(_inverse_cholesky_upper(b, b.diagonal() + 10.0 ** (n - 6) * mean, float("nan")))
+        except ValueError:
+            continue
+        break
+    assert fresh and torch.equal(upper, fresh[0])
 
-    def damped(extra):
-        extras.append(extra)
-        return h + extra * torch.eye(5)
 
-    upper = _inverse_cholesky_upper(damped, 0.2)
-    assert extras[0] == 0.0 and extras[-1] > 0
-    assert torch.allclose(upper.T @ upper, torch.linalg.inv(damped(extras[-1])), rtol=1e-4)
+@pytest.mark.parametrize("k", [1, 2, 7, 300])
+def test_permute_symmetric_in_place_matches_the_gather(k):
+    g = torch.Generator().manual_seed(k)
+    a = torch.randn(k, k, generator=g)
+    for perm in (torch.arange(k), torch.arange(k).flip(0), torch.randperm(k, generator=g),
+                 torch.roll(torch.arange(k), 1)):  # identity, reversal, random cycles, one long cycle
+        b = a.clone()
+        out = permute_symmetric_(b, perm, rows=16)
+        assert out.data_ptr() == b.data_ptr() and torch.equal(b, a[perm][:, perm])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act_order", [True, False])
+def test_gptq_consuming_the_hessian_is_bit_identical(fmt, act_order):
+    """consume_hessian factors in the observer's own buffer: the same values and scales as the copy route,
+    and the buffer is spent (the result holds no Hessian)."""
+    w, x = correlated_layer(seed=3)
+    h = x.T @ x / x.shape[0]
+    layout = WeightLayout(fmt)
+    static = None if act_order or fmt == "fp8" else False
+    ref = gptq_quantize(w, h, layout, act_order=act_order, static_scales=static)
+    buffer = h.clone()
+    got = gptq_quantize(w, buffer, layout, act_order=act_order, static_scales=static, consume_hessian=True)
+    assert torch.equal(got.values, ref.values) and got.hessian is None
+    assert all(torch.equal(got.scales.stored[n], t) for n, t in ref.scales.stored.items())
+    assert not torch.equal(buffer, h)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 3), (5, 7), (64, 64)])

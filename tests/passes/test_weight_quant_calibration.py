@@ -318,17 +318,20 @@ def test_awq_hands_the_first_stage_its_folded_statistics(tiny_checkpoints, monke
             session.observe(["model.layers.1.self_attn.q_proj"], lambda n, x: fresh.setdefault(n, []).append(x))
             x = torch.cat(fresh["model.layers.1.self_attn.q_proj"]).double()
             handed["fresh"] = (x.T @ x / x.shape[0]).float()
+            # as handed over: GPTQ then takes the Hessian and factors it in place
+            handed["q_hessian"] = derived["model.layers.1.self_attn.q_proj"].hessian.clone()
         return derived
 
     monkeypatch.setattr(WeightQuantization, "_awq", spy)
     (record,) = Pipeline([WeightQuantization(format="fp8", method="gptq", awq=True)]).run(
         graph, PassContext(get_target("hopper"), runner=runner))
     names = {f"model.layers.1.self_attn.{p}_proj" for p in "qkv"}
-    assert set(handed) == names | {"fresh"}
+    assert set(handed) == names | {"fresh", "q_hessian"}
     (note,) = [n for n in record.result.notes if n.startswith("awq: layer 1:")]
     assert "q_proj alpha 0.00" not in note  # a scale was folded: the statistics really were rescaled
-    torch.testing.assert_close(handed["model.layers.1.self_attn.q_proj"].hessian, handed["fresh"],
-                               rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(handed["q_hessian"], handed["fresh"], rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="taken"):  # spent by GPTQ, and saying so
+        handed["model.layers.1.self_attn.q_proj"].hessian
 
 
 @pytest.mark.parametrize("true_sequential, awq, observations", [
