@@ -157,10 +157,12 @@ class RuntimeCalibrationSession:
             self._run_block(target, linears, callback, keep_output=False)
 
     def distillation(self, weights: Mapping[str, Callable[[], torch.Tensor]],
-                     norms: Mapping[str, torch.nn.Parameter], max_batch_tokens: int = 4096) -> Distillation:
+                     norms: Mapping[str, torch.nn.Parameter], max_batch_tokens: int = 4096,
+                     extra_token_lists: Sequence[Sequence[int]] = ()) -> Distillation:
         """A differentiable KL objective: the graph as it stands, with the linears in `weights` computing with
-        weights[name]() and the norms in `norms` (tensor name -> weight) replaced, against the source."""
-        return Distillation(self, weights, norms, max_batch_tokens)
+        weights[name]() and the norms (or the embedding) in `norms` (tensor name -> weight) replaced, against
+        the source, on every calibration paragraph and `extra_token_lists`."""
+        return Distillation(self, weights, norms, max_batch_tokens, extra_token_lists)
 
     # --- internals -----------------------------------------------------------------------------------------
     def _seek(self, layer: int) -> None:
@@ -300,10 +302,11 @@ class Distillation:
     reach; the streaming recipes (fp8-weights, fp8) do not tune."""
 
     def __init__(self, session: RuntimeCalibrationSession, weights: Mapping[str, Callable[[], torch.Tensor]],
-                 norms: Mapping[str, torch.nn.Parameter], max_batch_tokens: int):
+                 norms: Mapping[str, torch.nn.Parameter], max_batch_tokens: int,
+                 extra_token_lists: Sequence[Sequence[int]] = ()):
         self.session = session
         spec = session.spec
-        tokens = session.all_token_lists
+        tokens = [*session.all_token_lists, *(list(t) for t in extra_token_lists)]
         groups = length_batches(tokens, max_batch_tokens)
         random.Random(0).shuffle(groups)
         # a step's batch runs as micro-batches of at most MICRO_BATCH_TOKENS padded tokens (gradients add up),
@@ -323,14 +326,21 @@ class Distillation:
         tensors, formats = lower_tensors(session.graph)
         student_weights = _RecordingWeights(tensors, formats, session.graph.spec)
         self.student = Transformer(session.graph.spec, weights=student_weights)
-        missing = sorted(set(weights) - set(student_weights.built)) + sorted(set(norms) - set(student_weights.norms))
+        missing = sorted(set(weights) - set(student_weights.built)) + sorted(
+            set(norms) - set(student_weights.norms) - {session.graph.spec.embedding})
         if missing:
             raise KilnError(f"distillation: the model has no linear or norm named {', '.join(missing[:3])}")
         for name, base in student_weights.built.items():
             # every linear: straight-through activation quantizers keep gradients flowing to earlier layers
             fn = weights.get(name, lambda weight=base.weight: weight)
             _replace_module(self.student, base, _TunedLinear(base, fn))
+        spec = session.graph.spec
         for name, param in norms.items():
+            if name == spec.embedding:  # the embedding rows, and the lm_head when it reads them (tied)
+                self.student.embed = param
+                if session.graph.linears[spec.lm_head.name].tied_to == name:
+                    self.student.lm_head.weight_fn = lambda embed=param: embed
+                continue
             module = student_weights.norms[name]
             del module.weight
             module.weight = param

@@ -74,9 +74,12 @@ class RuntimeRunner:
         return [t.float().cpu() for t in engine_from_graph(graph, device=self.device).logits(token_lists)]
 
     @torch.inference_mode()
-    def generate(self, graph: ModelGraph, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    def generate(self, graph: ModelGraph, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 temperature: float = 0.0, seed: int | None = None,
+                 stop_ids: Sequence[int] = ()) -> list[list[int]]:
         engine = engine_from_graph(graph, device=self.device)
-        return [tokens for tokens, _ in engine.generate_ids(prompts, max_new_tokens, stop_ids=())]
+        return [tokens for tokens, _ in engine.generate_ids(prompts, max_new_tokens, temperature=temperature,
+                                                            seed=seed, stop_ids=stop_ids)]
 
     def draft_distillation(self, graph: ModelGraph, module, init, extra_token_lists, max_batch_tokens: int = 2048):
         from kiln.optimizer.draft_training import DraftDistillation

@@ -46,6 +46,11 @@ class AutoPrecision(PrecisionPass):
         tune_batch_tokens  calibration tokens per tuning step (whole paragraphs, padded)
         tune_budget   tuning runs only if tune_steps x tune_batch_tokens x the model's linear weights is at
                       most this (weight_quant.TUNE_BUDGET: small models on a CPU); otherwise it is skipped
+        tune_embedding  the tuning moves the embedding's rows too (and so a tied, unquantized lm_head's),
+                      stored back in the embedding's dtype: it stays outside the budget
+        tune_samples  paragraphs the source model writes (temperature 1, prompted by calibration paragraphs'
+                      first tokens) that the tuning fits beside the calibration text (weight_quant.source_samples);
+                      made only when the tuning runs
         act_order     GPTQ act-order; None: on, except for NVFP4 (as the uniform recipes)
         sequential    quantize the assigned groups block by block on the quantized prefix's inputs (see the
                       module doc); False: every linear on the source model's inputs

@@ -217,9 +217,10 @@ class CalibrationSession(Protocol):
         what a pass already quantized is quantized)."""
 
     def distillation(self, weights: Mapping[str, Callable[[], Any]], norms: Mapping[str, Any],
-                     max_batch_tokens: int = 4096) -> Distillation:
+                     max_batch_tokens: int = 4096, extra_token_lists: Sequence[Sequence[int]] = ()) -> Distillation:
         """The end-to-end tuning objective: `weights` (linear -> its current fp32 weight) and `norms` (norm
-        weight -> a parameter) replace the graph's in the student; the teacher is the session's source."""
+        weight -> a parameter) replace the graph's in the student; the teacher is the session's source. It fits
+        every calibration paragraph plus `extra_token_lists` (e.g. the source model's own samples)."""
 
 
 class ModelRunner(Protocol):
@@ -248,8 +249,12 @@ class ModelRunner(Protocol):
     def logits(self, graph: ModelGraph, token_lists: Sequence[Sequence[int]]) -> list[Any]:
         """Full-sequence logits [len, vocab] of the graph as it stands, per token list."""
 
-    def generate(self, graph: ModelGraph, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy continuations (token ids) of `prompts` by the graph as it stands, through the runtime."""
+    def generate(self, graph: ModelGraph, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 temperature: float = 0.0, seed: int | None = None,
+                 stop_ids: Sequence[int] = ()) -> list[list[int]]:
+        """Continuations (token ids) of `prompts` by the graph as it stands, through the runtime: greedy, or
+        sampled at `temperature` (prompt i with its own generator seeded `seed + i`), each ending at one of
+        `stop_ids` (included) or after `max_new_tokens`."""
 
     def draft_distillation(self, graph: ModelGraph, module: Any, init: Mapping[str, Any],
                            extra_token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 2048) -> Any:

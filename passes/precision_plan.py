@@ -75,7 +75,9 @@ from kiln.passes.weight_quant import (
     check_tune_budget,
     fusion_key,
     linear_weight_count,
+    over_budget,
     sibling_leaders,
+    source_samples,
     stage_of,
     tune_end_to_end,
 )
@@ -155,6 +157,8 @@ class PrecisionPass(Pass):
     tune_lr: float = 3e-4
     tune_batch_tokens: int = 4096
     tune_budget: float = TUNE_BUDGET
+    tune_embedding: bool = False
+    tune_samples: int = 0
     sequential: bool = True
     act_order: bool | None = None
 
@@ -180,6 +184,10 @@ class PrecisionPass(Pass):
         if isinstance(self.tune_lr, bool) or not isinstance(self.tune_lr, int | float) or not self.tune_lr > 0:
             raise KilnError(f"tune_lr must be a positive number, got {self.tune_lr!r}")
         check_tune_budget(self.tune_budget)
+        if isinstance(self.tune_samples, bool) or not isinstance(self.tune_samples, int) or self.tune_samples < 0:
+            raise KilnError(f"tune_samples must be a non-negative integer, got {self.tune_samples!r}")
+        if not isinstance(self.tune_embedding, bool):
+            raise KilnError(f"tune_embedding must be true or false, got {self.tune_embedding!r}")
         if not isinstance(self.sequential, bool):
             raise KilnError(f"sequential must be true or false, got {self.sequential!r}")
         if self.act_order is not None and not isinstance(self.act_order, bool):
@@ -251,11 +259,14 @@ class PrecisionPass(Pass):
         if not plan:
             return result
         self.check_plan(plan)
-        teacher = None
+        teacher, samples = None, []
         if self.tune_steps:
             if ctx.runner is None:
                 raise KilnError(f"{self.name}: tune_steps needs calibration text (--calib-data)")
             teacher = ctx.runner.session(graph)  # before anything changes: the distillation's source
+            if self.tune_samples and over_budget(graph, self.tune_steps, self.tune_batch_tokens,
+                                                 self.tune_budget) is None:
+                samples = source_samples(graph, ctx.runner, self.tune_samples)  # the source's, before changes
         stats = self._input_stats(graph, ctx, plan, result)
         experts = self._expert_coverage(graph, plan, stats, ctx, result)
         cache: dict[tuple[str, str], dict[str, QuantizedWeight]] = {}
@@ -309,7 +320,7 @@ class PrecisionPass(Pass):
             fp4 = [n for g in plan for n in plan[g].linears
                    if graph.linears[n].quant is not None and graph.linears[n].quant.format in (WeightFormat.NVFP4, WeightFormat.MXFP4)]
             if fp4:
-                self._tune(graph, teacher, fp4, result, ctx.log)
+                self._tune(graph, teacher, fp4, result, ctx.log, samples)
         experts.update(self._check_experts(graph, plan, options, result))
         result.table, result.options = table, dict(options)
         total_bytes = sum(plan[g].cost[o] for g, o in options.items())
@@ -558,10 +569,12 @@ class PrecisionPass(Pass):
             for n, q in self._quantize_group(graph, part, OPTIONS[options[group]], stats).items():
                 graph.linears[n].quant = out[n] = q
 
-    def _tune(self, graph: ModelGraph, session, names: list[str], result: PassResult, log) -> None:
-        """End-to-end tuning of the linears `names` and the norms (weight_quant.tune_end_to_end)."""
+    def _tune(self, graph: ModelGraph, session, names: list[str], result: PassResult, log,
+              samples: list[list[int]]) -> None:
+        """End-to-end tuning of the linears `names` and the norms (weight_quant.tune_end_to_end), on the
+        calibration text and `samples`."""
         tuned = tune_end_to_end(graph, session, names, self.tune_steps, self.tune_lr, self.tune_batch_tokens, log,
-                                self.tune_budget)
+                                self.tune_budget, self.tune_embedding, samples)
         result.notes.append(tuned.note)
         if not tuned.tensors:
             return

@@ -331,7 +331,7 @@ def test_awq_hands_the_first_stage_its_folded_statistics(tiny_checkpoints, monke
     assert "q_proj alpha 0.00" not in note  # a scale was folded: the statistics really were rescaled
     torch.testing.assert_close(handed["q_hessian"], handed["fresh"], rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="taken"):  # spent by GPTQ, and saying so
-        handed["model.layers.1.self_attn.q_proj"].hessian
+        _ = handed["model.layers.1.self_attn.q_proj"].hessian
 
 
 @pytest.mark.parametrize("true_sequential, awq, observations", [
@@ -410,3 +410,46 @@ def test_stage_order_widest_first_only_when_stages_are_uncoupled(tiny_checkpoint
     for name in default:
         for key, value in default[name].items():
             assert torch.equal(value, forward[name][key]), (name, key)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_distillation_tunes_the_embedding_and_the_head_that_reads_it(tmp_path, tied):
+    """The embedding as a tuned tensor: unchanged it costs nothing; changed, its gradient reaches the rows of
+    tokens that never occur in the text only through a tied lm_head (untied: those rows get none)."""
+    from tests.tiny_models import make_tiny_checkpoint
+
+    graph = load_checkpoint(make_tiny_checkpoint("llama", tmp_path / "m", overrides={"tie_word_embeddings": tied}))
+    vocab = graph.spec.vocab_size
+    tokens = token_lists(vocab, count=6)
+    session = RuntimeCalibrator(tokens, max_batch_tokens=10_000).session(graph)
+    embed = torch.nn.Parameter(graph.tensors[graph.embedding].float().clone())
+    assert float(session.distillation({}, {graph.embedding: embed}, max_batch_tokens=10_000).loss(0)) < 1e-6
+    with torch.no_grad():
+        embed.mul_(1.2)
+    objective = session.distillation({}, {graph.embedding: embed}, max_batch_tokens=10_000)
+    assert objective.loss(0) > 1e-4
+    unseen = sorted(set(range(vocab)) - {t for ts in tokens for t in ts})
+    seen = sorted({t for ts in tokens for t in ts})
+    assert unseen and float(embed.grad[seen].abs().sum()) > 0
+    assert (float(embed.grad[unseen].abs().sum()) > 0) == tied
+
+
+def test_source_samples_come_from_the_source_model(tiny_checkpoints):
+    """The tuning's extra text: `count` paragraphs, each a calibration paragraph's first tokens and the
+    model's continuation at temperature 1, the same on every run, and fitted by the distillation beside the
+    calibration paragraphs."""
+    from kiln.passes.weight_quant import SAMPLE_PROMPT_TOKENS, source_samples
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    tokens = token_lists(graph.spec.vocab_size, count=5)
+    runner = RuntimeRunner(graph, tokens)
+    samples = source_samples(graph, runner, 7, seed=3)
+    assert len(samples) == 7 and samples == source_samples(graph, runner, 7, seed=3)
+    for i, sample in enumerate(samples):
+        assert sample[:SAMPLE_PROMPT_TOKENS] == tokens[i % 5][:SAMPLE_PROMPT_TOKENS]
+        assert SAMPLE_PROMPT_TOKENS < len(sample) <= min(256, graph.spec.max_position_embeddings)
+    assert samples[0] != samples[5]  # the same prompt, another seed
+    plain = runner.session(graph).distillation({}, {}, max_batch_tokens=64)
+    more = runner.session(graph).distillation({}, {}, max_batch_tokens=64, extra_token_lists=samples)
+    assert sum(map(more.batch_tokens, range(len(more)))) == \
+        sum(map(plain.batch_tokens, range(len(plain)))) + sum(map(len, samples))
