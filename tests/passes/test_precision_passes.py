@@ -341,13 +341,14 @@ def test_final_quantization_is_sequential(tiny):
 @pytest.mark.slow
 @needs_stories
 def test_auto_at_five_bits_reaches_its_floor_on_the_real_model():
-    """The precision issue's target: `auto` at <= 5.0 effective bits recovers >= 0.985 (first 600 paragraphs of
-    evaluation.txt, through the runtime; calibration.txt only), without the gate backing off."""
+    """The margin issue's target: `auto` at <= 5.0 effective bits recovers >= 0.987 (first 600 paragraphs of
+    evaluation.txt, through the runtime; calibration.txt only, and the model's own samples), without the gate
+    backing off. Measured 0.9875 on one machine: recovery moves by about 0.002 between machines."""
     from kiln.optimizer.build import build
 
     result = build(STORIES, "blackwell", "auto", None, eval_data=EVAL_TEXT, calib_data=CALIB_TEXT,
-                   min_recovery=0.985, weight_bits=5.0)
+                   min_recovery=0.987, weight_bits=5.0)
     (record,) = result.records
     assert record.decision == "kept" and len(record.attempts) == 1
-    assert record.gate.recovery >= 0.985
+    assert record.gate.recovery >= 0.987
     assert result.manifest["precision"]["effective_bits"] <= 5.0
