@@ -50,7 +50,7 @@ class AutoPrecision(PrecisionPass):
                       stored back in the embedding's dtype: it stays outside the budget
         tune_samples  paragraphs the source model writes (temperature 1, prompted by calibration paragraphs'
                       first tokens) that the tuning fits beside the calibration text (weight_quant.source_samples);
-                      made only when the tuning runs
+                      made only when the tuning runs, at most 4 per calibration paragraph
         act_order     GPTQ act-order; None: on, except for NVFP4 (as the uniform recipes)
         sequential    quantize the assigned groups block by block on the quantized prefix's inputs (see the
                       module doc); False: every linear on the source model's inputs

@@ -210,6 +210,7 @@ class CalibrationSession(Protocol):
     source (for distillation) is the graph as it stood when the session was opened."""
 
     tokens: int  # the real (non-padding) tokens an observation sees
+    all_token_lists: Sequence[Sequence[int]]  # every calibration paragraph the distillation fits
 
     def observe(self, linears: Sequence[str], callback: Callable[[str, Any], None]) -> None:
         """Call callback(name, x [tokens, in_features]) with the inputs of `linears` (all in one block, or the

@@ -71,6 +71,7 @@ from kiln.passes.precision_options import BF16, LM_HEAD_POLICIES, OPTIONS, Preci
 from kiln.passes.tensor_store import release_freed_memory
 from kiln.passes.weight_quant import (
     MLP_INPUT_STAGE,
+    SAMPLES_PER_PARAGRAPH,
     TUNE_BUDGET,
     check_tune_budget,
     fusion_key,
@@ -266,7 +267,9 @@ class PrecisionPass(Pass):
             teacher = ctx.runner.session(graph)  # before anything changes: the distillation's source
             if self.tune_samples and over_budget(graph, self.tune_steps, self.tune_batch_tokens,
                                                  self.tune_budget) is None:
-                samples = source_samples(graph, ctx.runner, self.tune_samples)  # the source's, before changes
+                # the source's, before changes; at most SAMPLES_PER_PARAGRAPH per calibration paragraph tuned on
+                count = min(self.tune_samples, SAMPLES_PER_PARAGRAPH * len(teacher.all_token_lists))
+                samples = source_samples(graph, ctx.runner, count)
         stats = self._input_stats(graph, ctx, plan, result)
         experts = self._expert_coverage(graph, plan, stats, ctx, result)
         cache: dict[tuple[str, str], dict[str, QuantizedWeight]] = {}

@@ -189,6 +189,9 @@ AWQ_SKETCH_ROWS = 256
 
 
 SAMPLE_PROMPT_TOKENS = 4
+# samples at most this many times the calibration paragraphs tuned on (stories260K: 6000 for 1500, the ratio
+# measured): they widen the calibration text, and a small one (a test's) is not drowned in minutes of sampling
+SAMPLES_PER_PARAGRAPH = 4
 SAMPLE_TOKENS = 256  # the calibration text's paragraph cap (calibration.data.token_cap)
 
 
