@@ -323,22 +323,22 @@ class Distillation:
         source_tensors, source_formats = session.source
         self.teacher = Transformer(spec, weights=_RecordingWeights(source_tensors, source_formats, spec))
         # the student is the graph as it stands now, whose structure a pass may have rewritten (MLA conversion)
+        student_spec = session.graph.spec
         tensors, formats = lower_tensors(session.graph)
-        student_weights = _RecordingWeights(tensors, formats, session.graph.spec)
-        self.student = Transformer(session.graph.spec, weights=student_weights)
+        student_weights = _RecordingWeights(tensors, formats, student_spec)
+        self.student = Transformer(student_spec, weights=student_weights)
         missing = sorted(set(weights) - set(student_weights.built)) + sorted(
-            set(norms) - set(student_weights.norms) - {session.graph.spec.embedding})
+            set(norms) - set(student_weights.norms) - {student_spec.embedding})
         if missing:
             raise KilnError(f"distillation: the model has no linear or norm named {', '.join(missing[:3])}")
         for name, base in student_weights.built.items():
             # every linear: straight-through activation quantizers keep gradients flowing to earlier layers
             fn = weights.get(name, lambda weight=base.weight: weight)
             _replace_module(self.student, base, _TunedLinear(base, fn))
-        spec = session.graph.spec
         for name, param in norms.items():
-            if name == spec.embedding:  # the embedding rows, and the lm_head when it reads them (tied)
+            if name == student_spec.embedding:  # the embedding rows, and the lm_head when it reads them (tied)
                 self.student.embed = param
-                if session.graph.linears[spec.lm_head.name].tied_to == name:
+                if session.graph.linears[student_spec.lm_head.name].tied_to == name:
                     self.student.lm_head.weight_fn = lambda embed=param: embed
                 continue
             module = student_weights.norms[name]

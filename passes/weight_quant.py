@@ -48,6 +48,7 @@ from typing import ClassVar
 import torch
 
 from kiln.calibration.awq import awq_search
+from kiln.calibration.data import token_cap
 from kiln.calibration.grids import WeightLayout
 from kiln.calibration.metrics import relative_error
 from kiln.calibration.observers import InputObserver
@@ -192,19 +193,19 @@ SAMPLE_PROMPT_TOKENS = 4
 # samples at most this many times the calibration paragraphs tuned on (stories260K: 6000 for 1500, the ratio
 # measured): they widen the calibration text, and a small one (a test's) is not drowned in minutes of sampling
 SAMPLES_PER_PARAGRAPH = 4
-SAMPLE_TOKENS = 256  # the calibration text's paragraph cap (calibration.data.token_cap)
 
 
 def source_samples(graph: ModelGraph, runner, count: int, seed: int = 0) -> list[list[int]]:
     """`count` paragraphs the model as it stands (the source, before a pass changes it) writes at temperature 1,
     each from the first SAMPLE_PROMPT_TOKENS tokens of a calibration paragraph (cycled; paragraph i sampled
-    with seed + i), up to SAMPLE_TOKENS tokens or its end-of-sequence token. End-to-end tuning fits these beside
-    the calibration text: the model's own distribution, as much of it as wanted, rather than the calibration
-    paragraphs' few tokens over and over (stories260K, auto at 5.0 bits: held-out KL 0.0175 -> 0.0166)."""
+    with seed + i), up to the calibration paragraphs' length (calibration.data.token_cap) or its end-of-sequence
+    token. End-to-end tuning fits these beside the calibration text: the model's own distribution, as much of
+    it as wanted, rather than the calibration paragraphs' few tokens over and over (stories260K, auto at 5.0
+    bits: held-out KL 0.0175 -> 0.0166)."""
     prompts = [list(t[:SAMPLE_PROMPT_TOKENS]) for t in runner.calibration_tokens if len(t) > SAMPLE_PROMPT_TOKENS]
     if not prompts or count <= 0:
         return []
-    new = min(SAMPLE_TOKENS, graph.spec.max_position_embeddings) - SAMPLE_PROMPT_TOKENS
+    new = token_cap(graph.spec.max_position_embeddings) - SAMPLE_PROMPT_TOKENS
     if new <= 0:
         return []
     out: list[list[int]] = []
