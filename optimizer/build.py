@@ -86,8 +86,9 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     `min_recovery`, `max_kl` and `min_top1` replace every pass's default floors. Paragraphs are cut at the
     model's context (calibration.data.token_cap). Gate text the model cannot read (optimizer.gate.
     check_native_text) is refused unless `force`. `device` ("cuda"): the gate runs through the runtime on the
-    GPU (what ships there: packed weights, bf16) and calibration's block forwards run there (in fp32);
-    quantization searches, sensitivity probes, K/V capture and tuning stay on the CPU.
+    GPU (what ships there: packed weights, bf16), and calibration's block forwards, K/V capture, sensitivity
+    probes, Fisher sweeps and end-to-end tuning run there in fp32; the weight searches (GPTQ, AWQ, scale
+    search) stay on the CPU, on the Hessians the observers keep there.
     """
     tgt = get_target(target)
     if isinstance(recipe, Recipe) and (weight_bits is not None or weight_bytes is not None):

@@ -25,16 +25,18 @@ class _RecordingCache:
         self.streams: dict[int, list[torch.Tensor]] = {}
 
     def update(self, layer: int, new: tuple[torch.Tensor, ...], positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        self.streams[layer] = [value[self.mask] for value in new]  # [tokens, heads, dim] each
+        self.streams[layer] = [value[self.mask].cpu() for value in new]  # [tokens, heads, dim] each, on the CPU
         return new
 
 
 class KvCapture:
     """`ModelRunner.capture_kv`: K/V activations on the calibration tokens as the runtime's cache would receive
     them (post-RoPE; for MLA the latent and the roped key part), through the graph as it stands now:
-    layer -> one [tokens, heads, dim] tensor per cached stream."""
+    layer -> one [tokens, heads, dim] tensor per cached stream, on the CPU (the model runs on `device`)."""
 
-    def __init__(self, token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 8192):
+    def __init__(self, token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 8192,
+                 device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         self.token_lists = [list(t) for t in token_lists if len(t) > 0]
         if not self.token_lists:
             raise KilnError("KV calibration needs at least one non-empty token list")
@@ -45,12 +47,12 @@ class KvCapture:
         from kiln.runtime.model import Transformer
 
         tensors, formats = lower_tensors(graph)
-        model = Transformer(graph.spec, tensors, formats).eval()
-        session = RuntimeCalibrationSession(graph, self.token_lists, self.max_batch_tokens)
+        session = RuntimeCalibrationSession(graph, self.token_lists, self.max_batch_tokens, device=self.device)
+        model = session.to_device(Transformer(graph.spec, tensors, formats).eval())
         collected: dict[int, list[list[torch.Tensor]]] = {}
         for b in session.batches:
             cache = _RecordingCache(b.mask)
-            model(b.tokens, b.positions, cache)
+            model(b.tokens.to(self.device), b.positions, cache)
             for layer, streams in cache.streams.items():
                 collected.setdefault(layer, []).append(streams)
         return {layer: tuple(torch.cat(parts, dim=0) for parts in zip(*batches, strict=True))

@@ -19,7 +19,8 @@ The source for distillation is the graph as it stood when the session was create
 
 Device: a session made with `device` ("cuda") keeps the hidden states there and runs each block there in fp32
 (moved as it is built; the graph's tensors stay where they are); the callback gets inputs on that device.
-Distillation runs on the CPU whatever the device.
+Distillation runs there too: both models are moved whole, and the tuned parameters must already live there
+(passes.weight_quant.tune_end_to_end makes them on `session.device`).
 
 Memory: the hidden states of the calibration set ([tokens, hidden] fp32) plus one block's modules (built from
 the graph's lazily lowered tensors, so only that block is read), and the embedding in its source dtype while
@@ -113,6 +114,7 @@ class _Batch:
             self.tokens[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
         self.positions = torch.arange(T, device=device).expand(len(token_lists), -1)
         self.mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).to(device)  # [B, T] real tokens
+        self.count = sum(lengths)  # real tokens, counted on the host
         self.hidden: torch.Tensor | None = None  # [B, T, C] at the session's position
 
 
@@ -134,7 +136,7 @@ class RuntimeCalibrationSession:
         self.position: int | None = None  # hidden states are at the input of this block
         self._ran: dict[int, tuple[_Same, ...]] = {}  # what each block held when the hidden states went through
         self.source = lower_tensors(graph)  # (tensors, formats) before the pass: the distillation teacher
-        self.tokens = int(sum(int(b.mask.sum()) for b in self.batches))
+        self.tokens = sum(b.count for b in self.batches)
 
     # --- public --------------------------------------------------------------------------------------------
     def observe(self, linears: Sequence[str], callback: Callback) -> None:
@@ -204,16 +206,16 @@ class RuntimeCalibrationSession:
         return _RecordingWeights(tensors, formats, self.graph.spec)
 
     def _block(self, index: int, weights: _RecordingWeights) -> Block:
-        return self._place(build_block(self.graph.spec.layers[index], weights).eval())
+        return self.to_device(build_block(self.graph.spec.layers[index], weights).eval())
 
-    def _place(self, module: torch.nn.Module) -> torch.nn.Module:
+    def to_device(self, module: torch.nn.Module) -> torch.nn.Module:
         """`module` on the session's device in fp32 (on the CPU, as built)."""
         return module if self.device.type == "cpu" else place(module, self.device, torch.float32)
 
     def rotary(self, positions: torch.Tensor) -> list:
         spec = self.graph.spec
         if self._rotary is None or self._rotary[0] is not spec:
-            self._rotary = (spec, self._place(LayerRotaries(spec.layers)))
+            self._rotary = (spec, self.to_device(LayerRotaries(spec.layers)))
         return self._rotary[1](positions)
 
     @torch.inference_mode()
@@ -245,7 +247,7 @@ class RuntimeCalibrationSession:
     @torch.inference_mode()
     def _run_head(self, linears: Sequence[str], callback: Callback) -> None:
         weights = self._weights()
-        norm = self._place(weights.norm(self.graph.spec.final_norm))
+        norm = self.to_device(weights.norm(self.graph.spec.final_norm))
         head = weights.linear(self.graph.spec.lm_head)
         for b in self.batches:
             callback(self.graph.spec.lm_head.name, norm(b.hidden)[b.mask])
@@ -311,22 +313,25 @@ class Distillation:
         random.Random(0).shuffle(groups)
         # a step's batch runs as micro-batches of at most MICRO_BATCH_TOKENS padded tokens (gradients add up),
         # so the autograd activations stay small whatever the step's batch
+        self.device = device = session.device
         self.batches = []
         for g in groups:
             rows = max(1, MICRO_BATCH_TOKENS // max(len(tokens[i]) for i in g))
-            self.batches.append([_Batch([tokens[i] for i in g[k: k + rows]]) for k in range(0, len(g), rows)])
-        self._tokens = [sum(int(m.mask.sum()) for m in micro) for micro in self.batches]
+            self.batches.append([_Batch([tokens[i] for i in g[k: k + rows]], device)
+                                 for k in range(0, len(g), rows)])
+        self._tokens = [sum(m.count for m in micro) for micro in self.batches]
         # the source's last hidden states, not its log-probabilities: [tokens, hidden] is vocab/hidden times
         # smaller, and the lm_head product is cheap to redo
         self._teacher_hidden: list[list[torch.Tensor] | None] = [None] * len(self.batches)
 
         source_tensors, source_formats = session.source
-        self.teacher = Transformer(spec, weights=_RecordingWeights(source_tensors, source_formats, spec))
+        self.teacher = session.to_device(Transformer(spec, weights=_RecordingWeights(source_tensors, source_formats, spec)))
         # the student is the graph as it stands now, whose structure a pass may have rewritten (MLA conversion)
         student_spec = session.graph.spec
         tensors, formats = lower_tensors(session.graph)
         student_weights = _RecordingWeights(tensors, formats, student_spec)
-        self.student = Transformer(student_spec, weights=student_weights)
+        # moved before the swaps below: place() replaces the parameters it moves, and the tuned ones must stay
+        self.student = session.to_device(Transformer(student_spec, weights=student_weights))
         missing = sorted(set(weights) - set(student_weights.built)) + sorted(
             set(norms) - set(student_weights.norms) - {student_spec.embedding})
         if missing:
@@ -359,12 +364,13 @@ class Distillation:
         micro = self.batches[i]
         if self._teacher_hidden[i] is None:
             with torch.inference_mode():
-                self._teacher_hidden[i] = [self.teacher.hidden(b.tokens, b.positions)[b.mask] for b in micro]
+                self._teacher_hidden[i] = [self.teacher.hidden(b.tokens.to(self.device), b.positions)[b.mask]
+                                           for b in micro]
         total = 0.0
         for b, hidden in zip(micro, self._teacher_hidden[i], strict=True):
             with torch.no_grad():
                 target = torch.log_softmax(self.teacher.lm_head(hidden), dim=-1)
-            logp = torch.log_softmax(self.student(b.tokens, b.positions), dim=-1)[b.mask]
+            logp = torch.log_softmax(self.student(b.tokens.to(self.device), b.positions), dim=-1)[b.mask]
             value = kl_terms(target, logp).sum() / self._tokens[i]
             if value.requires_grad:  # (nothing to tune: a plain measurement)
                 value.backward()

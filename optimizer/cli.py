@@ -38,9 +38,9 @@ MAX_MESSAGE = 300
 DEVICE_HELP = ("cpu: the fp32 reference, weights dequantized once; cuda: weights packed on the GPU (FP8 bytes, FP4 "
                "nibbles and their scales, through the Triton kernels), bf16 activations, KV cache and sampling "
                "on the GPU")
-BUILD_DEVICE_HELP = ("where calibration's block forwards and the gate run: cpu (the fp32 reference) or cuda (the "
-                     "gate through the GPU runtime: packed weights, bf16 activations); quantization searches, "
-                     "sensitivity probes and tuning run on the CPU either way")
+BUILD_DEVICE_HELP = ("where calibration runs (block forwards, K/V capture, sensitivity probes, tuning, in fp32) and "
+                     "the gate: cpu (the fp32 reference) or cuda (the gate through the GPU runtime: packed weights, "
+                     "bf16 activations); the weight searches (GPTQ, AWQ) run on the CPU either way")
 
 
 class Interrupted(BaseException):

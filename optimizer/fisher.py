@@ -20,6 +20,9 @@ over the drawn labels and only add noise. The estimate is a linearisation (FP4's
 noisier than a measured probe, so precision passes measure where that is affordable and estimate beyond
 (`PrecisionPass.sensitivity_method`).
 
+Device: made with `device` ("cuda"), the model and the candidates' modules are moved there in fp32 and the
+sweeps run there; the labels are drawn on the CPU from the same seeds, so both devices score the same labels.
+
 Memory: the model in fp32 with one batch's autograd activations (`batch_tokens` per batch), the chunk's
 candidate weights in fp32 (at most `max_candidate_bytes`), and the hooked linears' inputs for one batch.
 """
@@ -36,7 +39,7 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer.calibrator import _Batch, _RecordingWeights
 from kiln.optimizer.lower import lower_tensors
 from kiln.passes.graph import ModelGraph, QuantizedWeight
-from kiln.runtime.model import QuantLinear, Transformer, Weights
+from kiln.runtime.model import QuantLinear, Transformer, Weights, place
 
 BATCH_TOKENS = 256  # an autograd batch: SmolLM2's activations for 256 tokens are ~0.5 GB
 MAX_CANDIDATE_BYTES = 256 * 2**20  # fp32 candidate weights held per sweep
@@ -63,7 +66,9 @@ class FisherKl:
     """`RuntimeRunner.estimated_kl`: ½ E[(g · Δy)²] per candidate, from gradients of the graph as it stands."""
 
     def __init__(self, token_lists: Sequence[Sequence[int]], batch_tokens: int = BATCH_TOKENS,
-                 max_candidate_bytes: int = MAX_CANDIDATE_BYTES, seed: int = SEED):
+                 max_candidate_bytes: int = MAX_CANDIDATE_BYTES, seed: int = SEED,
+                 device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         self.token_lists = [list(t) for t in token_lists if len(t) >= 2]
         self.batch_tokens = batch_tokens
         self.max_candidate_bytes = max_candidate_bytes
@@ -79,17 +84,18 @@ class FisherKl:
         if unknown:
             raise KilnError(f"estimated KL: the model has no linear named {unknown[0]}")
         lists = self.token_lists[:paragraphs]
-        batches = [_Batch([lists[i] for i in b]) for b in length_batches(lists, self.batch_tokens)]
+        batches = [_Batch([lists[i] for i in b], self.device) for b in length_batches(lists, self.batch_tokens)]
         positions = sum(len(t) - 1 for t in lists)
         tensors, formats = lower_tensors(graph)
         weights = _RecordingWeights(tensors, formats, graph.spec)
-        model = Transformer(graph.spec, weights=weights).eval()
+        model = self._place(Transformer(graph.spec, weights=weights).eval())  # weights.built: the moved modules
         specs = {lin.name: lin for lin in graph.spec.linears()}
         scores: dict[Hashable, float] = dict.fromkeys(candidates, 0.0)
         chunks = _swept(graph, candidates, self.max_candidate_bytes)
         with progress.stage("sensitivity: gradient sweeps", total=len(chunks) * len(batches), unit="batches") as task:
             for chunk in chunks:
-                modules = {key: self._build(graph, specs, candidates[key]) for key in chunk}
+                modules = {key: {n: self._place(m) for n, m in self._build(graph, specs, candidates[key]).items()}
+                           for key in chunk}
                 for index, batch in enumerate(batches):
                     for key, value in self._sweep(model, weights.built, modules, batch, index).items():
                         scores[key] += value
@@ -97,6 +103,9 @@ class FisherKl:
                 del modules
                 self.sweeps += 1
         return {key: value / positions for key, value in scores.items()}
+
+    def _place(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module if self.device.type == "cpu" else place(module, self.device, torch.float32)
 
     @staticmethod
     def _build(graph: ModelGraph, specs: Mapping, state: Mapping[str, QuantizedWeight | None]) -> dict[str, QuantLinear]:
@@ -141,12 +150,12 @@ class FisherKl:
         handles.append(model.blocks[0].register_forward_pre_hook(needs_grad))
         try:
             with torch.enable_grad():
-                logits = model(batch.tokens, batch.positions)
+                logits = model(batch.tokens.to(self.device), batch.positions)
                 scored = batch.mask.clone()
-                scored[torch.arange(len(scored)), batch.mask.sum(1) - 1] = False  # the last token predicts nothing
+                scored[torch.arange(len(scored), device=scored.device), batch.mask.sum(1) - 1] = False  # the last token predicts nothing
                 logp = torch.log_softmax(logits[scored], dim=-1)
                 generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-                labels = torch.multinomial(logp.detach().exp(), 1, generator=generator)
+                labels = torch.multinomial(logp.detach().exp().cpu(), 1, generator=generator).to(logp.device)
                 logp.gather(-1, labels).sum().backward()
         finally:
             for handle in handles:

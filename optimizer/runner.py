@@ -13,8 +13,9 @@ modules on the calibration tokens.
     runner.draft_distillation(graph, module, init, extra)   a draft head's self-distillation objective on all
                                      the calibration text plus `extra` token lists (optimizer.draft_training)
 
-`device` ("cuda"): observation's block forwards (its Gram products too) and `logits`/`generate` run there;
-K/V capture, sensitivity, Fisher estimates and distillation run on the CPU.
+`device` ("cuda"): everything above runs there (observation's block forwards and its Gram products, K/V
+capture, sensitivity probes, Fisher sweeps, distillation, `logits`/`generate`) except the draft head's
+distillation; the graph's tensors stay on the CPU, and each part is moved as it is built.
 
 The source is the graph as it stands when the runner is made (before any pass): passes replace tensors, never
 change them in place, so holding it by reference costs nothing.
@@ -53,9 +54,9 @@ class RuntimeRunner:
         else:
             self._calibrator = RuntimeCalibrator(distillation_tokens, max_batch_tokens,
                                                  observe_sequences=len(self.calibration_tokens), device=self.device)
-        self._kv = KvCapture(self.calibration_tokens, max_batch_tokens)
-        self._kl = LogitKl(source, self.calibration_tokens)
-        self._fisher = FisherKl(self.calibration_tokens)
+        self._kv = KvCapture(self.calibration_tokens, max_batch_tokens, device=self.device)
+        self._kl = LogitKl(source, self.calibration_tokens, device=self.device)
+        self._fisher = FisherKl(self.calibration_tokens, device=self.device)
 
     def session(self, graph: ModelGraph) -> RuntimeCalibrationSession:
         return self._calibrator.session(graph)

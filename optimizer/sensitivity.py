@@ -23,6 +23,9 @@ input is padded tokens x hidden x 4 bytes: 64 TinyStories paragraphs on SmolLM2 
 11.7 MiB, so all 31 would take 362 MiB and the default keeps every second one (a probe then runs at most one
 block more than it changed). When not even one fits, every probe runs the whole model.
 Logits: at most min(1024, 2^25 / vocab) tokens x vocab at a time (<= 128 MiB per fp32 tensor).
+Device: made with `device` ("cuda"), the kept model's parts are moved there in fp32 as they are built, and the
+probe's batches, kept block inputs and the source's reference live there; the identity checks still compare
+the graph's (CPU) tensors.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from kiln.optimizer.gate import BATCH_TOKENS
 from kiln.optimizer.lower import kv_cache_table, lower_tensors
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.kv_format import KvStream, resolve_kv_streams
-from kiln.runtime.model import LayerRotaries, Weights, build_block
+from kiln.runtime.model import LayerRotaries, Weights, build_block, place
 from kiln.runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from kiln.runtime.spec import ModelSpec
 
@@ -129,7 +132,8 @@ class _ProbeModel:
     position the change reaches (0: the embedding or block 0, i: block i or its cache, len(layers): only the
     head) or None when nothing changed. `builds` counts every part built (EMBEDDING, HEAD, block index)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self.device = device
         self.spec: ModelSpec | None = None
         self.parts: dict[str | int, _Part] = {}
         self.kv_streams: list[tuple[KvStream, ...]] = []
@@ -176,6 +180,10 @@ class _ProbeModel:
             module = (weights.norm(spec.final_norm), weights.linear(spec.lm_head).eval())
         else:
             module = build_block(spec.layers[key], weights).eval()
+        if self.device.type != "cpu":
+            module = (module.to(self.device) if isinstance(module, torch.Tensor)
+                      else tuple(place(m, self.device, torch.float32) for m in module) if isinstance(module, tuple)
+                      else place(module, self.device, torch.float32))
         self.builds[key] += 1
         return _Part(module, reads, entries)
 
@@ -195,8 +203,10 @@ class _Probe:
     """Some calibration paragraphs in the runtime's batches (right-padded, as Engine.logits pads them), and
     the hidden states at the input of the kept blocks, valid for the model they were computed with."""
 
-    def __init__(self, token_lists: list[list[int]], max_prefix_bytes: int | None, hidden: int, layers: int):
+    def __init__(self, token_lists: list[list[int]], max_prefix_bytes: int | None, hidden: int, layers: int,
+                 device: torch.device):
         self.lists = token_lists
+        self.device = device
         self.batches = []
         for batch in length_batches(token_lists, MAX_BATCH_TOKENS):
             lengths = torch.tensor([len(token_lists[i]) for i in batch])
@@ -205,7 +215,8 @@ class _Probe:
             for row, i in enumerate(batch):
                 tokens[row, : lengths[row]] = torch.as_tensor(token_lists[i], dtype=torch.long)
             positions = torch.arange(T).expand(len(batch), -1)
-            self.batches.append((batch, tokens, positions, positions < lengths.unsqueeze(1)))
+            # valid stays on the host, where a paged cache reads it (with the host positions): no device sync
+            self.batches.append((batch, tokens.to(device), positions.to(device), (positions, positions < lengths.unsqueeze(1))))
         self.ropes: tuple[ModelSpec, list] | None = None
         # which block inputs are kept: the last block's output always (a head-only probe runs the head alone),
         # then every `stride`-th block input, as many as max_prefix_bytes holds (None: no bound)
@@ -218,8 +229,8 @@ class _Probe:
     def rotary(self, spec: ModelSpec) -> list:
         """Per batch, each layer's rotary tables (computed once per structure)."""
         if self.ropes is None or self.ropes[0] is not spec:
-            rotary = LayerRotaries(spec.layers)
-            self.ropes = (spec, [rotary(positions) for _, _, positions, _ in self.batches])
+            rotary = LayerRotaries(spec.layers).to(self.device)
+            self.ropes = (spec, [rotary(positions) for _, _, positions, _ in self.batches])  # on the device
         return self.ropes[1]
 
     def invalidate(self, first: int | None) -> None:
@@ -235,14 +246,15 @@ class LogitKl:
     per batch of paragraphs: what a probe cost."""
 
     def __init__(self, source: ModelGraph, token_lists: Sequence[Sequence[int]],
-                 max_prefix_bytes: int | None = MAX_PREFIX_BYTES):
+                 max_prefix_bytes: int | None = MAX_PREFIX_BYTES, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         self.token_lists = [list(t) for t in token_lists if len(t) >= 2]
         self.max_prefix_bytes = max_prefix_bytes
         # The source as it is now, by reference (passes replace tensors, never mutate them): nothing is built
         # until the first call, so a build whose passes never ask pays nothing.
         tensors, formats = lower_tensors(source)
         self._source_state = (source.spec, tensors, formats, kv_cache_table(source))
-        self._model = _ProbeModel()
+        self._model = _ProbeModel(self.device)
         self._reference: list[torch.Tensor] = []  # per paragraph: the source's final hidden states [n - 1, C]
         self._source_head = None  # the source's lm_head (a QuantLinear)
         self._probe: _Probe | None = None
@@ -264,7 +276,7 @@ class LogitKl:
         lists = self.token_lists[:paragraphs]
         if self._probe is None or len(self._probe.lists) != len(lists):
             spec = graph.spec
-            self._probe = _Probe(lists, self.max_prefix_bytes, spec.hidden_size, len(spec.layers))
+            self._probe = _Probe(lists, self.max_prefix_bytes, spec.hidden_size, len(spec.layers), self.device)
             self._last = None
         probe = self._probe
         if len(self._reference) < len(lists):
@@ -276,7 +288,7 @@ class LogitKl:
         source_head = self._source_head
         norm, head = self._model.head
         chunk = max(1, min(1024, MAX_LOGITS // graph.spec.vocab_size))
-        kl, count = 0.0, 0
+        kl, count = torch.zeros((), dtype=torch.float64, device=self.device), 0  # read back once, at the end
         for batch, final in self._forward(probe, first):
             candidate = norm(final)
             ours = torch.cat([candidate[row, : len(lists[i]) - 1] for row, i in enumerate(batch)])
@@ -284,9 +296,9 @@ class LogitKl:
             for start in range(0, ours.shape[0], chunk):
                 p = torch.log_softmax(source_head(theirs[start: start + chunk]), dim=-1)
                 q = torch.log_softmax(head(ours[start: start + chunk]), dim=-1)
-                kl += float(kl_terms(p, q).sum())
+                kl += kl_terms(p, q).sum()
             count += ours.shape[0]
-        self._last = kl / count
+        self._last = float(kl) / count
         return self._last
 
     # --- internals -----------------------------------------------------------------------------------------
@@ -307,7 +319,7 @@ class LogitKl:
         done = len(self._reference)
         whole = done == 0  # the first call: the probe's batches are these paragraphs
         probe = self._probe if whole else _Probe(self.token_lists[done:paragraphs], 0, spec.hidden_size,
-                                                 len(spec.layers))
+                                                 len(spec.layers), self.device)
         norm, self._source_head = self._model.head
         computed = {}
         for batch, final in self._forward(probe, first if whole else 0):
@@ -324,7 +336,7 @@ class LogitKl:
         start = max((i for i in probe.hidden if i <= (layers if first is None else first)), default=0)
         ropes = probe.rotary(model.spec)
         try:
-            for b, (batch, tokens, positions, valid) in enumerate(probe.batches):
+            for b, (batch, tokens, positions, (host_positions, valid)) in enumerate(probe.batches):
                 x = F.embedding(tokens, model.embedding) if start == 0 else probe.hidden[start][b]
                 lengths = valid.sum(dim=1).tolist()
                 for i in range(start, layers):
@@ -336,10 +348,11 @@ class LogitKl:
                     streams = model.kv_streams[i]
                     cache = None
                     if any(s.format != KvFormat.BF16 for s in streams):
-                        cache = PagedKVCache([streams], sum(-(-n // DEFAULT_BLOCK_SIZE) for n in lengths))
+                        cache = PagedKVCache([streams], sum(-(-n // DEFAULT_BLOCK_SIZE) for n in lengths),
+                                             device=probe.device)
                         for row in range(len(batch)):
                             cache.add_sequence(row)
-                        cache.prepare(list(range(len(batch))), positions, valid)
+                        cache.prepare(list(range(len(batch))), host_positions, valid)
                     x = model.block(i)(x, ropes[b][i], positions, cache, 0)
                     self.blocks_run += 1
                 if layers in probe.kept and start < layers:

@@ -211,6 +211,7 @@ class CalibrationSession(Protocol):
 
     tokens: int  # the real (non-padding) tokens an observation sees
     all_token_lists: Sequence[Sequence[int]]  # every calibration paragraph the distillation fits
+    device: Any  # a torch.device: where observed inputs arrive and the distillation's parameters must live
 
     def observe(self, linears: Sequence[str], callback: Callable[[str, Any], None]) -> None:
         """Call callback(name, x [tokens, in_features]) with the inputs of `linears` (all in one block, or the

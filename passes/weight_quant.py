@@ -49,7 +49,7 @@ import torch
 
 from kiln.calibration.awq import awq_search
 from kiln.calibration.data import token_cap
-from kiln.calibration.grids import WeightLayout
+from kiln.calibration.grids import Scales, WeightLayout
 from kiln.calibration.metrics import relative_error
 from kiln.calibration.observers import InputObserver
 from kiln.calibration.quantize import (
@@ -236,12 +236,15 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
     if note is not None:
         log(note)
         return TunedWeights({}, {}, note)
+    device = session.device  # the latents and norms live where the distillation runs (the graph stays on the CPU)
     latents: dict[str, FakeQuantWeight] = {}
     for name in names:
         qw = graph.linears[name].quant
         layout = stored_layout(qw.format, qw.tensors)
         values = qw.dequantize()
-        latents[name] = FakeQuantWeight(layout, values, layout.scales_from_stored(dict(qw.tensors), values.shape[0]))
+        scales = layout.scales_from_stored(dict(qw.tensors), values.shape[0])
+        scales = Scales(scales.multiplier.to(device), scales.stored)  # pack reads only the stored (CPU) scales
+        latents[name] = FakeQuantWeight(layout, values.to(device), scales)
     layers = {graph.linears[n].layer for n in names if graph.linears[n].layer is not None}
     norm_names = [n for block in graph.blocks if block.index in layers for n in block.norms[:2]]
     norm_names.append(graph.final_norm)
@@ -252,18 +255,18 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
             skipped = "; the embedding is not tuned: the quantized lm_head reads it"
         else:
             norm_names.append(graph.embedding)
-    norms = {n: torch.nn.Parameter(graph.tensors[n].float().clone()) for n in norm_names}
+    norms = {n: torch.nn.Parameter(graph.tensors[n].to(device, torch.float32, copy=True)) for n in norm_names}
     objective = session.distillation(latents, norms, batch_tokens, extra_token_lists)
     history = tune([fq.latent for fq in latents.values()] + list(norms.values()), objective.loss, steps, lr, log=log)
     tensors = {}
     for name, fq in latents.items():
         extra = {k: v for k, v in graph.linears[name].quant.tensors.items() if k == "input_scale"}
-        tensors[name] = {**fq.layout.pack(fq.values(), fq.scales), **extra}
+        tensors[name] = {**fq.layout.pack(fq.values().cpu(), fq.scales), **extra}
     samples = f" (calibration text + {len(extra_token_lists)} model samples)" if extra_token_lists else ""
     note = (f"tuned {steps} steps on {len(objective)} batches{samples}"
             f"{' with the embedding' if graph.embedding in norms else ''}: KL {history[0]:.5f} -> "
             f"{history[-1]:.5f} (last step){skipped}")
-    return TunedWeights(tensors, {n: p.detach().clone() for n, p in norms.items()}, note)
+    return TunedWeights(tensors, {n: p.detach().to("cpu", copy=True) for n, p in norms.items()}, note)
 
 
 def activation_format(fmt: str, mode: str) -> ActivationFormat:
