@@ -60,7 +60,7 @@ from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import Target
 from kiln.passes.base import Pass, PassContext, PassResult
 from kiln.passes.graph import ModelGraph
-from kiln.passes.weight_quant import TUNE_BUDGET, check_tune_budget, over_budget
+from kiln.passes.weight_quant import check_tune_budget, over_budget
 from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, RotarySpec
 
 BF16_BYTES = 2
@@ -282,7 +282,8 @@ class MlaConversion(Pass):
         heal_lr             Adam's learning rate for healing (cosine decay)
         heal_batch_tokens   calibration tokens per healing step
         heal_budget         skip healing (and say so) when steps x batch tokens x the model's linear weights exceed
-                            it: distillation holds the source and the student whole in fp32
+                            it (None: the device's, weight_quant.TUNE_BUDGETS): distillation holds the source
+                            and the student whole in fp32
         sensitivity_paragraphs  calibration paragraphs each rank probe's KL is measured on
         layers              layer indices to consider (None: all)
     """
@@ -295,7 +296,7 @@ class MlaConversion(Pass):
     heal_steps: int = 600
     heal_lr: float = 3e-3
     heal_batch_tokens: int = 2048
-    heal_budget: float = TUNE_BUDGET
+    heal_budget: float | None = None
     sensitivity_paragraphs: int = 32
     layers: tuple[int, ...] | None = None
 
@@ -491,29 +492,30 @@ class MlaConversion(Pass):
 
     def _heal(self, graph: ModelGraph, session, layers: list[int], ctx: PassContext) -> str:
         """Distil the converted layers' new projections and latent norms toward the source's logits."""
-        note = over_budget(graph, self.heal_steps, self.heal_batch_tokens, self.heal_budget, "not healed", "healing",
-                           "heal_budget")
+        note = over_budget(graph, self.heal_steps, self.heal_batch_tokens, self.heal_budget, session.device,
+                           "not healed", "healing", "heal_budget")
         if note is not None:
             ctx.log(note)
             return note
         start = time.perf_counter()
+        device = session.device  # where the distillation runs: its parameters live there, the graph on the CPU
         params: dict[str, torch.nn.Parameter] = {}
         norms: dict[str, torch.nn.Parameter] = {}
         for i in layers:
             a = graph.spec.layers[i].attention
             for role in HEALED_ROLES:
                 name = a.linears[role].name
-                params[name] = torch.nn.Parameter(graph.tensors[f"{name}.weight"].float().clone())
+                params[name] = torch.nn.Parameter(graph.tensors[f"{name}.weight"].to(device, torch.float32, copy=True))
             norm = graph.spec.layers[i].norms[-1]
-            norms[norm] = torch.nn.Parameter(graph.tensors[norm].float().clone())
+            norms[norm] = torch.nn.Parameter(graph.tensors[norm].to(device, torch.float32, copy=True))
         objective = session.distillation({n: (lambda p=p: p) for n, p in params.items()}, norms,
                                          self.heal_batch_tokens)
         history = tune([*params.values(), *norms.values()], objective.loss, self.heal_steps, self.heal_lr,
                        log=ctx.log)
         for name, p in params.items():
-            graph.tensors[f"{name}.weight"] = p.detach().to(graph.tensors[f"{name}.weight"].dtype).contiguous()
+            graph.tensors[f"{name}.weight"] = p.detach().to("cpu", graph.tensors[f"{name}.weight"].dtype).contiguous()
         for name, p in norms.items():
-            graph.tensors[name] = p.detach().to(graph.tensors[name].dtype).contiguous()
+            graph.tensors[name] = p.detach().to("cpu", graph.tensors[name].dtype).contiguous()
         tokens = sum(objective.batch_tokens(s) for s in range(self.heal_steps))
         return (f"healed {self.heal_steps} steps ({tokens} calibration tokens) in {time.perf_counter() - start:.1f} s: "
                 f"KL {history[0]:.5f} -> {history[-1]:.5f} (last step)")

@@ -72,7 +72,6 @@ from kiln.passes.tensor_store import release_freed_memory
 from kiln.passes.weight_quant import (
     MLP_INPUT_STAGE,
     SAMPLES_PER_PARAGRAPH,
-    TUNE_BUDGET,
     check_tune_budget,
     fusion_key,
     linear_weight_count,
@@ -157,9 +156,10 @@ class PrecisionPass(Pass):
     tune_steps: int = 0
     tune_lr: float = 3e-4
     tune_batch_tokens: int = 4096
-    tune_budget: float = TUNE_BUDGET
+    tune_budget: float | None = None
     tune_embedding: bool = False
     tune_samples: int = 0
+    tune_average: float = 0.0
     sequential: bool = True
     act_order: bool | None = None
 
@@ -187,6 +187,9 @@ class PrecisionPass(Pass):
         check_tune_budget(self.tune_budget)
         if isinstance(self.tune_samples, bool) or not isinstance(self.tune_samples, int) or self.tune_samples < 0:
             raise KilnError(f"tune_samples must be a non-negative integer, got {self.tune_samples!r}")
+        if isinstance(self.tune_average, bool) or not isinstance(self.tune_average, int | float) \
+                or not 0 <= self.tune_average < 1:
+            raise KilnError(f"tune_average must be a fraction in [0, 1), got {self.tune_average!r}")
         if not isinstance(self.tune_embedding, bool):
             raise KilnError(f"tune_embedding must be true or false, got {self.tune_embedding!r}")
         if not isinstance(self.sequential, bool):
@@ -266,7 +269,7 @@ class PrecisionPass(Pass):
                 raise KilnError(f"{self.name}: tune_steps needs calibration text (--calib-data)")
             teacher = ctx.runner.session(graph)  # before anything changes: the distillation's source
             if self.tune_samples and over_budget(graph, self.tune_steps, self.tune_batch_tokens,
-                                                 self.tune_budget) is None:
+                                                 self.tune_budget, teacher.device) is None:
                 # the source's, before changes; at most SAMPLES_PER_PARAGRAPH per calibration paragraph tuned on
                 count = min(self.tune_samples, SAMPLES_PER_PARAGRAPH * len(teacher.all_token_lists))
                 samples = source_samples(graph, ctx.runner, count)
@@ -577,7 +580,7 @@ class PrecisionPass(Pass):
         """End-to-end tuning of the linears `names` and the norms (weight_quant.tune_end_to_end), on the
         calibration text and `samples`."""
         tuned = tune_end_to_end(graph, session, names, self.tune_steps, self.tune_lr, self.tune_batch_tokens, log,
-                                self.tune_budget, self.tune_embedding, samples)
+                                self.tune_budget, self.tune_embedding, samples, self.tune_average)
         result.notes.append(tuned.note)
         if not tuned.tensors:
             return

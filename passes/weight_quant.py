@@ -43,7 +43,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -119,11 +119,14 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
 
 
 # End-to-end tuning runs only when steps x tokens per step x the model's linear weights fit this budget (the
-# passes' `tune_budget`; a recipe file may raise it): the whole distillation in fp32, forward and backward, is
-# about 6 x that many FLOPs, some 3 minutes of 2 CPU cores. stories260K (0.28M weights: 400 steps of 4096
-# tokens, 4.6e11) tunes; SmolLM2-135M (200 steps of 2048 tokens: 5.5e13; a 4096-token step took about 110 s
-# there) does not, and the pass says so.
-TUNE_BUDGET = 2**40
+# passes' `tune_budget`, by default the device's; a recipe file may set it): the whole distillation in fp32,
+# forward and backward, is about 6 x that many FLOPs, some 3 minutes of 2 CPU cores. stories260K (0.28M
+# weights: 400 steps of 4096 tokens, 4.6e11) tunes on the CPU; SmolLM2-135M (200 steps of 2048 tokens: 5.5e13;
+# a 4096-token step took about 110 s there) does not, and the pass says so. A GPU's fp32 matmuls are about
+# 1000 times 2 CPU cores' (an H100's 50-60 TFLOP/s): the same few minutes there are 2^50, SmolLM2's 200 steps
+# about 20 s; an 8B model's (2.9e15, and both models and Adam's state in fp32: some 150 GB) stay over.
+TUNE_BUDGETS = {"cpu": 2**40, "cuda": 2**50}
+TUNE_BUDGET = TUNE_BUDGETS["cpu"]
 STACK_BYTES = 128 << 20  # fp32 bytes of siblings quantized as one stack (SmolLM2's gate/up: 7 MB; 8B q/k/v: 100 MB)
 
 
@@ -166,20 +169,26 @@ class TunedWeights:
 
 
 def check_tune_budget(value: object, field_name: str = "tune_budget") -> None:
+    if value is None:  # the device's (TUNE_BUDGETS)
+        return
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise KilnError(f"{field_name} must be a positive number (token-weights), got {value!r}")
 
 
-def over_budget(graph: ModelGraph, steps: int, batch_tokens: int, budget: float, skipped: str = "not tuned",
-                kind: str = "tuning", field_name: str = "tune_budget") -> str | None:
+def over_budget(graph: ModelGraph, steps: int, batch_tokens: int, budget: float | None, device: Any = "cpu",
+                skipped: str = "not tuned", kind: str = "tuning", field_name: str = "tune_budget") -> str | None:
     """Why a distillation of `steps` x `batch_tokens` on this model's linear weights is skipped (its cost in
-    token-weights is over `budget`: both models whole in fp32, step after step), or None when it fits."""
+    token-weights is over `budget`, None: the budget of `device`, where the distillation runs; both models
+    whole in fp32, step after step), or None when it fits."""
+    place = torch.device(device).type
+    if budget is None:
+        budget = TUNE_BUDGETS.get(place, TUNE_BUDGET)
     weights = linear_weight_count(graph)
     cost = steps * batch_tokens * weights
     if cost <= budget:
         return None
     return (f"{skipped}: {steps} steps of {batch_tokens} tokens on {weights / 1e6:.1f}M weights is {cost:.2g} "
-            f"token-weights, over the {kind} budget of {budget:.2g} ({field_name})")
+            f"token-weights, over the {kind} budget of {budget:.2g} on {place} ({field_name})")
 
 
 AWQ_EXACT_FLOPS = 2e10
@@ -221,22 +230,23 @@ def source_samples(graph: ModelGraph, runner, count: int, seed: int = 0) -> list
 
 
 def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr: float, batch_tokens: int,
-                    log: Callable[[str], None], budget: float = TUNE_BUDGET, embedding: bool = False,
-                    extra_token_lists: Sequence[Sequence[int]] = ()) -> TunedWeights:
+                    log: Callable[[str], None], budget: float | None = None, embedding: bool = False,
+                    extra_token_lists: Sequence[Sequence[int]] = (), average_tail: float = 0.0) -> TunedWeights:
     """Tune the grid points (scales fixed) of the quantized linears `names`, each on its own format's grid,
     and the norms of their blocks and the final norm, by KL to the source model on the calibration text
     (`session.distillation`, calibration.tuning). The graph is not changed: the caller stores the result.
     `embedding`: the embedding's rows are tuned too (kept in its precision: they are stored back in its dtype),
     and so the lm_head's when it reads them (tied), unless that lm_head is quantized (the note says so).
-    `extra_token_lists` are fitted beside the calibration paragraphs (source_samples).
+    `extra_token_lists` are fitted beside the calibration paragraphs (source_samples). `average_tail`: the
+    result is the mean of the last that fraction of steps (calibration.tuning.tune).
 
-    Nothing is tuned when steps x batch tokens x the model's linear weights exceed `budget` (TUNE_BUDGET):
-    the note says so."""
-    note = over_budget(graph, steps, batch_tokens, budget)
+    Nothing is tuned when steps x batch tokens x the model's linear weights exceed `budget` (None: the
+    session's device's, TUNE_BUDGETS): the note says so."""
+    device = session.device  # the latents and norms live where the distillation runs (the graph stays on the CPU)
+    note = over_budget(graph, steps, batch_tokens, budget, device)
     if note is not None:
         log(note)
         return TunedWeights({}, {}, note)
-    device = session.device  # the latents and norms live where the distillation runs (the graph stays on the CPU)
     latents: dict[str, FakeQuantWeight] = {}
     for name in names:
         qw = graph.linears[name].quant
@@ -257,7 +267,8 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
             norm_names.append(graph.embedding)
     norms = {n: torch.nn.Parameter(graph.tensors[n].to(device, torch.float32, copy=True)) for n in norm_names}
     objective = session.distillation(latents, norms, batch_tokens, extra_token_lists)
-    history = tune([fq.latent for fq in latents.values()] + list(norms.values()), objective.loss, steps, lr, log=log)
+    history = tune([fq.latent for fq in latents.values()] + list(norms.values()), objective.loss, steps, lr, log=log,
+                   average_tail=average_tail)
     tensors = {}
     for name, fq in latents.items():
         extra = {k: v for k, v in graph.linears[name].quant.tensors.items() if k == "input_scale"}
@@ -364,7 +375,8 @@ class WeightQuantization(Pass):
         tune_lr       the tuning's Adam learning rate (cosine decay to 0)
         tune_batch_tokens  calibration tokens per tuning step (whole paragraphs, padded)
         tune_budget   tuning runs only if tune_steps x tune_batch_tokens x the model's linear weights is at
-                      most this (TUNE_BUDGET: small models on a CPU); otherwise it is skipped, with a note
+                      most this (None: TUNE_BUDGETS of the device it runs on, 2^40 on a CPU: small models;
+                      2^50 on cuda); otherwise it is skipped, with a note
         rotation_block  > 0: store W R and rotate each input by R online, R = the block Hadamard transform
                       with blocks of this size (kernels.rotation; the artifact's "input_rotation"); 0: none
     """
@@ -384,7 +396,7 @@ class WeightQuantization(Pass):
     tune_steps: int = 0
     tune_lr: float = 5e-4
     tune_batch_tokens: int = 2048
-    tune_budget: float = TUNE_BUDGET
+    tune_budget: float | None = None
     rotation_block: int = 0
 
     name: ClassVar[str] = "weight-quant"

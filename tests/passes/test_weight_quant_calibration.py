@@ -379,6 +379,23 @@ def test_tuning_over_its_budget_is_skipped_and_said(tiny_checkpoints):
         WeightQuantization(format="nvfp4", tune_steps=3, tune_budget=0)
 
 
+def test_the_default_tuning_budget_is_the_devices(tiny_checkpoints):
+    """tune_budget None: 2^40 token-weights where the distillation runs on a CPU, 2^50 on a GPU (1000 times the
+    fp32 matmul rate); a number set in a recipe holds on either."""
+    from kiln.passes.weight_quant import TUNE_BUDGETS, linear_weight_count, over_budget
+
+    graph = load_checkpoint(tiny_checkpoints["llama"])
+    weights = linear_weight_count(graph)
+    steps = int(2**44 // (2048 * weights))  # between the two budgets
+    assert TUNE_BUDGETS == {"cpu": 2**40, "cuda": 2**50}
+    note = over_budget(graph, steps, 2048, None, "cpu")
+    assert note is not None and "on cpu (tune_budget)" in note
+    assert over_budget(graph, steps, 2048, None, torch.device("cuda")) is None
+    assert "on cuda" in over_budget(graph, steps, 2048, 2**42, "cuda")  # a recipe's own budget
+    assert over_budget(graph, steps, 2048, 2**46, "cpu") is None
+    assert WeightQuantization(format="nvfp4", tune_steps=3).tune_budget is None
+
+
 @pytest.mark.parametrize("true_sequential", [False, True])
 def test_stage_order_widest_first_only_when_stages_are_uncoupled(tiny_checkpoints, monkeypatch, true_sequential):
     """Observed up front (not true-sequential), a block's stages quantize widest input first (down_proj's
@@ -453,3 +470,31 @@ def test_source_samples_come_from_the_source_model(tiny_checkpoints):
     more = runner.session(graph).distillation({}, {}, max_batch_tokens=64, extra_token_lists=samples)
     assert sum(map(more.batch_tokens, range(len(more)))) == \
         sum(map(plain.batch_tokens, range(len(plain)))) + sum(map(len, samples))
+
+
+def test_tail_averaging_ends_at_the_mean_of_the_last_steps():
+    """tune(average_tail=f): the parameters end as the mean of their values after each of the last f x steps
+    steps (the trajectory is the one plain Adam takes: averaging only reads it)."""
+    from kiln.calibration.tuning import tune
+
+    targets = torch.randn(10, 4, generator=torch.Generator().manual_seed(0))
+
+    def run(average_tail):
+        p = torch.nn.Parameter(torch.zeros(4))
+        seen = []
+
+        def loss(step):
+            seen.append(p.detach().clone())  # the value after the previous step
+            return ((p - targets[step]) ** 2).sum()
+
+        tune([p], loss, 10, 0.1, average_tail=average_tail)
+        return p.detach(), seen
+
+    last, seen = run(0.0)
+    averaged, seen_averaged = run(0.5)
+    assert all(torch.equal(a, b) for a, b in zip(seen, seen_averaged, strict=True))
+    expected = torch.stack([*seen[6:], last]).mean(0)  # after steps 5..9
+    torch.testing.assert_close(averaged, expected, rtol=0, atol=1e-7)
+    assert not torch.allclose(averaged, last)
+    with pytest.raises(ValueError, match="average_tail"):
+        tune([torch.nn.Parameter(torch.zeros(1))], lambda s: torch.zeros(()), 1, 0.1, average_tail=1.0)
