@@ -60,23 +60,17 @@ class FakeQuantWeight(nn.Module):
 
 
 def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], steps: int, lr: float,
-         log: Callable[[str], None] | None = None, average_tail: float = 0.0) -> list[float]:
+         log: Callable[[str], None] | None = None) -> list[float]:
     """Adam with a cosine decay over `steps`; loss(step) returns the loss of that step's batch: a tensor to
-    differentiate, or a float when it ran backward itself (gradients accumulated over micro-batches).
-    `average_tail` > 0: the parameters end as their mean over the last that fraction of steps (tail averaging:
-    a latent weight's rounding then follows where it settled, not the last batch's pull)."""
+    differentiate, or a float when it ran backward itself (gradients accumulated over micro-batches)."""
     if steps <= 0:
         return []
     if lr <= 0:
         raise ValueError(f"lr must be positive, got {lr}")
-    if not 0 <= average_tail < 1:
-        raise ValueError(f"average_tail must be in [0, 1), got {average_tail}")
     params = list(parameters)
     optimizer = torch.optim.Adam(params, lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     history: list[float] = []
-    first_averaged = steps - int(average_tail * steps) if average_tail else steps
-    sums: list[Tensor] | None = None
     with torch.enable_grad(), progress.stage("tune end to end", total=steps, unit="steps") as task:
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
@@ -86,19 +80,8 @@ def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], st
                 value = float(value.detach())
             optimizer.step()
             schedule.step()
-            if step >= first_averaged:
-                with torch.no_grad():
-                    if sums is None:
-                        sums = [p.detach().clone() for p in params]
-                    else:
-                        for total, p in zip(sums, params, strict=True):
-                            total.add_(p.detach())
             history.append(value)
             task.advance()
             if log is not None and (step % 50 == 0 or step == steps - 1):
                 log(f"tune step {step}/{steps}: KL {history[-1]:.5f}")
-    if sums is not None:
-        with torch.no_grad():
-            for total, p in zip(sums, params, strict=True):
-                p.copy_(total / (steps - first_averaged))
     return history

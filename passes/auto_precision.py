@@ -52,8 +52,6 @@ class AutoPrecision(PrecisionPass):
         tune_samples  paragraphs the source model writes (temperature 1, prompted by calibration paragraphs'
                       first tokens) that the tuning fits beside the calibration text (weight_quant.source_samples);
                       made only when the tuning runs, at most 4 per calibration paragraph
-        tune_average  the tuned weights and norms end as their mean over this last fraction of the steps
-                      (calibration.tuning.tune's tail averaging; 0: the last step's)
         act_order     GPTQ act-order; None: on, except for NVFP4 (as the uniform recipes)
         sequential    quantize the assigned groups block by block on the quantized prefix's inputs (see the
                       module doc); False: every linear on the source model's inputs

@@ -159,7 +159,6 @@ class PrecisionPass(Pass):
     tune_budget: float | None = None
     tune_embedding: bool = False
     tune_samples: int = 0
-    tune_average: float = 0.0
     sequential: bool = True
     act_order: bool | None = None
 
@@ -187,9 +186,6 @@ class PrecisionPass(Pass):
         check_tune_budget(self.tune_budget)
         if isinstance(self.tune_samples, bool) or not isinstance(self.tune_samples, int) or self.tune_samples < 0:
             raise KilnError(f"tune_samples must be a non-negative integer, got {self.tune_samples!r}")
-        if isinstance(self.tune_average, bool) or not isinstance(self.tune_average, int | float) \
-                or not 0 <= self.tune_average < 1:
-            raise KilnError(f"tune_average must be a fraction in [0, 1), got {self.tune_average!r}")
         if not isinstance(self.tune_embedding, bool):
             raise KilnError(f"tune_embedding must be true or false, got {self.tune_embedding!r}")
         if not isinstance(self.sequential, bool):
@@ -580,7 +576,7 @@ class PrecisionPass(Pass):
         """End-to-end tuning of the linears `names` and the norms (weight_quant.tune_end_to_end), on the
         calibration text and `samples`."""
         tuned = tune_end_to_end(graph, session, names, self.tune_steps, self.tune_lr, self.tune_batch_tokens, log,
-                                self.tune_budget, self.tune_embedding, samples, self.tune_average)
+                                self.tune_budget, self.tune_embedding, samples)
         result.notes.append(tuned.note)
         if not tuned.tensors:
             return

@@ -231,14 +231,13 @@ def source_samples(graph: ModelGraph, runner, count: int, seed: int = 0) -> list
 
 def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr: float, batch_tokens: int,
                     log: Callable[[str], None], budget: float | None = None, embedding: bool = False,
-                    extra_token_lists: Sequence[Sequence[int]] = (), average_tail: float = 0.0) -> TunedWeights:
+                    extra_token_lists: Sequence[Sequence[int]] = ()) -> TunedWeights:
     """Tune the grid points (scales fixed) of the quantized linears `names`, each on its own format's grid,
     and the norms of their blocks and the final norm, by KL to the source model on the calibration text
     (`session.distillation`, calibration.tuning). The graph is not changed: the caller stores the result.
     `embedding`: the embedding's rows are tuned too (kept in its precision: they are stored back in its dtype),
     and so the lm_head's when it reads them (tied), unless that lm_head is quantized (the note says so).
-    `extra_token_lists` are fitted beside the calibration paragraphs (source_samples). `average_tail`: the
-    result is the mean of the last that fraction of steps (calibration.tuning.tune).
+    `extra_token_lists` are fitted beside the calibration paragraphs (source_samples).
 
     Nothing is tuned when steps x batch tokens x the model's linear weights exceed `budget` (None: the
     session's device's, TUNE_BUDGETS): the note says so."""
@@ -267,8 +266,7 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
             norm_names.append(graph.embedding)
     norms = {n: torch.nn.Parameter(graph.tensors[n].to(device, torch.float32, copy=True)) for n in norm_names}
     objective = session.distillation(latents, norms, batch_tokens, extra_token_lists)
-    history = tune([fq.latent for fq in latents.values()] + list(norms.values()), objective.loss, steps, lr, log=log,
-                   average_tail=average_tail)
+    history = tune([fq.latent for fq in latents.values()] + list(norms.values()), objective.loss, steps, lr, log=log)
     tensors = {}
     for name, fq in latents.items():
         extra = {k: v for k, v in graph.linears[name].quant.tensors.items() if k == "input_scale"}

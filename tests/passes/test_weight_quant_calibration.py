@@ -471,30 +471,3 @@ def test_source_samples_come_from_the_source_model(tiny_checkpoints):
     assert sum(map(more.batch_tokens, range(len(more)))) == \
         sum(map(plain.batch_tokens, range(len(plain)))) + sum(map(len, samples))
 
-
-def test_tail_averaging_ends_at_the_mean_of_the_last_steps():
-    """tune(average_tail=f): the parameters end as the mean of their values after each of the last f x steps
-    steps (the trajectory is the one plain Adam takes: averaging only reads it)."""
-    from kiln.calibration.tuning import tune
-
-    targets = torch.randn(10, 4, generator=torch.Generator().manual_seed(0))
-
-    def run(average_tail):
-        p = torch.nn.Parameter(torch.zeros(4))
-        seen = []
-
-        def loss(step):
-            seen.append(p.detach().clone())  # the value after the previous step
-            return ((p - targets[step]) ** 2).sum()
-
-        tune([p], loss, 10, 0.1, average_tail=average_tail)
-        return p.detach(), seen
-
-    last, seen = run(0.0)
-    averaged, seen_averaged = run(0.5)
-    assert all(torch.equal(a, b) for a, b in zip(seen, seen_averaged, strict=True))
-    expected = torch.stack([*seen[6:], last]).mean(0)  # after steps 5..9
-    torch.testing.assert_close(averaged, expected, rtol=0, atol=1e-7)
-    assert not torch.allclose(averaged, last)
-    with pytest.raises(ValueError, match="average_tail"):
-        tune([torch.nn.Parameter(torch.zeros(1))], lambda s: torch.zeros(()), 1, 0.1, average_tail=1.0)
