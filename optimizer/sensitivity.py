@@ -215,8 +215,10 @@ class _Probe:
             for row, i in enumerate(batch):
                 tokens[row, : lengths[row]] = torch.as_tensor(token_lists[i], dtype=torch.long)
             positions = torch.arange(T).expand(len(batch), -1)
-            # valid stays on the host, where a paged cache reads it (with the host positions): no device sync
-            self.batches.append((batch, tokens.to(device), positions.to(device), (positions, positions < lengths.unsqueeze(1))))
+            # (indices, tokens, positions on the device; positions and validity on the host, where a paged cache
+            # reads them: no device sync)
+            host = (positions, positions < lengths.unsqueeze(1))
+            self.batches.append((batch, tokens.to(device), positions.to(device), host))
         self.ropes: tuple[ModelSpec, list] | None = None
         # which block inputs are kept: the last block's output always (a head-only probe runs the head alone),
         # then every `stride`-th block input, as many as max_prefix_bytes holds (None: no bound)
