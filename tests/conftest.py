@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -17,6 +18,15 @@ torch.set_num_threads(1)
 ROOT, STORIES, CALIB_TEXT, EVAL_TEXT = PROJECT_ROOT, STORIES260K, CALIBRATION_TEXT, EVALUATION_TEXT
 
 needs_stories = pytest.mark.skipif(not (STORIES / "config.json").is_file(), reason="../shared/models absent")
+
+
+def untuned(name: str):
+    """Built-in recipe `name` (same name, passes and formats) without its end-to-end tuning: for tests that need
+    the recipe's artifact layout, not its calibrated accuracy (200 tuning steps are about a minute of CPU)."""
+    from kiln.optimizer.recipes import Recipe, resolve_recipe
+
+    recipe = resolve_recipe(name)
+    return Recipe(recipe.name, tuple(dataclasses.replace(p, tune_steps=0) for p in recipe.passes))
 
 
 @pytest.fixture(scope="session")

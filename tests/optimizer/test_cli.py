@@ -34,6 +34,11 @@ def test_build_inspect_eval_generate(cli, generated_checkpoint, tmp_path):
     assert [(e["index"], e["attention"], e["mlp"]) for e in layers] == [(0, "gqa", "dense"), (1, "gqa", "dense")]
     quantizable = [n for n in info["layers"] if n != "lm_head"]
     assert quantizable and all(info["layers"][n] == "fp8_e4m3" for n in quantizable)
+    # the built-in recipe: AWQ, GPTQ, then end-to-end tuning of the FP8 grid points (the model fits the budget)
+    (record,) = json.loads((out / "manifest.json").read_text())["passes"]
+    assert sorted(record["result"]["changed"]) == sorted(quantizable)
+    assert all(v == "fp8_e4m3 (awq+gptq+tuned)" for v in record["result"]["changed"].values())
+    assert any(n.startswith("tuned 200 steps") for n in record["result"]["notes"])
     code, stdout, _ = cli("eval", out, "--data", SAMPLE_TEXT, "--json", "--force")
     ev = json.loads(stdout)
     assert code == 0 and ev["tokens"] > 50 and ev["perplexity"] > 1
@@ -43,8 +48,12 @@ def test_build_inspect_eval_generate(cli, generated_checkpoint, tmp_path):
 
 def test_two_builds_are_byte_identical(cli, generated_checkpoint, tmp_path):
     dirs = [tmp_path / "a", tmp_path / "b"]
+    # the built-in fp8 recipe's passes (GPTQ, AWQ, tuning), with 10 tuning steps rather than 200
+    recipe = tmp_path / "fp8.yaml"
+    recipe.write_text("passes:\n  - pass: weight-quant\n    format: fp8\n    activations: dynamic\n    method: gptq\n"
+                      "    awq: true\n    true_sequential: false\n    tune_steps: 10\n    tune_lr: 5.0e-5\n")
     for d in dirs:
-        code, _, err = cli("build", generated_checkpoint, "--recipe", "fp8", "-o", d, "--eval-data", SAMPLE_TEXT,
+        code, _, err = cli("build", generated_checkpoint, "--recipe", recipe, "-o", d, "--eval-data", SAMPLE_TEXT,
                            "--min-recovery", "0.5", "--reproducible", "--target", "hopper", "--force")
         assert code == 0, err
     names = sorted(p.name for p in dirs[0].iterdir())
@@ -52,6 +61,8 @@ def test_two_builds_are_byte_identical(cli, generated_checkpoint, tmp_path):
     assert {"manifest.json", "model.safetensors", "config.json", "report.md", "tokenizer.json"} <= set(names)
     for name in names:
         assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes(), name
+    (record,) = json.loads((dirs[0] / "manifest.json").read_text())["passes"]
+    assert all(v.endswith("(awq+gptq+tuned)") for v in record["result"]["changed"].values())
 
 
 @pytest.mark.parametrize("kind, message", [*MESSAGES.items(), ("unknown recipe", "unknown recipe 'fp7'")])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kiln.optimizer.gate import recovery_interval
-from tests.conftest import EVAL_TEXT, STORIES, needs_stories
+from tests.conftest import EVAL_TEXT, STORIES, needs_stories, untuned
 
 
 def test_bootstrap_matches_the_exhaustive_resampling_distribution():
@@ -93,7 +93,7 @@ def fp8_artifact(tmp_path_factory):
         pytest.skip("../shared/models absent")
     from kiln.optimizer.build import build
 
-    return build(STORIES, "hopper", "fp8-weights", tmp_path_factory.mktemp("gate-ci") / "fp8", eval_data=EVAL_TEXT,
+    return build(STORIES, "hopper", untuned("fp8-weights"), tmp_path_factory.mktemp("gate-ci") / "fp8", eval_data=EVAL_TEXT,
                  paragraphs=60).path
 
 

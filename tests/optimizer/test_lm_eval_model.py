@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EVAL_TEXT, ROOT, STORIES, refused
+from tests.conftest import EVAL_TEXT, ROOT, STORIES, refused, untuned
 
 EXAMPLES = ROOT / "examples" / "tasks"
 TASK = "tinystories_perplexity"  # a loglikelihood_rolling task: word and byte perplexity of whole paragraphs
@@ -42,7 +42,7 @@ def kiln_lm():
 def artifact(kiln_lm, tmp_path_factory):
     from kiln.optimizer.build import build
 
-    return build(STORIES, "hopper", "fp8-weights", tmp_path_factory.mktemp("lm-eval") / "fp8", gate=False).path
+    return build(STORIES, "hopper", untuned("fp8-weights"), tmp_path_factory.mktemp("lm-eval") / "fp8", gate=False).path
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from kiln.runtime.server import scrape
-from tests.conftest import EVAL_TEXT, STORIES
+from tests.conftest import EVAL_TEXT, STORIES, untuned
 
 pytestmark = pytest.mark.skipif(not (STORIES / "config.json").is_file(), reason="../shared/models absent")
 
@@ -97,7 +97,7 @@ def artifact(tmp_path_factory):
     from kiln.optimizer.build import build
 
     # 32 calibration paragraphs, no gate: these tests need an fp8-weights artifact, not a well-calibrated one
-    return build(STORIES, "hopper", "fp8-weights", tmp_path_factory.mktemp("serve") / "stories-fp8", gate=False,
+    return build(STORIES, "hopper", untuned("fp8-weights"), tmp_path_factory.mktemp("serve") / "stories-fp8", gate=False,
                  calib_paragraphs=32).path
 
 
