@@ -108,7 +108,7 @@ BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
     # fp8-weights observes each block once (true_sequential=False): stories260K KL 0.00481 against 0.00465 with
     # every stage observed through the ones quantized before it, at half the block forwards.
     # The FP8 recipes then tune end to end (FP8_TUNE_LR), where the tuning budget allows (stories260K on the CPU;
-    # SmolLM2 on a GPU)
+    # SmolLM2's 200 steps only on a GPU, not yet run there)
     "fp8-weights": lambda: [WeightQuantization(format="fp8", method="gptq", awq=True, true_sequential=False,
                                                tune_steps=BEST_TUNE_STEPS, tune_lr=FP8_TUNE_LR)],
     # fp8 (W8A8): GPTQ values, one observation per block, beat MSE scales on both models: stories260K KL 0.00944
