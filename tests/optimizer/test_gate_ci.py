@@ -93,8 +93,8 @@ def fp8_artifact(tmp_path_factory):
         pytest.skip("../shared/models absent")
     from kiln.optimizer.build import build
 
-    return build(STORIES, "hopper", untuned("fp8-weights"), tmp_path_factory.mktemp("gate-ci") / "fp8", eval_data=EVAL_TEXT,
-                 paragraphs=60).path
+    return build(STORIES, "hopper", untuned("fp8-weights"), tmp_path_factory.mktemp("gate-ci") / "fp8",
+                 eval_data=EVAL_TEXT, paragraphs=60).path
 
 
 GATE = ("--baseline", STORIES, "--data", EVAL_TEXT, "--paragraphs", "100")

@@ -97,8 +97,8 @@ def artifact(tmp_path_factory):
     from kiln.optimizer.build import build
 
     # 32 calibration paragraphs, no gate: these tests need an fp8-weights artifact, not a well-calibrated one
-    return build(STORIES, "hopper", untuned("fp8-weights"), tmp_path_factory.mktemp("serve") / "stories-fp8", gate=False,
-                 calib_paragraphs=32).path
+    return build(STORIES, "hopper", untuned("fp8-weights"), tmp_path_factory.mktemp("serve") / "stories-fp8",
+                 gate=False, calib_paragraphs=32).path
 
 
 @pytest.fixture(scope="module")
