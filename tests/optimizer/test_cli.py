@@ -9,9 +9,12 @@ import sys
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from kiln.optimizer.defaults import SAMPLE_TEXT
+from kiln.optimizer.recipes import resolve_recipe
+from kiln.passes.base import config_dict
 from tests.breakage import MESSAGES, broken_copy
 from tests.conftest import EVAL_TEXT, ROOT, STORIES, needs_stories
 
@@ -50,8 +53,8 @@ def test_two_builds_are_byte_identical(cli, generated_checkpoint, tmp_path):
     dirs = [tmp_path / "a", tmp_path / "b"]
     # the built-in fp8 recipe's passes (GPTQ, AWQ, tuning), with 10 tuning steps rather than 200
     recipe = tmp_path / "fp8.yaml"
-    recipe.write_text("passes:\n  - pass: weight-quant\n    format: fp8\n    activations: dynamic\n    method: gptq\n"
-                      "    awq: true\n    true_sequential: false\n    tune_steps: 10\n    tune_lr: 5.0e-5\n")
+    passes = [{**config_dict(p), "tune_steps": 10} for p in resolve_recipe("fp8").passes]
+    recipe.write_text(yaml.safe_dump({"name": "fp8", "passes": passes}))
     for d in dirs:
         code, _, err = cli("build", generated_checkpoint, "--recipe", recipe, "-o", d, "--eval-data", SAMPLE_TEXT,
                            "--min-recovery", "0.5", "--reproducible", "--target", "hopper", "--force")
