@@ -19,7 +19,8 @@ so what ships is still exactly `WeightLayout.pack(values, scales)`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -59,10 +60,28 @@ class FakeQuantWeight(nn.Module):
             return self.layout.quantize(self.latent.detach(), self.scales)
 
 
+@contextmanager
+def threads(count: int | None) -> Iterator[None]:
+    """torch's CPU threads set to `count` (None: as they are) for the block, then restored."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], steps: int, lr: float,
          log: Callable[[str], None] | None = None) -> list[float]:
     """Adam with a cosine decay over `steps`; loss(step) returns the loss of that step's batch: a tensor to
-    differentiate, or a float when it ran backward itself (gradients accumulated over micro-batches)."""
+    differentiate, or a float when it ran backward itself (gradients accumulated over micro-batches).
+
+    On the CPU it runs on one thread: torch splits a reduction (a norm weight's gradient, the loss) among its
+    threads, so each thread count sums in another order, and hundreds of steps of straight-through rounding
+    turn a last-bit difference into other grid points (the auto recipe on stories260K: recovery 0.9875 on one
+    thread, 0.9832 on two). With this and the CPU code paths pinned (optimizer.cli.pin_cpu_numerics) it stores
+    the same weights on both. Tuning runs on the CPU only for small models (weight_quant.TUNE_BUDGETS)."""
     if steps <= 0:
         return []
     if lr <= 0:
@@ -71,7 +90,9 @@ def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], st
     optimizer = torch.optim.Adam(params, lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     history: list[float] = []
-    with torch.enable_grad(), progress.stage("tune end to end", total=steps, unit="steps") as task:
+    on_cpu = all(p.device.type == "cpu" for p in params)
+    with torch.enable_grad(), threads(1 if on_cpu else None), \
+            progress.stage("tune end to end", total=steps, unit="steps") as task:
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
             value = loss(step)

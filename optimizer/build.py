@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,15 @@ from kiln.runtime.kv_budget import kv_budget
 
 class StrictRevert(BelowFloor):
     """--strict and a pass was reverted: exit 1, write nothing."""
+
+
+def cpu_numerics() -> dict[str, str | None]:
+    """The CPU code paths this process computes with (optimizer.cli.pin_cpu_numerics pins them): a build
+    reproduces bit for bit where these and the versions match."""
+    import torch
+
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get("MKL_CBWR"),
+            "torch": torch.__version__}
 
 
 @dataclass
@@ -175,6 +185,7 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         "calibration": calib_info,
         "build_seconds": round(build_seconds, 3) if timings else None,
         "reproducible": reproducible,
+        "numerics": cpu_numerics(),
     }
     # every pass's record (what it leaves in graph.metadata), not only the precision pass's
     manifest["records"] = {key: value for key, value in sorted(graph.metadata.items()) if key != "precision"}

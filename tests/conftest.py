@@ -6,6 +6,11 @@ import dataclasses
 import os
 
 import pytest
+
+from kiln.optimizer.cli import pin_cpu_numerics
+
+pin_cpu_numerics()  # the CLI's CPU code paths, set before torch computes anything (the tests build as it does)
+
 import torch
 
 from kiln.optimizer.defaults import CALIBRATION_TEXT, EVALUATION_TEXT, PROJECT_ROOT, STORIES260K

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,31 @@ def test_two_builds_are_byte_identical(cli, generated_checkpoint, tmp_path):
         assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes(), name
     (record,) = json.loads((dirs[0] / "manifest.json").read_text())["passes"]
     assert all(v.endswith("(awq+gptq+tuned)") for v in record["result"]["changed"].values())
+
+
+@pytest.mark.slow
+@needs_stories
+def test_a_tuned_build_on_two_threads_stores_what_one_thread_does(tmp_path):
+    # `optimize` pins the CPU code paths and tunes on one thread: the auto recipe's stored weights do not depend
+    # on the thread count. They used to: a tuned norm's gradient, summed in another order, moved the tuned grid
+    # points (a random tiny model is too small for torch to split its sums). Two processes, as users run it
+    recipe = tmp_path / "auto.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "auto", "passes": [
+        {"pass": "auto-precision", "weight_bits": 5.0, "method": "gptq", "tune_steps": 20, "tune_embedding": True}]}))
+    exe = shutil.which("optimize") or str(__import__("pathlib").Path(sys.executable).parent / "optimize")
+    runs = {count: subprocess.Popen(
+        [exe, "build", str(STORIES), "--recipe", str(recipe), "-o", str(tmp_path / f"t{count}"), "--eval-data",
+         str(EVAL_TEXT), "--paragraphs", "50", "--calib-tokens", "20000", "--reproducible"],
+        env={**os.environ, "OMP_NUM_THREADS": str(count)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True) for count in (1, 2)}
+    for run in runs.values():
+        _, err = run.communicate(timeout=1800)
+        assert run.returncode == 0, err
+    stored = [load_file(tmp_path / f"t{count}" / "model.safetensors") for count in runs]
+    assert stored[0].keys() == stored[1].keys()
+    for name, tensor in stored[0].items():
+        other = stored[1][name]
+        assert torch.equal(tensor.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("kind, message", [*MESSAGES.items(), ("unknown recipe", "unknown recipe 'fp7'")])
