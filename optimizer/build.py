@@ -42,8 +42,9 @@ class StrictRevert(BelowFloor):
 
 
 def cpu_numerics() -> dict[str, str | None]:
-    """The CPU code paths this process computes with (optimizer.cli.pin_cpu_numerics pins them): a build
-    reproduces bit for bit where these and the versions match."""
+    """The CPU code paths this process computes with (optimizer.cli.pin_cpu_numerics pins them): with the same
+    versions and these, the auto recipe's weights reproduce bit for bit at any thread count (AWQ's recipes at
+    the same thread count)."""
     import torch
 
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get("MKL_CBWR"),
