@@ -58,9 +58,8 @@ def pin_cpu_numerics() -> None:
     both and gives 0.9829; AWQ's recipes still store 2 of 82 tensors differently on two threads). A variable
     the user set wins; the manifest records what ran (build's `numerics`). Tuning, whose reductions torch
     splits by thread count, runs on one thread (calibration.tuning). On an AMD EPYC with AVX-512 the pinned
-    paths cost nothing measurable
-    (SmolLM2-sized GEMMs, log-softmax over a 6K vocabulary slice); on Intel's AVX-512 parts MKL's AVX2 GEMMs may
-    be slower (not measured)."""
+    paths cost nothing measurable (SmolLM2-sized GEMMs, log-softmax over a 6K vocabulary slice); on Intel's
+    AVX-512 parts MKL's AVX2 GEMMs may be slower (not measured)."""
     for name, value in CPU_NUMERICS.items():
         os.environ.setdefault(name, value)
 
