@@ -73,15 +73,16 @@ def threads(count: int | None) -> Iterator[None]:
 
 
 def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], steps: int, lr: float,
-         log: Callable[[str], None] | None = None) -> list[float]:
+         log: Callable[[str], None] | None = None, cpu_threads: int | None = None) -> list[float]:
     """Adam with a cosine decay over `steps`; loss(step) returns the loss of that step's batch: a tensor to
     differentiate, or a float when it ran backward itself (gradients accumulated over micro-batches).
 
-    On the CPU it runs on one thread: torch splits a reduction (a norm weight's gradient, the loss) among its
-    threads, so each thread count sums in another order, and hundreds of steps of straight-through rounding
-    turn a last-bit difference into other grid points (the auto recipe on stories260K: recovery 0.9875 on one
-    thread, 0.9832 on two). With this and the CPU code paths pinned (optimizer.cli.pin_cpu_numerics) it stores
-    the same weights on both. Tuning runs on the CPU only for small models (weight_quant.TUNE_BUDGETS)."""
+    `cpu_threads`: torch's CPU threads while it runs, when every parameter is on the CPU (None: as they are).
+    Quantized weights tune on one (weight_quant.tune_end_to_end): torch splits a reduction (a norm weight's
+    gradient, the loss) among its threads, so each thread count sums in another order, and hundreds of steps
+    of straight-through rounding turn a last-bit difference into other grid points (the auto recipe on
+    stories260K: recovery 0.9875 on one thread, 0.9832 on two; on one thread, with the CPU code paths pinned by
+    optimizer.cli.pin_cpu_numerics, it stores the same weights whether torch has one thread or two)."""
     if steps <= 0:
         return []
     if lr <= 0:
@@ -91,7 +92,7 @@ def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], st
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     history: list[float] = []
     on_cpu = all(p.device.type == "cpu" for p in params)
-    with torch.enable_grad(), threads(1 if on_cpu else None), \
+    with torch.enable_grad(), threads(cpu_threads if on_cpu else None), \
             progress.stage("tune end to end", total=steps, unit="steps") as task:
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)

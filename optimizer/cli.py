@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import signal
 import sys
 from pathlib import Path
@@ -52,16 +53,29 @@ CPU_NUMERICS = {
 
 
 def pin_cpu_numerics() -> None:
-    """One x86-64 code path (AVX2, which every x86-64 server since 2013 has) for MKL, ATen and oneDNN, so that a
-    CPU build gives the same figures on any such machine and thread count, not one per machine (the auto recipe
-    on stories260K gave 0.9875 on one thread and 0.9832 on two before; pinned, it stores the same weights on
-    both and gives 0.9829; AWQ's recipes still store 2 of 82 tensors differently on two threads). A variable
-    the user set wins; the manifest records what ran (build's `numerics`). Tuning, whose reductions torch
-    splits by thread count, runs on one thread (calibration.tuning). On an AMD EPYC with AVX-512 the pinned
+    """One code path (AVX2) for ATen and oneDNN, and MKL's AVX2 branch in its strict reproducible mode, so that a
+    CPU build's figures do not depend on the thread count (the auto recipe on stories260K gave 0.9875 on one
+    thread and 0.9832 on two before; pinned, it stores the same weights on one and two threads and gives
+    0.9829; AWQ's recipes still store 2 of 82 tensors differently on two threads). Across machines: MKL
+    honours the AVX2 branch on Intel CPUs only, and runs its AUTO branch on AMD's, so Intel and AMD machines
+    may still differ (not measured). A variable the user set wins; the manifest records what ran (build's
+    `numerics`). Tuning runs on one thread (calibration.tuning). On an AMD EPYC with AVX-512 the pinned
     paths cost nothing measurable (SmolLM2-sized GEMMs, log-softmax over a 6K vocabulary slice); on Intel's
     AVX-512 parts MKL's AVX2 GEMMs may be slower (not measured)."""
+    if not has_avx2():
+        return  # another architecture (an ARM Grace host) or an x86 without AVX2: its own code paths, unpinned
     for name, value in CPU_NUMERICS.items():
         os.environ.setdefault(name, value)
+
+
+def has_avx2() -> bool:
+    """An x86-64 CPU with AVX2 (Linux: /proc/cpuinfo's flags; elsewhere: any x86-64, which torch then checks)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        return " avx2" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
 
 
 class Interrupted(BaseException):

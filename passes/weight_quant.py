@@ -266,7 +266,9 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
             norm_names.append(graph.embedding)
     norms = {n: torch.nn.Parameter(graph.tensors[n].to(device, torch.float32, copy=True)) for n in norm_names}
     objective = session.distillation(latents, norms, batch_tokens, extra_token_lists)
-    history = tune([fq.latent for fq in latents.values()] + list(norms.values()), objective.loss, steps, lr, log=log)
+    # one CPU thread: the tuned grid points then do not depend on torch's thread count (calibration.tuning.tune)
+    history = tune([fq.latent for fq in latents.values()] + list(norms.values()), objective.loss, steps, lr, log=log,
+                   cpu_threads=1)
     tensors = {}
     for name, fq in latents.items():
         extra = {k: v for k, v in graph.linears[name].quant.tensors.items() if k == "input_scale"}

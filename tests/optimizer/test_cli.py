@@ -13,6 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from kiln.optimizer.cli import CPU_NUMERICS
 from kiln.optimizer.defaults import SAMPLE_TEXT
 from kiln.optimizer.recipes import resolve_recipe
 from kiln.passes.base import config_dict
@@ -79,14 +80,22 @@ def test_a_tuned_build_on_two_threads_stores_what_one_thread_does(tmp_path):
     recipe.write_text(yaml.safe_dump({"name": "auto", "passes": [
         {"pass": "auto-precision", "weight_bits": 5.0, "method": "gptq", "tune_steps": 20, "tune_embedding": True}]}))
     exe = shutil.which("optimize") or str(__import__("pathlib").Path(sys.executable).parent / "optimize")
+    env = {k: v for k, v in os.environ.items() if k not in CPU_NUMERICS}  # the CLI pins them itself
     runs = {count: subprocess.Popen(
         [exe, "build", str(STORIES), "--recipe", str(recipe), "-o", str(tmp_path / f"t{count}"), "--eval-data",
          str(EVAL_TEXT), "--paragraphs", "50", "--calib-tokens", "20000", "--reproducible"],
-        env={**os.environ, "OMP_NUM_THREADS": str(count)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**env, "OMP_NUM_THREADS": str(count)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True) for count in (1, 2)}
-    for run in runs.values():
-        _, err = run.communicate(timeout=1800)
-        assert run.returncode == 0, err
+    try:
+        for run in runs.values():
+            _, err = run.communicate(timeout=1800)
+            assert run.returncode == 0, err
+    finally:
+        for run in runs.values():
+            run.kill()  # a no-op for a process that has ended
+    for count in runs:
+        numerics = json.loads((tmp_path / f"t{count}" / "manifest.json").read_text())["numerics"]
+        assert numerics["cpu_capability"] == "AVX2" and numerics["mkl_cbwr"] == "AVX2,STRICT", numerics
     stored = [load_file(tmp_path / f"t{count}" / "model.safetensors") for count in runs]
     assert stored[0].keys() == stored[1].keys()
     for name, tensor in stored[0].items():
