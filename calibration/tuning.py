@@ -81,7 +81,7 @@ def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], st
     Quantized weights tune on one (weight_quant.tune_end_to_end): torch splits a reduction (a norm weight's
     gradient, the loss) among its threads, so each thread count sums in another order, and hundreds of steps
     of straight-through rounding turn a last-bit difference into other grid points (the auto recipe on
-    stories260K: recovery 0.9875 on one thread, 0.9832 on two; on one thread, with the CPU code paths pinned by
+    stories260K: recovery 0.9875 on one thread, 0.9832 on two; on one thread, with MKL's strict mode set by
     optimizer.cli.pin_cpu_numerics, it stores the same weights whether torch has one thread or two)."""
     if steps <= 0:
         return []

@@ -42,13 +42,13 @@ class StrictRevert(BelowFloor):
 
 
 def cpu_numerics() -> dict[str, str | None]:
-    """The CPU code paths this process computes with (optimizer.cli.pin_cpu_numerics pins them): with the same
+    """The CPU code paths this process computes with (optimizer.cli.pin_cpu_numerics pins MKL's): with the same
     versions, CPU and these, the auto recipe stored the same weights on one and two threads (stories260K;
     AWQ's recipes only at the same thread count, hence `threads`)."""
     import torch
 
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get("MKL_CBWR"),
-            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"), "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(),
             "torch": torch.__version__}
 
 

@@ -86,9 +86,9 @@ BEST_TUNE_STEPS = 200  # end-to-end tuning steps of the uniform recipes (weight-
 # all three pairs (+0.0013 to +0.0027) but KL only in two, and under 0.987 on two threads; at lr 3e-4 0.9835, KL
 # 0.01634 (the old 1e-3 attempt: 0.9774). Out of domain (benchmarks/ood_text.py) its KL is 0.02849 / 0.02776 /
 # 0.02837 against the shipped recipe's 0.02778 / 0.02911 / 0.02635 (seed 0, seed 1, two threads): no better
-# there, so not in the code. All of the above ran on AVX-512 code paths. With the CPU code paths pinned to AVX2
-# (optimizer.cli.pin_cpu_numerics) and tuning on one thread, the shipped recipe stores the same weights on one and
-# two threads and gives 0.9829, KL 0.01502, top-1 0.9431. Also tried since (seed 0, AVX-512): latents started at
+# there, so not in the code. All of the above ran on AVX-512 code paths. With ATen and oneDNN pinned to AVX2, MKL in
+# strict mode and tuning on one thread, the shipped recipe stored the same weights on one and two threads and gave
+# 0.9829, KL 0.01502, top-1 0.9431 (the shipped pin is MKL's alone: optimizer.cli.pin_cpu_numerics). Also tried since (seed 0, AVX-512): latents started at
 # GPTQ's pre-rounding values (so they sit where GPTQ left them, near or far from a rounding threshold): the
 # tuning's batch KL rose to 0.033 by step 300 (0.021 as is), stopped; each latent pulled toward its grid point
 # by 0.5% / 2% of its offset after every step (oscillation damping): KL 0.01679 / 0.02569, recovery 0.9850 /

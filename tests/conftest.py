@@ -9,7 +9,7 @@ import pytest
 
 from kiln.optimizer.cli import pin_cpu_numerics
 
-pin_cpu_numerics()  # the CLI's CPU code paths, set before torch computes anything (the tests build as it does)
+pin_cpu_numerics()  # the CLI's MKL mode, set before torch computes anything (the tests build as it does)
 
 import torch
 
