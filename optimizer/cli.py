@@ -47,21 +47,21 @@ BUILD_DEVICE_HELP = ("where calibration runs (block forwards, K/V capture, sensi
 CPU_NUMERICS = {
     "MKL_CBWR": "AVX2,STRICT",  # MKL's GEMMs: its strict reproducible mode, the same bits for any number of threads
 }
-# Not ATEN_CPU_CAPABILITY=avx2: with it, torch.compile's CPU decode step (Inductor) returned wrong tokens on an
-# AVX-512 machine (tests/runtime/test_compiled_decode.py failed)
-"""The x86 code paths a command pins before torch computes anything (see pin_cpu_numerics)."""
+"""What a command pins before torch computes anything (see pin_cpu_numerics). Not ATEN_CPU_CAPABILITY=avx2: with
+it, torch.compile's CPU decode step (Inductor) returned wrong tokens on an AVX-512 machine
+(tests/runtime/test_compiled_decode.py)."""
 
 
 def pin_cpu_numerics() -> None:
     """MKL's AVX2 branch in its strict reproducible mode, so that a CPU build's figures do not depend on the
-    thread count (the auto recipe on stories260K gave 0.9875 on one
-    thread and 0.9832 on two before; pinned, it stores the same weights on one and two threads and gives
-    0.9829; AWQ's recipes still store 2 of 82 tensors differently on two threads). Across machines: MKL
-    honours the AVX2 branch on Intel CPUs only, and runs its AUTO branch on AMD's, so Intel and AMD machines
-    may still differ (not measured), as may machines whose torch kernels take other vector widths. A variable
-    the user set wins; the manifest records what ran (build's `numerics`). Tuning runs on one thread
-    (calibration.tuning). On an AMD EPYC with AVX-512 it costs nothing measurable (SmolLM2-sized GEMMs); on
-    Intel's AVX-512 parts MKL's AVX2 GEMMs may be slower (not measured)."""
+    thread count. The auto recipe on stories260K gave 0.9875 on one thread and 0.9832 on two before; with this,
+    one-thread tuning (calibration.tuning) and ATen at AVX2 too it stored the same weights on both and gave
+    0.9829; with MKL's pin alone the two-thread check in tests/optimizer/test_cli.py holds. AWQ's recipes still
+    store 2 of 82 tensors differently on two threads. Across machines: MKL honours the AVX2 branch on Intel
+    CPUs only and runs its AUTO branch on AMD's, so machines may still differ (not measured). A variable the
+    user set wins; the manifest records what ran (build's `numerics`). On an AMD EPYC with AVX-512 it costs
+    nothing measurable (SmolLM2-sized GEMMs); on Intel's AVX-512 parts MKL's AVX2 GEMMs may be slower (not
+    measured)."""
     if not has_avx2():
         return  # another architecture (an ARM Grace host) or an x86 without AVX2: its own code paths, unpinned
     for name, value in CPU_NUMERICS.items():
