@@ -48,8 +48,7 @@ def cpu_numerics() -> dict[str, str | None]:
     import torch
 
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get("MKL_CBWR"),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 @dataclass

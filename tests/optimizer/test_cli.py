@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from kiln.optimizer.recipes import resolve_recipe
 from kiln.passes.base import config_dict
 from tests.breakage import MESSAGES, broken_copy
 from tests.conftest import EVAL_TEXT, ROOT, STORIES, needs_stories
+from tests.optimizer.test_console_script import OPTIMIZE
 
 
 def _no_leftovers(parent, name):
@@ -79,7 +78,7 @@ def test_a_tuned_build_on_two_threads_stores_what_one_thread_does(tmp_path):
     recipe = tmp_path / "auto.yaml"
     recipe.write_text(yaml.safe_dump({"name": "auto", "passes": [
         {"pass": "auto-precision", "weight_bits": 5.0, "method": "gptq", "tune_steps": 20, "tune_embedding": True}]}))
-    exe = shutil.which("optimize") or str(__import__("pathlib").Path(sys.executable).parent / "optimize")
+    exe = OPTIMIZE
     env = {k: v for k, v in os.environ.items() if k not in CPU_NUMERICS}  # the CLI pins them itself
     runs = {count: subprocess.Popen(
         [exe, "build", str(STORIES), "--recipe", str(recipe), "-o", str(tmp_path / f"t{count}"), "--eval-data",
@@ -177,7 +176,7 @@ def test_gate_command_on_the_real_model(cli, tmp_path):
 
 
 def test_console_script_prints_no_traceback(tmp_path):
-    exe = shutil.which("optimize") or str(__import__("pathlib").Path(sys.executable).parent / "optimize")
+    exe = OPTIMIZE
     proc = subprocess.run([exe, "build", str(tmp_path / "missing"), "-o", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
