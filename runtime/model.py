@@ -40,6 +40,36 @@ from kiln.runtime.weights import (
 )
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + e^-x), the same bits however torch splits x among its CPU threads.
+
+    torch's CPU sigmoid and silu run a vectorized loop and a scalar one for the elements left over at the end
+    of each thread's chunk, and the two round differently in the last bit; so which elements get which
+    depends on the thread count, and a calibration that observes these activations (its Hessians, AWQ's
+    search) stored other weights on two threads than on one. exp, add and divide agree in both loops."""
+    if x.device.type != "cpu":
+        return torch.sigmoid(x)
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return sigmoid(x.float()).to(x.dtype)  # one rounding to the narrow type, as torch.sigmoid does
+    return 1 / (_exp_neg(x) + 1)  # out of place: the tuning differentiates through it
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) as x / (1 + e^-x): thread-count independent on the CPU (see `sigmoid`)."""
+    if x.device.type != "cpu":
+        return F.silu(x)
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return silu(x.float()).to(x.dtype)
+    return x / (_exp_neg(x) + 1)
+
+
+def _exp_neg(x: torch.Tensor) -> torch.Tensor:
+    """e^-x with the exponent capped at 88 (e^88 = 1.7e38, under fp32's maximum): e^-x stays finite, so its
+    gradient is never 0 * inf = NaN for x < -88.7. Below -88 sigmoid is then under 1e-38 and silu is x e^-88
+    (-6e-9 at x = -1e30, where F.silu gives -0)."""
+    return torch.exp(torch.clamp(-x, max=88.0))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -486,7 +516,7 @@ class DenseMlp(nn.Module):
             gate, up = self.gate_up_proj(x).split(self.gate_up_split, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu(gate) * up)
 
 
 class MoeMlp(nn.Module):
@@ -511,7 +541,7 @@ class MoeMlp(nn.Module):
             if s.norm_topk_prob:
                 top_w = top_w / top_w.sum(dim=-1, keepdim=True)
             return top_w, top_i
-        scores = logits.sigmoid()
+        scores = sigmoid(logits)
         choice = scores + self.score_bias if self.score_bias is not None else scores
         n, E = choice.shape
         group_scores = choice.view(n, s.n_group, E // s.n_group).topk(min(2, E // s.n_group), dim=-1)[0].sum(-1)
@@ -536,7 +566,7 @@ class MoeMlp(nn.Module):
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(self.shared_gate(x))
+                shared = shared * sigmoid(self.shared_gate(x))
             out = out + shared
         return out.view(shape)
 

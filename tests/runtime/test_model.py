@@ -76,3 +76,34 @@ def test_lily_story_matches_transformers_greedy_token_for_token():
     assert ours.token_ids == ref[: len(ours.token_ids)]
     assert len(ours.token_ids) == len(ref) or ours.finish_reason == "eos"
     assert ours.text.startswith(", there was a little girl named Lily. She loved to play outside in the park.")
+
+
+def test_silu_and_sigmoid_give_the_same_bits_on_one_and_two_threads():
+    # torch's CPU silu / sigmoid round the elements at the end of each thread's chunk on a scalar path whose last
+    # bit differs from the vector one, so F.silu followed the thread count (and with it the activations a
+    # calibration observes); exp, add and divide do not
+    import torch.nn.functional as F
+
+    from kiln.runtime.model import sigmoid, silu
+
+    # a value whose two paths differ (as about 4% of N(0, 16) draws do), everywhere: a thread's chunk of
+    # 301,000 elements leaves 8 to the scalar path, where one thread's single chunk leaves none
+    x = torch.full((20, 175, 172), -1.5806301832199097)
+    x.view(-1)[:100_000] = torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 4
+    x[0, 0, :3] = torch.tensor([-100.0, 100.0, -1e30])
+    before = torch.get_num_threads()
+    found = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            found[threads] = (silu(x), sigmoid(x))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(found[1][0], found[2][0])
+    assert torch.equal(found[1][1], found[2][1])
+    torch.testing.assert_close(found[1][0], F.silu(x), rtol=1e-6, atol=1e-7)  # silu(-1e30): -6e-9, not -0
+    torch.testing.assert_close(found[1][1], torch.sigmoid(x), rtol=1e-6, atol=1e-30)
+    assert abs(found[1][0][0, 0, 0]) < 1e-36 and found[1][0][0, 0, 1] == 100 and abs(found[1][0][0, 0, 2]) < 1e-7
+    y = x[0, 0, :3].clone().requires_grad_()
+    silu(y).sum().backward()  # e^-x capped: no 0 * inf = NaN in the gradient far below zero
+    assert torch.isfinite(y.grad).all()
