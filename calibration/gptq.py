@@ -20,6 +20,8 @@ The returned values lie exactly on the grid of the returned scales (`WeightLayou
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -184,8 +186,21 @@ def cholesky_in_place(a: Tensor) -> bool:
     factor L (a = L L^T) is torch's U = L^T."""
     from scipy.linalg import lapack
 
-    _, info = lapack.spotrf(a.numpy().T, lower=1, clean=0, overwrite_a=1)
+    with one_blas_thread():
+        _, info = lapack.spotrf(a.numpy().T, lower=1, clean=0, overwrite_a=1)
     return info == 0
+
+
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """scipy's LAPACK (OpenBLAS) on one thread for the block: a blocked factorization splits its updates among
+    the BLAS threads, so U's last bits, and after them GPTQ's grid points, would depend on the thread count
+    (tests/calibration/test_gptq.py). One thread costs the factorization its parallel speed-up: potrf and trtri
+    take 0.68 s instead of 0.38 s at K = 4096 and 4.7 s instead of 2.4 s at K = 8192 on this project's 2 cores."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
 
 
 def _inverse_cholesky_upper(a: Tensor, diagonal: Tensor, diag_mean: float) -> Tensor:
@@ -197,8 +212,9 @@ def _inverse_cholesky_upper(a: Tensor, diagonal: Tensor, diag_mean: float) -> Te
     Reference GPTQ implementations factor H, invert it from the factor and factor the inverse (potrf, potri,
     potrf: 4/3 K^3). Here A = J H J is factored A = L L^T; then H^-1 = J L^-T L^-1 J = U^T U with
     U = J L^-1 J, which is upper triangular: potrf and trtri, 2/3 K^3 (K = 14336 at an 8B model's down_proj:
-    10.6 s instead of 18 s on 2 cores), and U never goes through the explicit inverse. LAPACK through scipy
-    works in the buffer (torch's factorizations allocate a second [K, K]). The row-major buffer read
+    10.6 s instead of 18 s on 2 cores, on two BLAS threads: `one_blas_thread` now runs it on one), and U
+    never goes through the explicit inverse. LAPACK through scipy works in the buffer (torch's
+    factorizations allocate a second [K, K]). The row-major buffer read
     column-major is its transpose, so LAPACK's upper (column-major) routines write L and then L^-1 in the
     buffer's lower triangle only: a failed try is undone from the untouched strict upper triangle
     (symmetric), so a retry needs no copy of H. Reversing the whole buffer (both axes at once) turns L^-1
@@ -210,9 +226,10 @@ def _inverse_cholesky_upper(a: Tensor, diagonal: Tensor, diag_mean: float) -> Te
         if attempt:
             _mirror_upper_(a)  # the failed factorization's lower triangle, restored
         torch.diagonal(a).copy_(diagonal + extra)
-        _, info = lapack.spotrf(a.numpy().T, lower=0, clean=0, overwrite_a=1)  # A = L L^T, L in the lower
-        if info == 0:
-            _, info = lapack.strtri(a.numpy().T, lower=0, overwrite_c=1)  # L^-1, in the same triangle
+        with one_blas_thread():
+            _, info = lapack.spotrf(a.numpy().T, lower=0, clean=0, overwrite_a=1)  # A = L L^T, L in the lower
+            if info == 0:
+                _, info = lapack.strtri(a.numpy().T, lower=0, overwrite_c=1)  # L^-1, in the same triangle
             if info == 0:
                 _reverse_in_place(a)  # U = J L^-1 J, in the upper triangle
                 return a.triu_()

@@ -42,13 +42,25 @@ class StrictRevert(BelowFloor):
 
 
 def cpu_numerics() -> dict[str, str | None]:
-    """The CPU code paths this process computes with (optimizer.cli.pin_cpu_numerics pins MKL's): with the same
-    versions, CPU and these, the auto recipe stored the same weights on one and two threads (stories260K;
-    AWQ's recipes only at the same thread count, hence `threads`)."""
+    """The CPU code paths this process computes with (optimizer.cli.pin_cpu_numerics pins MKL's and OpenBLAS's):
+    with the same versions, CPU and these, the recipes stored the same weights on one and two threads
+    (stories260K); `threads` says which ran."""
     import torch
 
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get("MKL_CBWR"),
+            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "openblas_kernels": _openblas_kernels(),
             "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _openblas_kernels() -> list[str]:
+    """The kernels each loaded OpenBLAS runs (scipy's, GPTQ's, loaded here if it was not): what ran, where the
+    variable says what was asked (numpy's may have loaded before a Python caller pinned it)."""
+    try:
+        import scipy.linalg  # noqa: F401
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return []
+    return sorted({str(i.get("architecture")) for i in threadpool_info() if i.get("internal_api") == "openblas"})
 
 
 @dataclass

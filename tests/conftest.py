@@ -9,7 +9,8 @@ import pytest
 
 from kiln.optimizer.cli import pin_cpu_numerics
 
-pin_cpu_numerics()  # the CLI's MKL mode, set before torch computes anything (the tests build as it does)
+# the CLI's MKL and OpenBLAS modes, set before torch or scipy computes anything (the tests build as it does)
+pin_cpu_numerics()
 
 import torch
 

@@ -3,6 +3,9 @@ permutation is undone exactly, and what it returns is exactly what the stored fo
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -206,3 +209,44 @@ def test_reverse_in_place_flips_both_axes(shape):
     expected = a.flip(0, 1)
     _reverse_in_place(a, chunk=4)  # small chunks: several of them, and a partial last one
     assert torch.equal(a, expected)
+
+
+def test_the_factorizations_give_the_same_bits_on_one_and_two_blas_threads():
+    # OpenBLAS's blocked potrf splits its updates among its threads, so without gptq.one_blas_thread U's last
+    # bits (and after them GPTQ's grid points) followed the thread count: at K = 1024 they differed
+    from threadpoolctl import threadpool_limits
+
+    from kiln.calibration.gptq import cholesky_in_place
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 1024, generator=g)
+    h = x.T @ x / x.shape[0]
+    found = {}
+    for threads in (1, 2):
+        with threadpool_limits(limits=threads, user_api="blas"):
+            a = h.clone()
+            u = _inverse_cholesky_upper(a, torch.diagonal(h) + 0.01, float(torch.diagonal(h).mean()))
+            c = h.clone()
+            assert cholesky_in_place(c)
+            found[threads] = (u.clone(), c.clone())
+    assert torch.equal(found[1][0], found[2][0])
+    assert torch.equal(found[1][1], found[2][1])
+
+
+def test_gptq_factors_with_openblas_avx2_kernels_on_every_x86_cpu():
+    # left to choose, OpenBLAS runs SkylakeX kernels on AVX-512 CPUs and Haswell/Zen ones elsewhere, and their
+    # factors differ in the last bits; optimize (and this test session, tests/conftest.py) pins the Haswell ones
+    import scipy.linalg  # noqa: F401  (loads scipy's OpenBLAS)
+    from threadpoolctl import threadpool_info
+
+    from kiln.optimizer.cli import has_avx2
+
+    if not has_avx2(confirmed=True):
+        pytest.skip("not an x86-64 CPU seen to have AVX2: OpenBLAS is left to choose")
+    if os.environ.get("OPENBLAS_CORETYPE") != "Haswell":
+        pytest.skip("OPENBLAS_CORETYPE was set before the pin: a user's variable wins")
+    scipy_blas = [i for i in threadpool_info() if i["internal_api"] == "openblas"
+                  and Path(i["filepath"]).name.startswith("libscipy_openblas-")]  # numpy's: libscipy_openblas64_
+    if not scipy_blas:
+        pytest.skip("scipy is not linked to OpenBLAS here")
+    assert {i["architecture"] for i in scipy_blas} == {"Haswell"}
