@@ -207,6 +207,17 @@ def correctness(device: str, interpret: bool) -> list:
         return out
 
     guarded("fp4_w4a16_gemm", "w4a16", w4a16)
+
+    def w6a16():
+        from kiln.kernels.mxfp6 import Mxfp6Weight, mxfp6_quantize
+        from kiln.kernels.triton_fp6_gemm import fp6_w6a16_gemm
+
+        q = mxfp6_quantize(w)
+        q = Mxfp6Weight(q.packed.to(device), q.scale_e8m0.to(device), q.in_features)
+        return [Check("fp6_w6a16_gemm", f"mxfp6, {str(act_dtype)[6:]} x", "max rel err",
+                      _rel(fp6_w6a16_gemm(x, q), refs.fp6_w6a16_ref(x, q)), 1e-4 + out_rounding)]
+
+    guarded("fp6_w6a16_gemm", "w6a16", w6a16)
     for name, q in weights.items():
         for dot_scaled in (False, True):
             if interpret and dot_scaled and name == "nvfp4":

@@ -9,6 +9,7 @@ Every weight format is "one scale per block of columns, values on a fixed grid":
     nvfp4    E2M1, saturating at 6      16                  float(e4m3 code) * g       weight_scale [N, Kp/16],
                                                                                        weight_scale_2 = g
     mxfp4    E2M1                       32                  2^(e - 127)                weight_scale [N, Kp/32]
+    mxfp6    E2M3, saturating at 7.5    32                  2^(e - 127)                weight_scale [N, Kp/32]
 
 K is padded with zero columns to a multiple of B (padding never raises a block's maximum). The
 arithmetic here is the kernels' own (divide by m, round, multiply by m, all in fp32), and `pack` hands the
@@ -28,6 +29,7 @@ from kiln.kernels import fp8
 from kiln.kernels.formats import WeightFormat, parse_weight_format
 from kiln.kernels.fp4 import e2m1_decode, e2m1_encode
 from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, e8m0_to_float32, mxfp4_block_scales, mxfp4_quantize
+from kiln.kernels.mxfp6 import e2m3_decode, e2m3_encode, mxfp6_quantize
 from kiln.kernels.nvfp4 import (
     NVFP4_BLOCK_SIZE,
     nvfp4_block_scales,
@@ -35,7 +37,8 @@ from kiln.kernels.nvfp4 import (
     nvfp4_quantize,
 )
 
-FORMATS = ("fp8", "nvfp4", "mxfp4")
+FORMATS = ("fp8", "nvfp4", "mxfp4", "mxfp6")
+E8M0_FORMATS = (WeightFormat.MXFP4, WeightFormat.MXFP6)  # power-of-two block scales, one per 32
 FP8_GRANULARITIES = ("per_channel", "per_tensor")
 
 
@@ -46,7 +49,7 @@ class Scales:
     Attributes:
         multiplier: fp32 [N, blocks]: the value one grid unit stands for in each (row, block).
         stored: the stored form: fp8 {"weight_scale"}, nvfp4 {"weight_scale" (e4m3), "weight_scale_2"},
-            mxfp4 {"weight_scale" (uint8 E8M0 codes)}.
+            mxfp4 and mxfp6 {"weight_scale" (uint8 E8M0 codes)}.
     """
 
     multiplier: Tensor
@@ -71,7 +74,7 @@ class WeightLayout:
     def block_size(self, in_features: int) -> int:
         if self.format == WeightFormat.NVFP4:
             return NVFP4_BLOCK_SIZE
-        if self.format == WeightFormat.MXFP4:
+        if self.format in E8M0_FORMATS:
             return MXFP4_BLOCK_SIZE
         return in_features
 
@@ -96,6 +99,8 @@ class WeightLayout:
         if self.format == WeightFormat.FP8_E4M3:
             scaled.clamp_(-fp8.E4M3_MAX, fp8.E4M3_MAX)
             return scaled.copy_(scaled.to(fp8.FP8_DTYPE))
+        if self.format == WeightFormat.MXFP6:
+            return scaled.copy_(e2m3_decode(e2m3_encode(scaled)))
         return scaled.copy_(e2m1_decode(e2m1_encode(scaled)))
 
     def quantize(self, w: Tensor, scales: Scales) -> Tensor:
@@ -160,5 +165,5 @@ class WeightLayout:
             q = nvfp4_quantize(values, global_scale=scales.stored["weight_scale_2"],
                                block_scale=scales.stored["weight_scale"])
             return q.tensors()
-        q = mxfp4_quantize(values, scale_e8m0=scales.stored["weight_scale"])
-        return q.tensors()
+        quantize = mxfp6_quantize if self.format == WeightFormat.MXFP6 else mxfp4_quantize
+        return quantize(values, scale_e8m0=scales.stored["weight_scale"]).tensors()

@@ -8,7 +8,7 @@
     activation_fake_quantizer / static_input_scale      what the runtime does to a linear's input
     stored_layout(fmt, tensors)                         the calibration layout (grids) of stored tensors
 
-Formats here are the weight formats "fp8" (E4M3), "nvfp4", "mxfp4"; tensors use ModelOpt's short names.
+Formats here are the weight formats "fp8" (E4M3), "nvfp4", "mxfp4", "mxfp6"; tensors use ModelOpt's short names.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kiln.kernels import fp8
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import WeightFormat, parse_weight_format
 
-WEIGHT_FORMATS = ("fp8", "nvfp4", "mxfp4")
+WEIGHT_FORMATS = ("fp8", "nvfp4", "mxfp4", "mxfp6")
 METHODS = ("rtn", "mse", "gptq")
 
 
@@ -51,6 +51,10 @@ def quantize_weight(w: torch.Tensor, fmt: str, granularity: str = "per_channel",
             from kiln.kernels.nvfp4 import nvfp4_quantize
 
             return nvfp4_quantize(w, global_scale=global_scale).tensors()
+        if fmt == WeightFormat.MXFP6:
+            from kiln.kernels.mxfp6 import mxfp6_quantize
+
+            return mxfp6_quantize(w).tensors()
         from kiln.kernels.mxfp4 import mxfp4_quantize
 
         return mxfp4_quantize(w).tensors()
@@ -112,6 +116,8 @@ def activation_fake_quantizer(fmt: str, mode: str) -> Callable[[torch.Tensor], t
         from kiln.kernels.nvfp4 import nvfp4_fake_quantize
 
         return nvfp4_fake_quantize
+    if fmt == WeightFormat.MXFP6:
+        raise KilnError("mxfp6 is weight-only: its activations stay as they are (activations='none')")
     from kiln.kernels.mxfp4 import mxfp4_fake_quantize
 
     return mxfp4_fake_quantize

@@ -9,7 +9,8 @@ always candidate 0 and ties keep the earlier candidate, so the search is never w
             4 (instead of 6) + 1, i.e. the "4 over 6" choice plus every E4M3 step between; with the
             per-tensor scale amax / (6 * 448) and with one 6/4 larger (the block holding the tensor maximum
             needs it to map onto 4), keeping the better
-    mxfp4   E8M0 exponents absmax - 1, absmax, absmax + 1 (the default FLOOR exponent clips values in (6, 8))
+    mxfp4   E8M0 exponents absmax - 1, absmax, absmax + 1 (the default FLOOR exponent clips values in (6, 8));
+    mxfp6   the same (FLOOR clips values in (7.5, 8))
     fp8     amax * r / 448 for r in a grid from 1 down to `fp8_min_ratio` (E4M3 is floating point: clipping
             the largest weights rarely pays, but it costs nothing to check)
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kiln.calibration.grids import Scales, WeightLayout
+from kiln.calibration.grids import E8M0_FORMATS, Scales, WeightLayout
 from kiln.kernels import fp8
 from kiln.kernels.formats import WeightFormat
 from kiln.kernels.fp4 import E2M1_MAX
@@ -68,7 +69,7 @@ def mse_scales(layout: WeightLayout, w: Tensor, importance: Tensor | None = None
         found = [_nvfp4_block_search(layout, w, importance, g) for g in (g6, g6 * (E2M1_MAX / 4))]
         return min(found, key=lambda f: f[1])[0]  # ties keep the absmax per-tensor scale
     base = layout.absmax_scales(w, global_scale)
-    if layout.format == WeightFormat.MXFP4:
+    if layout.format in E8M0_FORMATS:
         codes = base.stored["weight_scale"].to(torch.int16)
         offsets = torch.tensor(MXFP4_EXPONENT_OFFSETS, dtype=torch.int16)
         cand = (codes.unsqueeze(-1) + offsets).clamp(0, 254).to(torch.uint8)  # [N, blocks, C]

@@ -1,10 +1,11 @@
-"""One stored weight -> its fp32 values: the dispatcher over the formats' references (fp8, nvfp4, mxfp4).
+"""One stored weight -> its fp32 values: the dispatcher over the formats' references (fp8, nvfp4, mxfp4, mxfp6).
 
     dequantize(format, tensors, in_features)
         dense     weight.float()
         fp8_e4m3  weight * weight_scale (per tensor or per output channel)
         nvfp4     E2M1 codes * E4M3 block scale * FP32 global scale (kernels.nvfp4)
         mxfp4     E2M1 codes * E8M0 block scale (kernels.mxfp4)
+        mxfp6     E2M3 codes * E8M0 block scale (kernels.mxfp6)
 
 `tensors` is keyed by the short names of ModelOpt's unified checkpoint ("weight", "weight_scale",
 "weight_scale_2"); other keys (an "input_scale") are ignored. The runtime's loader (runtime.weights) checks an
@@ -38,5 +39,10 @@ def dequantize(fmt: str, tensors: Mapping[str, torch.Tensor], in_features: int |
         from kiln.kernels.mxfp4 import MXFP4_TENSOR_NAMES, Mxfp4Weight, mxfp4_dequantize
 
         return mxfp4_dequantize(Mxfp4Weight.from_tensors({k: tensors[k] for k in MXFP4_TENSOR_NAMES},
+                                                         in_features=in_features))
+    if fmt == WeightFormat.MXFP6:
+        from kiln.kernels.mxfp6 import MXFP6_TENSOR_NAMES, Mxfp6Weight, mxfp6_dequantize
+
+        return mxfp6_dequantize(Mxfp6Weight.from_tensors({k: tensors[k] for k in MXFP6_TENSOR_NAMES},
                                                          in_features=in_features))
     raise KilnError(f"unknown stored weight format {fmt!r}; known: {', '.join(WeightFormat)}")

@@ -1,6 +1,6 @@
 """Format names: one typed value per format, spelled as the artifact's manifest spells it.
 
-    WeightFormat      a stored linear weight: dense, fp8_e4m3, nvfp4, mxfp4
+    WeightFormat      a stored linear weight: dense, fp8_e4m3, nvfp4, mxfp4, mxfp6
     ActivationFormat  what happens to a linear's input: none, fp8_dynamic_per_token, fp8_static_per_tensor,
                       nvfp4, mxfp4
     KvFormat          a layer's stored KV cache: bf16, fp8_e4m3, nvfp4
@@ -23,6 +23,7 @@ class WeightFormat(StrEnum):
     FP8_E4M3 = "fp8_e4m3"
     NVFP4 = "nvfp4"
     MXFP4 = "mxfp4"
+    MXFP6 = "mxfp6"  # weight-only (W6A16): no activation format of its own
 
 
 class ActivationFormat(StrEnum):
@@ -43,6 +44,7 @@ WEIGHT_SPELLINGS: dict[str, WeightFormat] = {
     "dense": WeightFormat.DENSE, "bf16": WeightFormat.DENSE,
     "fp8": WeightFormat.FP8_E4M3, "fp8_e4m3": WeightFormat.FP8_E4M3,
     "nvfp4": WeightFormat.NVFP4, "mxfp4": WeightFormat.MXFP4,
+    "mxfp6": WeightFormat.MXFP6,
 }
 KV_SPELLINGS: dict[str, KvFormat] = {
     "bf16": KvFormat.BF16, "fp8": KvFormat.FP8_E4M3, "fp8_e4m3": KvFormat.FP8_E4M3, "nvfp4": KvFormat.NVFP4,

@@ -3,6 +3,7 @@
     fp8_linear(x, qw, w_scale, input_scale)            W8A8: x quantized per token (or static), FP8 GEMM
     fp4_linear(x, weight, activation, input_scale)     NVFP4/MXFP4 weight; activation "none" (W4A16) or the
                                                        weight's own format (W4A4)
+    fp6_linear(x, weight)                              MXFP6 weight, W6A16
     rmsnorm_quantize(x, norm_weight, eps, activation, input_scale)   fused RMSNorm + activation quantization
     paged_decode_attention(q, k_pool, v_pool, block_table, context_lens, block_size, sm_scale)
     mla_decode_attention(q_latent, q_rot, latent_pool, rot_pool, block_table, context_lens, block_size,
@@ -14,7 +15,7 @@ each kernel's stated tolerance. Results have the input's dtype either way. The k
 so they are imported here only on the Triton path.
 
 Under torch.compile the GEMMs and the paged decode attention are the custom ops `kiln::fp8_linear`,
-`kiln::fp4_linear`, `kiln::paged_decode_attention` and `kiln::mla_decode_attention` (torch.library): one opaque node each in the traced graph, so a compiled decode step traces whole (no graph break at a kernel's
+`kiln::fp4_linear`, `kiln::fp6_linear`, `kiln::paged_decode_attention` and `kiln::mla_decode_attention` (torch.library): one opaque node each in the traced graph, so a compiled decode step traces whole (no graph break at a kernel's
 Python launch code) and a CUDA graph captures the kernel launches.
 """
 
@@ -27,6 +28,7 @@ import torch
 from kiln.kernels import torch_refs
 from kiln.kernels.formats import ActivationFormat
 from kiln.kernels.mxfp4 import Mxfp4Weight
+from kiln.kernels.mxfp6 import Mxfp6Weight
 from kiln.kernels.nvfp4 import Nvfp4Weight
 from kiln.kernels.torch_refs import KvPool, QuantizedActivation
 
@@ -44,8 +46,9 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda != interpreting()
 
 
-def unchecked_weight(cls: type[Nvfp4Weight | Mxfp4Weight], **fields) -> Nvfp4Weight | Mxfp4Weight:
-    """An NVFP4/MXFP4 weight from tensors already checked as one (moved to another device, or passed through a
+def unchecked_weight(cls: type[Nvfp4Weight | Mxfp4Weight | Mxfp6Weight],
+                     **fields) -> Nvfp4Weight | Mxfp4Weight | Mxfp6Weight:
+    """An NVFP4/MXFP4/MXFP6 weight from tensors already checked as one (moved to another device, or passed through a
     custom op), built without its constructor's value checks: those read every block scale back to the host."""
     weight = object.__new__(cls)
     for name, value in fields.items():
@@ -103,6 +106,33 @@ def _fp4_linear(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight, activation: 
     if activation == ActivationFormat.NONE:
         return torch_refs.fp4_w4a16_ref(x, weight).to(x.dtype)
     return torch_refs.fp4_w4a4_ref(x, weight, input_scale).to(x.dtype)
+
+
+def fp6_linear(x: torch.Tensor, weight: Mxfp6Weight) -> torch.Tensor:
+    """x [..., K] times an MXFP6 weight -> [..., N] in x's dtype (weight-only: x stays as it is)."""
+    if not isinstance(weight, Mxfp6Weight):
+        raise TypeError(f"weight must be an Mxfp6Weight, got {type(weight).__name__}")
+    if torch.compiler.is_compiling():
+        return torch.ops.kiln.fp6_linear(x, weight.packed, weight.scale_e8m0, weight.in_features)
+    return _fp6_linear(x, weight)
+
+
+def _fp6_linear(x: torch.Tensor, weight: Mxfp6Weight) -> torch.Tensor:
+    if use_triton(x):
+        from kiln.kernels.triton_fp6_gemm import fp6_w6a16_gemm
+
+        return fp6_w6a16_gemm(x, weight)
+    return torch_refs.fp6_w6a16_ref(x, weight).to(x.dtype)
+
+
+@torch.library.custom_op("kiln::fp6_linear", mutates_args=())
+def _fp6_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
+    return _fp6_linear(x, unchecked_weight(Mxfp6Weight, packed=packed, scale_e8m0=scales, in_features=in_features))
+
+
+@_fp6_linear_op.register_fake
+def _(x, packed, scales, in_features):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 @torch.library.custom_op("kiln::fp8_linear", mutates_args=())

@@ -86,7 +86,7 @@ class Mxfp4Weight:
         check_packed_layout(self.packed, self.in_features, padded)
         check_tensor("scale_e8m0", self.scale_e8m0, torch.uint8)
         check_scale_shape("scale_e8m0", self.scale_e8m0, (self.packed.shape[0], padded // MXFP4_BLOCK_SIZE))
-        _check_scale_values(self.scale_e8m0)
+        check_e8m0_codes(self.scale_e8m0)
 
     @property
     def out_features(self) -> int:
@@ -147,7 +147,7 @@ def mxfp4_quantize(w: Tensor, scale_e8m0: Tensor | None = None) -> Mxfp4Weight:
         check_tensor("scale_e8m0", scale_e8m0, torch.uint8)
         check_scale_shape("scale_e8m0", scale_e8m0, (w.shape[0], w_padded.shape[1] // MXFP4_BLOCK_SIZE),
                           f" for w of shape {tuple(w.shape)}")
-        _check_scale_values(scale_e8m0)
+        check_e8m0_codes(scale_e8m0)
         check_finite_amax("w", abs_max(w_padded))
     codes = _encode_blocks(w_padded, scale_e8m0)
     return Mxfp4Weight(packed=pack_fp4(codes), scale_e8m0=scale_e8m0, in_features=in_features)
@@ -193,6 +193,6 @@ def _scale_blocks(values: Tensor, scale_e8m0: Tensor) -> Tensor:
     return (blocks * e8m0_to_float32(scale_e8m0).unsqueeze(-1)).reshape(values.shape)
 
 
-def _check_scale_values(scale_e8m0: Tensor) -> None:
+def check_e8m0_codes(scale_e8m0: Tensor) -> None:
     if scale_e8m0.numel() and int(scale_e8m0.max()) == E8M0_NAN:
         raise ValueError(f"scale_e8m0 must hold exponents 0..254; {E8M0_NAN} is the E8M0 NaN")

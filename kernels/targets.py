@@ -55,13 +55,14 @@ B200 = Device("B200-192GB", 192 * 10**9, 8.0e12, 2250e12, 4500e12, 9000e12)
 TARGETS: dict[str, Target] = {
     "hopper": Target(
         name="hopper",
-        weight_only_formats=frozenset({"fp8", "nvfp4", "mxfp4"}),
+        # FP4 and FP6 weight-only: decoded to BF16 in the GEMM's kernel (no FP4/FP6 tensor cores)
+        weight_only_formats=frozenset({"fp8", "nvfp4", "mxfp4", "mxfp6"}),
         weight_activation_formats=frozenset({"fp8"}),
         devices=(H100, H200),
     ),
     "blackwell": Target(
         name="blackwell",
-        weight_only_formats=frozenset({"fp8", "nvfp4", "mxfp4"}),
+        weight_only_formats=frozenset({"fp8", "nvfp4", "mxfp4", "mxfp6"}),
         weight_activation_formats=frozenset({"fp8", "nvfp4", "mxfp4"}),
         devices=(B200,),
     ),

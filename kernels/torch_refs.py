@@ -8,6 +8,7 @@ the numerics the accuracy gate measured.
     rmsnorm_ref, quantize_{fp8,nvfp4,mxfp4}_ref    the bytes and scales kernels/triton_quant.py must write
     fp8_gemm_ref, fp8_linear_ref                   kernels/triton_fp8_gemm.py
     fp4_w4a16_ref, fp4_w4a4_ref                    kernels/triton_fp4_gemm.py
+    fp6_w6a16_ref                                  kernels/triton_fp6_gemm.py
     KvPool, paged_decode_attention_ref             kernels/triton_paged_attention.py
     mla_decode_attention_ref                       kernels/triton_mla_decode.py
 """
@@ -28,6 +29,7 @@ from kiln.kernels.fp8 import (
 )
 from kiln.kernels.kv_quant import fp8_kv_dequantize, nvfp4_kv_dequantize
 from kiln.kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize, mxfp4_fake_quantize, mxfp4_quantize
+from kiln.kernels.mxfp6 import Mxfp6Weight, mxfp6_dequantize
 from kiln.kernels.nvfp4 import (
     NVFP4_BLOCK_SIZE,
     Nvfp4Weight,
@@ -113,6 +115,11 @@ def dequantize_fp4_weight(weight: Nvfp4Weight | Mxfp4Weight) -> torch.Tensor:
 def fp4_w4a16_ref(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight) -> torch.Tensor:
     """x in fp32 times the reference-dequantized weight, in fp32."""
     return x.float() @ dequantize_fp4_weight(weight).T
+
+
+def fp6_w6a16_ref(x: torch.Tensor, weight: Mxfp6Weight) -> torch.Tensor:
+    """x in fp32 times the reference-dequantized MXFP6 weight, in fp32."""
+    return x.float() @ mxfp6_dequantize(weight).T
 
 
 def fp4_w4a4_ref(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight,

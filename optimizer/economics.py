@@ -66,6 +66,8 @@ PREFILL_TOKENS = 1000
 DEFAULT_DRAFT_TOKENS = 3
 BF16, FP8, FP4 = "bf16", "fp8", "fp4"  # the precision a GEMM computes in
 FP4_FORMATS = (WeightFormat.NVFP4, WeightFormat.MXFP4)
+# what the "weights FP4" step prices against FP8 on the same linears: the formats below 8 bits a weight
+BELOW_FP8_FORMATS = (*FP4_FORMATS, WeightFormat.MXFP6)
 CONFIG_WEIGHTS = ("bf16", "fp8", "nvfp4")
 CONFIG_KV = {"bf16": None, "fp8": {"format": KvFormat.FP8_E4M3, "scaling": "per_tensor"},
              "nvfp4": {"format": KvFormat.NVFP4, "scaling": "e4m3_block16"}}
@@ -115,6 +117,9 @@ def linear_cost(lin: LinearSpec, fmt: str = WeightFormat.DENSE, activation: str 
         padded = max(in_features or 0, math.ceil(lin.in_features / block) * block)
         scales = out * padded // block  # NVFP4: E4M3 per 16 (+ an fp32 global scale); MXFP4: E8M0 per 32
         nbytes = out * padded // 2 + scales + (4 if fmt == WeightFormat.NVFP4 else 0) + 2 * bias
+    elif fmt == WeightFormat.MXFP6:  # four E2M3 codes in three bytes, an E8M0 scale per 32
+        padded = max(in_features or 0, math.ceil(lin.in_features / 32) * 32)
+        nbytes = out * padded * 3 // 4 + out * padded // 32 + 2 * bias
     else:
         raise KilnError(f"economics: unknown weight format {fmt!r}; known: {', '.join(WeightFormat)}")
     if activation == ActivationFormat.NONE:
@@ -349,7 +354,7 @@ def _format_of(formats: Mapping[str, Mapping], lin: LinearSpec) -> Mapping:
 def _cost(formats: Mapping[str, Mapping], fp4_as_fp8: bool) -> Callable[[LinearSpec], LinearCost]:
     def cost(lin: LinearSpec) -> LinearCost:
         e = _format_of(formats, lin)
-        if fp4_as_fp8 and e["format"] in FP4_FORMATS:  # the FP8 baseline: same linears, same activation choice
+        if fp4_as_fp8 and e["format"] in BELOW_FP8_FORMATS:  # the FP8 baseline: same linears, same activation choice
             act = (ActivationFormat.NONE if e.get("activation", "none") == "none"
                    else ActivationFormat.FP8_DYNAMIC_PER_TOKEN)
             return linear_cost(lin, WeightFormat.FP8_E4M3, act)
@@ -388,7 +393,7 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
     kv_bf16 = sum(kv_bytes_per_token(spec, None).values())
     kv_served = sum(kv_bytes_per_token(spec, kv_table).values())
     quantized = {k: e for k, e in formats.items() if e["format"] != WeightFormat.DENSE}
-    fp4 = {k: e for k, e in quantized.items() if e["format"] in FP4_FORMATS}
+    fp4 = {k: e for k, e in quantized.items() if e["format"] in BELOW_FP8_FORMATS}
     restructured = [a.attention.kind for a in source_spec.layers] != [b.attention.kind for b in spec.layers]
     served = _cost(formats, False)
     kinds = sorted({layer.attention.kind.upper() for layer in source_spec.layers})
@@ -409,7 +414,7 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
                    if quantized else "not applied: every linear BF16")),
         Step("fp4", "weights FP4", "FP8 on the same GPU",
              spec_figures(spec, served, kv_bf16, lm_head_tied) if fp4 else None,
-             note=_format_summary(fp4, FP4_FORMATS) if fp4 else "not applied: no FP4 weights"),
+             note=_format_summary(fp4, BELOW_FP8_FORMATS) if fp4 else "not applied: no FP4 weights"),
         Step("kv", "KV-cache quantization", "a BF16 KV cache",
              spec_figures(spec, served, kv_served, lm_head_tied) if kv_served != kv_bf16 else None,
              note=(f"KV bytes/token {kv_bf16} -> {kv_served}" if kv_served != kv_bf16

@@ -33,6 +33,20 @@ from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, export_hf_modelopt
 from kiln.optimizer.output_dir import check_output
 
 FORMATS = ("compressed-tensors", "hf-modelopt", "hf", "eagle3", "onnx")
+RUNTIME_ONLY_FORMATS = ("mxfp6",)  # stored formats no serving engine's layout (nor ONNX) has a type for
+
+
+def refuse_runtime_only_formats(artifact: Path, fmt: str) -> None:
+    """One line, before anything is written, for an artifact with weights that only Kiln's runtime runs (MXFP6,
+    which `auto` may choose): no layout of `fmt` can carry them."""
+    from kiln.runtime.artifact import read_manifest
+
+    found = sorted(name for name, e in read_manifest(artifact)["formats"].items()
+                   if e.get("format") in RUNTIME_ONLY_FORMATS)
+    if found:
+        raise KilnError(f"--format {fmt}: {len(found)} linears (e.g. {found[0]}) are stored as MXFP6 (W6A16), which "
+                        "Kiln's runtime runs but no serving engine's checkpoint layout has; for an export, build "
+                        "auto from a recipe file whose auto-precision `candidates` leave mxfp6 out")
 
 
 def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool = False) -> Path:
@@ -50,9 +64,11 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
     if fmt == "onnx":
         if importlib.util.find_spec("onnx") is None:
             raise KilnError("--format onnx needs the onnx package: pip install -e '.[onnx]'")
+        refuse_runtime_only_formats(Path(artifact), fmt)
         from kiln.optimizer.export_onnx import export_onnx
 
         return export_onnx(artifact, output, overwrite)
+    refuse_runtime_only_formats(Path(artifact), fmt)
     converted = converted_layers(Path(artifact))
     if converted and fmt == "hf-modelopt":
         from kiln.optimizer.export_deepseek_modelopt import export_deepseek_modelopt

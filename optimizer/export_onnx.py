@@ -170,6 +170,9 @@ def check_lowerable(spec: ModelSpec, manifest: Mapping) -> None:
                             f"{a.head_dim}, interleaved {a.rotary.interleaved}) is not lowered; full-width "
                             "half-rotation RoPE only")
     for name, entry in manifest["formats"].items():
+        if entry.get("format") not in (WeightFormat.DENSE, WeightFormat.FP8_E4M3, *FP4_BLOCK):
+            raise KilnError(f"--format onnx: {name} is stored as {entry.get('format')}, which ONNX has no type for; "
+                            "export a recipe without it (FP8, NVFP4 or MXFP4 weights)")
         act = entry.get("activation", ActivationFormat.NONE)
         if act in (ActivationFormat.NVFP4, ActivationFormat.MXFP4):
             raise KilnError(f"--format onnx: {name} quantizes its input to {act} (W4A4), which is not lowered; "

@@ -1,7 +1,8 @@
 """The precision options the mixed-precision passes choose from: one weight format and what happens to the
 input activations, with what each costs in stored bytes and which targets run it.
 
-    OPTIONS              name -> PrecisionOption (bf16, fp8, fp8-w8a8, nvfp4, nvfp4-w4a4, mxfp4, mxfp4-w4a4)
+    OPTIONS              name -> PrecisionOption (bf16, fp8, fp8-w8a8, nvfp4, nvfp4-w4a4, mxfp4, mxfp4-w4a4,
+                         mxfp6)
     default_candidates   every option a target runs (what auto-precision searches by default)
     target_fp4           the FP4 option a target runs fastest (production-precision's "fp4")
 """
@@ -25,7 +26,7 @@ class PrecisionOption:
 
     Attributes:
         name: what recipes, reports and the sensitivity table call it.
-        weight: "dense" (BF16), "fp8" (E4M3, one FP32 scale per output channel), "nvfp4" or "mxfp4".
+        weight: "dense" (BF16), "fp8" (E4M3, one FP32 scale per output channel), "nvfp4", "mxfp4" or "mxfp6".
         activations: "none" (weight-only), "dynamic" (scales computed per call) or "static" (NVFP4's
             per-tensor activation scale calibrated on the calibration text; block scales stay dynamic).
     """
@@ -67,6 +68,9 @@ class PrecisionOption:
             return 2 * n * k
         if fmt == WeightFormat.FP8_E4M3:
             return n * k + 4 * n
+        if fmt == WeightFormat.MXFP6:
+            padded = -(-k // MXFP4_BLOCK_SIZE) * MXFP4_BLOCK_SIZE
+            return n * padded * 3 // 4 + n * padded // MXFP4_BLOCK_SIZE
         block = NVFP4_BLOCK_SIZE if fmt == WeightFormat.NVFP4 else MXFP4_BLOCK_SIZE
         padded = -(-k // block) * block
         if fmt == WeightFormat.NVFP4:
@@ -83,6 +87,7 @@ OPTIONS: dict[str, PrecisionOption] = {o.name: o for o in (
     PrecisionOption("nvfp4-w4a4", "nvfp4", "static"),
     PrecisionOption("mxfp4", "mxfp4", "none"),          # W4A16
     PrecisionOption("mxfp4-w4a4", "mxfp4", "dynamic"),
+    PrecisionOption("mxfp6", "mxfp6", "none"),          # W6A16
 )}
 # fmt: on
 

@@ -1,4 +1,4 @@
-"""The mixed-precision plan: FP8 / NVFP4 / MXFP4 / BF16 chosen per layer group from measured sensitivity.
+"""The mixed-precision plan: FP8 / NVFP4 / MXFP4 / MXFP6 / BF16 chosen per layer group from measured sensitivity.
 
 This module holds what the two precision passes share: the plan of groups and candidates (GroupPlan), its
 result (PrecisionResult), the back-off ladder (next_rung) and `PrecisionPass`, which measures, applies a
@@ -27,7 +27,7 @@ one, a layer's routed experts share one. Routers and norms stay in source precis
         inputs with everything before it already quantized
     then, with tune_steps, tune the FP4 ones end to end (KL to the source; FP8's fine grid overfits the text)
     next_rung(g) = the cheapest candidate of g that loses less than options[g]
-                   (e.g. nvfp4-w4a4 -> nvfp4 -> fp8-w8a8 -> bf16)
+                   (e.g. nvfp4-w4a4 -> nvfp4 -> mxfp6 -> fp8-w8a8 -> bf16)
 Back-off: step k promotes the group that loses most at its current option (the most sensitive remaining
 group) to its next rung, re-using the measured table (carried in `sensitivity`), until the gate passes.
 

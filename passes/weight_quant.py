@@ -87,7 +87,7 @@ MLP_INPUT_STAGE = STAGES.index(("gate", "up"))  # gate/up (an MoE layer's expert
 # backs off (and pays for another calibration) only when it really falls short.
 DEFAULT_FLOORS = {("fp8", "none"): 0.99, ("fp8", "dynamic"): 0.99, ("fp8", "static"): 0.99,
                   ("nvfp4", "none"): 0.97, ("nvfp4", "dynamic"): 0.88, ("nvfp4", "static"): 0.88,
-                  ("mxfp4", "none"): 0.94, ("mxfp4", "dynamic"): 0.8}
+                  ("mxfp4", "none"): 0.94, ("mxfp4", "dynamic"): 0.8, ("mxfp6", "none"): 0.99}
 # Default KL ceilings (nats/token) and top-1 floors, beside recovery, from what the built-in recipes cost on
 # stories260K (600 evaluation paragraphs; KL, top-1): FP8 W8A16 0.0048, 0.963; FP8 W8A8 0.0109, 0.947; NVFP4
 # W4A16 0.0248, 0.927; MXFP4 W4A16 0.0494, 0.898; NVFP4 W4A4 0.101, 0.849; MXFP4 W4A4 0.178, 0.799. Each ceiling
@@ -95,10 +95,10 @@ DEFAULT_FLOORS = {("fp8", "none"): 0.99, ("fp8", "dynamic"): 0.99, ("fp8", "stat
 # to 0.01); static activations take the dynamic figures.
 DEFAULT_MAX_KL = {("fp8", "none"): 0.01, ("fp8", "dynamic"): 0.02, ("fp8", "static"): 0.02,
                   ("nvfp4", "none"): 0.05, ("nvfp4", "dynamic"): 0.2, ("nvfp4", "static"): 0.2,
-                  ("mxfp4", "none"): 0.1, ("mxfp4", "dynamic"): 0.4}
+                  ("mxfp4", "none"): 0.1, ("mxfp4", "dynamic"): 0.4, ("mxfp6", "none"): 0.01}
 DEFAULT_MIN_TOP1 = {("fp8", "none"): 0.94, ("fp8", "dynamic"): 0.91, ("fp8", "static"): 0.91,
                     ("nvfp4", "none"): 0.89, ("nvfp4", "dynamic"): 0.77, ("nvfp4", "static"): 0.77,
-                    ("mxfp4", "none"): 0.84, ("mxfp4", "dynamic"): 0.69}
+                    ("mxfp4", "none"): 0.84, ("mxfp4", "dynamic"): 0.69, ("mxfp6", "none"): 0.94}
 
 
 def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_channel",
@@ -357,7 +357,7 @@ class WeightQuantization(Pass):
     """Quantize the weights of selected linears to one format.
 
     Fields:
-        format        "fp8" (E4M3), "nvfp4" or "mxfp4"
+        format        "fp8" (E4M3), "nvfp4", "mxfp4" or "mxfp6" (weight-only)
         activations   "none" (weight-only), "dynamic" (per-token FP8 / dynamic FP4 blocks) or "static"
                       (calibrated per-tensor scale: FP8, and NVFP4's activation global scale)
         granularity   FP8 weight scales: "per_channel" (one per output row) or "per_tensor"
@@ -414,6 +414,9 @@ class WeightQuantization(Pass):
             check_choice("roles entry", role, QUANTIZABLE_ROLES)
         if not self.roles:
             raise KilnError("roles is empty: the pass would quantize nothing")
+        if self.activations != "none" and self.weight_format == WeightFormat.MXFP6:
+            raise KilnError(f"activations={self.activations!r} is not allowed for mxfp6: Kiln runs it weight-only "
+                            "(W6A16); use activations 'none'")
         if self.activations == "static" and self.weight_format == WeightFormat.MXFP4:
             raise KilnError("activations='static' is not allowed for mxfp4 (its E8M0 block scales are always "
                             "dynamic); use 'dynamic' or 'none', or format fp8 / nvfp4")

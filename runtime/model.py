@@ -22,6 +22,7 @@ from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.kernels.fp8 import fp8_dequantize
 from kiln.kernels.mxfp4 import Mxfp4Weight
+from kiln.kernels.mxfp6 import Mxfp6Weight
 from kiln.kernels.nvfp4 import Nvfp4Weight
 from kiln.runtime.artifact import clip
 from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, MlpSpec, ModelSpec, RotarySpec
@@ -110,7 +111,7 @@ class PackedLinear(nn.Module):
     FP8 weights (bytes and a per-tensor or per-channel scale) with FP8 activations run the W8A8 GEMM; without
     activation quantization (W8A16) the weight is dequantized for each product, in the activation's dtype.
     NVFP4/MXFP4 weights (nibbles and block scales) run the W4A16 GEMM, or W4A4 with activations in the weight's
-    own format. What it computes is QuantLinear's product on the dequantized weight, within fp32 rounding."""
+    own format; MXFP6 weights (E2M3 codes, four in three bytes, and E8M0 block scales) the W6A16 GEMM. What it computes is QuantLinear's product on the dequantized weight, within fp32 rounding."""
 
     def __init__(self, weight_format: str, tensors: Mapping[str, torch.Tensor], in_features: int,
                  activation: str, input_scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -125,7 +126,9 @@ class PackedLinear(nn.Module):
             self.register_buffer("weight_scale", scale.reshape(()) if scale.numel() == 1 else scale)
             self.fp4 = None
         else:
-            cls = Nvfp4Weight if weight_format == WeightFormat.NVFP4 else Mxfp4Weight
+            # self.fp4: the block-scaled weight (MXFP6's too, though its elements are 6 bits)
+            cls = {WeightFormat.NVFP4: Nvfp4Weight, WeightFormat.MXFP4: Mxfp4Weight,
+                   WeightFormat.MXFP6: Mxfp6Weight}[weight_format]
             self.fp4 = cls.from_tensors(tensors, in_features)
             for name, value in vars(self.fp4).items():
                 if isinstance(value, torch.Tensor):
@@ -149,7 +152,9 @@ class PackedLinear(nn.Module):
         dtype = x.dtype  # the output's: the rotation computes in fp32
         if self.rotation is not None:
             x = self.rotation.rotate(x).to(dtype)
-        if self.fp4 is not None:
+        if isinstance(self.fp4, Mxfp6Weight):
+            out = gpu.fp6_linear(x, self.fp4)
+        elif self.fp4 is not None:
             out = gpu.fp4_linear(x, self.fp4, self.activation, self.input_scale)
         elif self.activation == ActivationFormat.NONE:
             out = F.linear(x, fp8_dequantize(self.qweight, self.weight_scale).to(x.dtype))
@@ -164,6 +169,7 @@ PACKED_ACTIVATIONS = {
                             ActivationFormat.FP8_STATIC_PER_TENSOR),
     WeightFormat.NVFP4: (ActivationFormat.NONE, ActivationFormat.NVFP4),
     WeightFormat.MXFP4: (ActivationFormat.NONE, ActivationFormat.MXFP4),
+    WeightFormat.MXFP6: (ActivationFormat.NONE,),
 }
 """The activation formats PackedLinear runs with each stored weight format (the kernels' combinations)."""
 

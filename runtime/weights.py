@@ -6,7 +6,7 @@ ships) and returns the activation quantizer the format asks for. On GPU, kernels
 instead; the values are the same.
 
 Format entry (manifest "formats"[module]):
-    {"format": "dense" | "fp8_e4m3" | "nvfp4" | "mxfp4",
+    {"format": "dense" | "fp8_e4m3" | "nvfp4" | "mxfp4" | "mxfp6",
      "activation": "none" | "fp8_dynamic_per_token" | "fp8_static_per_tensor" | "nvfp4" | "mxfp4",
      "in_features": K (for the block formats, before padding),
      "input_rotation": {"kind": "block_hadamard", "block_size": b}   (optional: the stored weight is W R and
@@ -93,11 +93,12 @@ def _in_features(module: str, entry: Mapping, fmt: str, shape: tuple[int, int] |
 
 
 def _check_block_layout(module: str, tensors: Mapping[str, torch.Tensor], out: int, padded: int, block: int,
-                        scale_dtype: torch.dtype) -> None:
-    """Packed E2M1 codes uint8 [out, padded / 2] and block scales [out, padded / block]."""
+                        scale_dtype: torch.dtype, element_bits: int = 4) -> None:
+    """Packed codes uint8 [out, padded * element_bits / 8] (E2M1, or MXFP6's E2M3) and block scales
+    [out, padded / block]."""
     w, scale = need_tensor(tensors, f"{module}.weight"), need_tensor(tensors, f"{module}.weight_scale")
-    check_shape(f"{module}.weight", w, (out, padded // 2))
-    check_dtype(f"{module}.weight", w, "packed FP4 codes", torch.uint8)
+    check_shape(f"{module}.weight", w, (out, padded * element_bits // 8))
+    check_dtype(f"{module}.weight", w, f"packed FP{element_bits} codes", torch.uint8)
     check_shape(f"{module}.weight_scale", scale, (out, padded // block))
     check_dtype(f"{module}.weight_scale", scale, "its block scales", scale_dtype)
 
@@ -153,6 +154,15 @@ def stored_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.Tenso
             check_shape(f"{module}.weight_scale_2", g, (), (1,))
             check_dtype(f"{module}.weight_scale_2", g, "its global scale", torch.float32)
         return fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in NVFP4_TENSOR_NAMES}, in_features
+    if fmt == WeightFormat.MXFP6:
+        from kiln.kernels.mxfp6 import MXFP6_BLOCK_SIZE, MXFP6_TENSOR_NAMES
+        from kiln.kernels.mxfp6 import padded_in_features as mxfp6_padded
+
+        in_features = _in_features(module, entry, fmt, shape)
+        if shape is not None:
+            _check_block_layout(module, tensors, out, mxfp6_padded(in_features), MXFP6_BLOCK_SIZE, torch.uint8,
+                                element_bits=6)
+        return fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in MXFP6_TENSOR_NAMES}, in_features
     from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, MXFP4_TENSOR_NAMES, padded_in_features
 
     in_features = _in_features(module, entry, fmt, shape)

@@ -21,7 +21,7 @@ from kiln.calibration.grids import WeightLayout
 from kiln.calibration.scale_search import mse_scales
 from kiln.passes.weight_quant import quantize_linear_weight
 
-FORMATS = ("fp8", "nvfp4", "mxfp4")
+FORMATS = ("fp8", "nvfp4", "mxfp4", "mxfp6")
 
 
 def correlated_layer(n_out=48, k=72, tokens=2048, seed=0):

@@ -17,7 +17,7 @@ from kiln.kernels.formats import (
 
 
 def test_members_are_the_manifest_strings():
-    assert [str(f) for f in WeightFormat] == ["dense", "fp8_e4m3", "nvfp4", "mxfp4"]
+    assert [str(f) for f in WeightFormat] == ["dense", "fp8_e4m3", "nvfp4", "mxfp4", "mxfp6"]
     assert [str(f) for f in ActivationFormat] == ["none", "fp8_dynamic_per_token", "fp8_static_per_tensor",
                                                   "nvfp4", "mxfp4"]
     assert [str(f) for f in KvFormat] == ["bf16", "fp8_e4m3", "nvfp4"]

@@ -20,7 +20,9 @@ from kiln.optimizer.build import build
 from kiln.optimizer.export import export
 from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, dequantize_hf_modelopt, summarize_excluded
 from kiln.optimizer.recipes import Recipe
+from kiln.kernels.targets import get_target
 from kiln.passes.auto_precision import AutoPrecision
+from kiln.passes.precision_options import default_candidates
 from kiln.passes.production_precision import ProductionPrecision
 from kiln.passes.weight_quant import WeightQuantization
 from kiln.runtime.spec import spec_from_json
@@ -299,7 +301,9 @@ CT_RECIPES = {
     "mixed-w4a4": (lambda: (ProductionPrecision(mlp="nvfp4-w4a4", attention="fp8-w8a8", keep_most_sensitive=0),),
                    "blackwell", {"attention": (CT_W8_CHANNEL, CT_A8_TOKEN, FLOAT),
                                  "mlp": (CT_W4_NV, CT_A4_NV, NVFP4_PACKED)}, "mixed-precision"),
-    "auto": (lambda: (AutoPrecision(weight_bits=6.0),), "blackwell", None, None),  # whatever the solver picks
+    # whatever the solver picks among the exportable options (MXFP6 only Kiln's runtime runs: refused below)
+    "auto": (lambda: (AutoPrecision(weight_bits=6.0, candidates=tuple(
+        c for c in default_candidates(get_target("blackwell")) if c != "mxfp6")),), "blackwell", None, None),
 }
 ATTENTION = ("q", "k", "v", "o")
 
@@ -442,6 +446,17 @@ def test_compressed_tensors_tied_head_and_moe_routers(tmp_path, model_type, over
         assert routers and sorted(quant["ignore"]) == sorted(["lm_head", *routers])
     exported, expected = dequantize_compressed_tensors(ct), artifact_weights(artifact)
     assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "hf-modelopt", "onnx"])
+def test_mxfp6_weights_are_refused_by_every_quantized_layout(llama, tmp_path, fmt):
+    artifact = tmp_path / "art"
+    build(llama, "hopper", Recipe("mxfp6", (WeightQuantization(format="mxfp6", method="rtn"),)), artifact, gate=False)
+    with pytest.raises(KilnError) as err:
+        export(artifact, fmt, tmp_path / "out")
+    message = str(err.value)
+    assert "\n" not in message and "stored as MXFP6" in message and "candidates" in message
+    assert not (tmp_path / "out").exists()
 
 
 def test_compressed_tensors_refusals(llama, tmp_path):

@@ -96,6 +96,7 @@ def test_without_calibration_text_static_scales_fail_and_the_rest_falls_back_lou
 @pytest.mark.parametrize("config, message", [
     ({"method": "gptq2"}, "method='gptq2' is not allowed"),
     ({"format": "mxfp4", "activations": "static"}, "not allowed for mxfp4"),
+    ({"format": "mxfp6", "activations": "dynamic"}, "not allowed for mxfp6"),
     ({"rotation_block": 24}, "power of two"),
     ({"damping": 2.0}, "damping must be"),
     ({"tune_steps": -1}, "tune_steps must be"),

@@ -124,7 +124,7 @@ def test_an_unknown_format_isrefused(art, cli):
     manifest["formats"][DOWN]["format"] = "int3"
     (art / MANIFEST).write_text(json.dumps(manifest))
     message = (f"{DOWN}: unknown weight format 'int3' in the manifest's format table; "
-               "known: dense, fp8_e4m3, nvfp4, mxfp4")
+               "known: dense, fp8_e4m3, nvfp4, mxfp4, mxfp6")
     refused(runtime.load, art, match=message)
     code, _, err = cli("generate", art, "hi")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
@@ -236,9 +236,24 @@ def test_mxfp4_layouts():
                  "artifact tensors of m (mxfp4) are malformed: scale_e8m0 must hold exponents 0..254")
 
 
+def test_mxfp6_layouts():
+    from kiln.kernels.mxfp6 import mxfp6_dequantize, mxfp6_quantize
+
+    w = torch.randn(4, 40)  # padded to 64: packed [4, 48] (four codes in three bytes), E8M0 scales [4, 2]
+    q = mxfp6_quantize(w)
+    t = {f"m.{k}": v for k, v in q.tensors().items()}
+    entry = {"format": "mxfp6", "in_features": 40}
+    assert torch.equal(dequantize_weight("m", entry, t, (4, 40)), mxfp6_dequantize(q))
+    assert torch.equal(dequantize_weight("m", entry, t), mxfp6_dequantize(q))  # K from the entry
+    _shape_error("m", {"format": "mxfp6"}, t, (4, 96),
+                 "artifact tensor m.weight has shape (4, 48), the architecture needs (4, 72)")
+    _shape_error("m", entry, {**t, "m.weight_scale": torch.full((4, 2), 255, dtype=torch.uint8)}, (4, 40),
+                 "artifact tensors of m (mxfp6) are malformed: scale_e8m0 must hold exponents 0..254")
+
+
 def test_unknown_formats_name_the_module_and_the_known_ones():
     t = {"m.weight": torch.randn(4, 4)}
     refused(dequantize_weight, "m", {"format": "int3"}, t,
              match="m: unknown weight format 'int3' in the manifest's format table; known: dense, fp8_e4m3, nvfp4, "
-                   "mxfp4")
+                   "mxfp4, mxfp6")
     refused(dequantize_weight, "m", {}, t, match="m: unknown weight format None")

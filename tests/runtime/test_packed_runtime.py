@@ -32,6 +32,7 @@ FORMATS = {  # recipe -> (weight format, activation format) of its linears
     "nvfp4-w4a4": ({"format": "nvfp4", "activations": "dynamic"}, "nvfp4"),
     "mxfp4-w4a16": ({"format": "mxfp4"}, "none"),
     "mxfp4-w4a4": ({"format": "mxfp4", "activations": "dynamic", "rotation_block": 16}, "mxfp4"),
+    "mxfp6-w6a16": ({"format": "mxfp6"}, "none"),
 }
 TOKENS = [[1, 403, 261, 348, 416, 401, 263, 260, 443, 344], [1, 285, 388, 262, 289]]
 
@@ -91,7 +92,7 @@ def test_packed_engine_keeps_the_stored_bytes_and_gives_the_reference_logits(art
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("name", ["fp8-w8a8", "nvfp4-w4a16", "mxfp4-w4a16", "mxfp4-w4a4"])
+@pytest.mark.parametrize("name", ["fp8-w8a8", "nvfp4-w4a16", "mxfp4-w4a16", "mxfp4-w4a4", "mxfp6-w6a16"])
 def test_packed_linears_through_the_triton_interpreter(artifacts, name):
     from kiln.kernels import gpu
     from tests.kernels.triton_setup import INTERPRET  # sets TRITON_INTERPRET=1 without a GPU
@@ -116,3 +117,29 @@ def test_packed_mla_engine_keeps_kv_b_dequantized_and_decodes_as_the_reference(m
     for expected, got in zip(reference.logits(TOKENS), packed.logits(TOKENS), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=2e-4 * float(expected.abs().max()))
     assert packed.generate_ids(TOKENS, 12) == reference.generate_ids(TOKENS, 12)
+
+
+def test_a_packed_mxfp6_linear_compiles_to_one_graph_through_its_custom_op(no_triton):
+    # under torch.compile the W6A16 GEMM is the opaque kiln::fp6_linear (a launch's Python code would break the
+    # graph), as kiln::fp4_linear is for FP4 (tests/runtime/test_device_runtime.py)
+    from torch._dynamo.utils import counters
+
+    from kiln.kernels.mxfp6 import mxfp6_quantize
+
+    w = torch.randn(24, 72, generator=torch.Generator().manual_seed(0))
+    linear = PackedLinear("mxfp6", mxfp6_quantize(w).tensors(), 72, "none", None, None, None)
+    x = torch.randn(3, 72, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    got = torch.compile(linear, fullgraph=True, backend=backend)(x)
+    assert len(graphs) == 1 and "torch.ops.kiln.fp6_linear" in graphs[0]
+    from kiln.kernels.mxfp6 import mxfp6_dequantize
+
+    torch.testing.assert_close(got, x @ mxfp6_dequantize(mxfp6_quantize(w)).T, rtol=0, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
