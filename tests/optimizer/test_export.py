@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.kernels.errors import KilnError
+from kiln.kernels.targets import get_target
 from kiln.optimizer.build import build
 from kiln.optimizer.export import export
 from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, dequantize_hf_modelopt, summarize_excluded
 from kiln.optimizer.recipes import Recipe
-from kiln.kernels.targets import get_target
 from kiln.passes.auto_precision import AutoPrecision
 from kiln.passes.precision_options import default_candidates
 from kiln.passes.production_precision import ProductionPrecision
