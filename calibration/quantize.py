@@ -76,7 +76,7 @@ def quantize_weight(w: torch.Tensor, fmt: str, granularity: str = "per_channel",
 def calibrated_weight(w: torch.Tensor, fmt: str, method: str, hessian: torch.Tensor | None,
                       global_scale: torch.Tensor | None, act_order: bool = True) -> tuple[dict[str, torch.Tensor], str]:
     """(stored tensors, the method actually used) for one [N, K] weight in `fmt` (fp8 per channel, nvfp4,
-    mxfp4). `global_scale` pins NVFP4's per-tensor scale. Without a Hessian (a linear that saw no calibration
+    mxfp4, mxfp6). `global_scale` pins NVFP4's per-tensor scale. Without a Hessian (a linear that saw no calibration
     token) "gptq" falls back to "mse" on the weights alone and "mse" to unweighted MSE: weight-only
     statistics."""
     layout = WeightLayout(fmt)

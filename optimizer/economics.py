@@ -15,7 +15,8 @@ and yields B tokens (B x tau with speculation: the verification step reads and c
 
 - Weight bytes in HBM: everything the model stores, BF16 (2 bytes a value) for all that is not quantized; a
   quantized linear's packed values and scales (FP8: 1 byte + an fp32 scale per output channel; NVFP4: half a
-  byte + an E4M3 scale per 16 + an fp32 global scale; MXFP4: half a byte + an E8M0 scale per 32).
+  byte + an E4M3 scale per 16 + an fp32 global scale; MXFP4: half a byte + an E8M0 scale per 32;
+  MXFP6: three quarters of a byte + an E8M0 scale per 32).
 - Weight bytes read per step: every linear of the decoder stack, the LM head and the norms; not the embedding
   table (one row a token) nor extra modules (MTP layers, draft heads: resident only). Of a MoE layer's routed
   experts, the fraction T tokens touch under uniform, independent routing: 1 - (1 - top_k / E)^T (top_k of E at
@@ -31,7 +32,7 @@ and yields B tokens (B x tau with speculation: the verification step reads and c
 The waterfall prices each pass on the same GPU at production concurrency (each step's own largest batch at the
 decode context), in pipeline order: the source as served (BF16 weights and GEMMs, a paged BF16 KV cache of the
 source's own GQA/MHA attention, no speculation) -> MLA (against that paged GQA cache) -> weights FP8 (against
-BF16) -> weights FP4 (against FP8 on the same silicon) -> KV quantization (against a BF16 cache) -> speculation
+BF16) -> weights FP4 (and FP6: against FP8 on the same silicon) -> KV quantization (against a BF16 cache) -> speculation
 (against none, at the max batch, where verifying k + 1 tokens a sequence can make the step compute-bound). Each
 factor is the ratio of $/Mtok before and after its step; the factors multiply to the total. MLA comes first (the
 issue lists it last) because it rewrites the linears the later steps quantize: the weight steps then price the
@@ -409,10 +410,11 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
                                                        if "MLA" in kinds else ""))),
         Step("fp8", "weights FP8", "BF16 weights",
              spec_figures(spec, _cost(formats, True), kv_bf16, lm_head_tied) if quantized else None,
-             note=(("FP8 in place of the FP4 linears (the FP4 step's baseline); " if fp4 else "")
+             note=(("FP8 in place of the FP4/FP6 linears (the FP4 step's baseline); " if fp4 else "")
                    + (_format_summary(quantized, (WeightFormat.FP8_E4M3,)) or "no FP8 linears of its own")
                    if quantized else "not applied: every linear BF16")),
-        Step("fp4", "weights FP4", "FP8 on the same GPU",
+        Step("fp4", "weights FP4/FP6" if any(e["format"] == WeightFormat.MXFP6 for e in fp4.values())
+             else "weights FP4", "FP8 on the same GPU",
              spec_figures(spec, served, kv_bf16, lm_head_tied) if fp4 else None,
              note=_format_summary(fp4, BELOW_FP8_FORMATS) if fp4 else "not applied: no FP4 weights"),
         Step("kv", "KV-cache quantization", "a BF16 KV cache",

@@ -45,8 +45,9 @@ def refuse_runtime_only_formats(artifact: Path, fmt: str) -> None:
                    if e.get("format") in RUNTIME_ONLY_FORMATS)
     if found:
         raise KilnError(f"--format {fmt}: {len(found)} linears (e.g. {found[0]}) are stored as MXFP6 (W6A16), which "
-                        "Kiln's runtime runs but no serving engine's checkpoint layout has; for an export, build "
-                        "auto from a recipe file whose auto-precision `candidates` leave mxfp6 out")
+                        "Kiln's runtime runs but no serving engine's checkpoint layout has; for an export, rebuild "
+                        "without mxfp6 (an FP8 or FP4 recipe, or auto from a recipe file whose `candidates` leave "
+                        "it out)")
 
 
 def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool = False) -> Path:

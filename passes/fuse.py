@@ -22,7 +22,7 @@ How the stored formats concatenate (each output row is quantized on its own in e
     nvfp4      codes and block scales concatenated; the per-tensor scale (weight_scale_2) must be one value
                (weight-quant and the precision passes share it across q/k/v and across gate/up, as serving
                engines need for their own fused GEMM)
-    mxfp4      codes and E8M0 block scales concatenated
+    mxfp4      codes and E8M0 block scales concatenated (mxfp6 alike)
     all        one input, one quantizer: activation formats, input scales and input rotations must be identical
 A group that breaks a rule is skipped and the result says why. Not handled (skipped, with the reason): MLA
 attention (q_a/kv_a could fuse too), routed MoE experts (a grouped-GEMM MoE kernel fuses them its own way),

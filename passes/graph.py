@@ -41,7 +41,7 @@ ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "k_down", "k_up", "v_
 class QuantizedWeight:
     """A linear's weight as it will be stored: packed tensors (ModelOpt names, no module prefix) + format."""
 
-    format: str  # "fp8_e4m3", "nvfp4", "mxfp4"
+    format: str  # "fp8_e4m3", "nvfp4", "mxfp4", "mxfp6"
     tensors: Mapping[str, torch.Tensor]  # "weight", "weight_scale", "weight_scale_2", "input_scale"
     activation: str = "none"  # "none", "fp8_dynamic_per_token", "fp8_static_per_tensor", "nvfp4", "mxfp4"
     in_features: int | None = None  # block formats: K before padding

@@ -1,4 +1,4 @@
-"""Weight quantization: store chosen linears as FP8 E4M3, NVFP4 or MXFP4, optionally with activations.
+"""Weight quantization: store chosen linears as FP8 E4M3, NVFP4, MXFP4 or MXFP6, optionally with activations.
 
 Preconditions: a loaded graph; the target must run the format (Hopper: FP4 only weight-only); calibration
 text (`ctx.runner`, which the build driver sets from --calib-data) for GPTQ, AWQ, tuning and static

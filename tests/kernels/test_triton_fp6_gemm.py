@@ -49,6 +49,7 @@ def test_w6a16_refuses_a_wrong_width_and_a_small_tile():
     weight = _weight(8, 64)
     with pytest.raises(ValueError, match="in_features is 64"):
         fp6_w6a16_gemm(torch.randn(2, 65).to(DEVICE), weight)
-    with pytest.raises(ValueError, match="at least 64"):
-        fp6_w6a16_gemm(torch.randn(2, 64).to(DEVICE), weight,
-                       {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 4, "num_stages": 1})
+    for block_k in (32, 96):
+        with pytest.raises(ValueError, match="power of two of at least 64"):
+            fp6_w6a16_gemm(torch.randn(2, 64).to(DEVICE), weight, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k,
+                                                                   "SPLIT_K": 1, "num_warps": 4, "num_stages": 1})

@@ -262,3 +262,17 @@ def test_bad_input_is_one_line_exit_2(cli, plain_artifact, tmp_path, args, messa
     code, _, stderr = cli("report", *[a.format(**paths) for a in args])
     assert code == 2 and stderr.startswith("error: ") and message in stderr, stderr
     assert stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp6"])
+def test_a_block_formats_deployed_bytes_are_what_its_packed_weight_holds(fmt):
+    # K = 172 pads to whole blocks (176 for NVFP4's 16, 192 for the MX formats' 32) in storage and in HBM
+    import torch
+
+    from kiln.calibration.quantize import quantize_weight
+    from kiln.optimizer.economics import linear_cost
+    from kiln.runtime.spec import LinearSpec
+
+    stored = quantize_weight(torch.randn(48, 172), fmt)
+    cost = linear_cost(LinearSpec("m", "down", 172, 48, layer=0), fmt)
+    assert cost.bytes == sum(t.numel() * t.element_size() for t in stored.values()) and cost.compute == "bf16"
