@@ -136,21 +136,26 @@ def mxfp4_quantize(w: Tensor, scale_e8m0: Tensor | None = None) -> Mxfp4Weight:
         w: float32/bfloat16/float16 [N, K], finite.
         scale_e8m0: uint8 [N, Kp / 32] biased exponents (0..254); None computes `mxfp4_block_scales`.
     """
+    w_padded, scale_e8m0 = mx_padded_weight_and_scales(w, scale_e8m0)
+    codes = _encode_blocks(w_padded, scale_e8m0)
+    return Mxfp4Weight(packed=pack_fp4(codes), scale_e8m0=scale_e8m0, in_features=w.shape[1])
+
+
+def mx_padded_weight_and_scales(w: Tensor, scale_e8m0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The checked 2-D weight [N, K] in fp32 padded with zeros to Kp (a multiple of 32), and its E8M0 block
+    scales [N, Kp / 32]: `scale_e8m0` checked, or the absmax exponents when None (every MX format: MXFP6 too)."""
     check_float_input("w", w, min_ndim=2)
     if w.ndim != 2:
         raise ValueError(f"w must be a 2-D weight [N, K], got shape {tuple(w.shape)}")
-    in_features = w.shape[1]
-    w_padded = pad_last_dim(w.float(), padded_in_features(in_features))
+    w_padded = pad_last_dim(w.float(), padded_in_features(w.shape[1]))
     if scale_e8m0 is None:
-        scale_e8m0 = mxfp4_block_scales(w_padded)
-    else:
-        check_tensor("scale_e8m0", scale_e8m0, torch.uint8)
-        check_scale_shape("scale_e8m0", scale_e8m0, (w.shape[0], w_padded.shape[1] // MXFP4_BLOCK_SIZE),
-                          f" for w of shape {tuple(w.shape)}")
-        check_e8m0_codes(scale_e8m0)
-        check_finite_amax("w", abs_max(w_padded))
-    codes = _encode_blocks(w_padded, scale_e8m0)
-    return Mxfp4Weight(packed=pack_fp4(codes), scale_e8m0=scale_e8m0, in_features=in_features)
+        return w_padded, mxfp4_block_scales(w_padded)
+    check_tensor("scale_e8m0", scale_e8m0, torch.uint8)
+    check_scale_shape("scale_e8m0", scale_e8m0, (w.shape[0], w_padded.shape[1] // MXFP4_BLOCK_SIZE),
+                      f" for w of shape {tuple(w.shape)}")
+    check_e8m0_codes(scale_e8m0)
+    check_finite_amax("w", abs_max(w_padded))
+    return w_padded, scale_e8m0
 
 
 def mxfp4_dequantize(q: Mxfp4Weight) -> Tensor:

@@ -34,17 +34,18 @@ import torch
 from torch import Tensor
 
 from kiln.kernels.fp4 import (
-    abs_max,
     blocks_of,
-    check_finite_amax,
-    check_float_input,
     check_scale_shape,
     check_tensor,
     drop_padding,
-    pad_last_dim,
     round_up,
 )
-from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, check_e8m0_codes, e8m0_to_float32, mxfp4_block_scales
+from kiln.kernels.mxfp4 import (
+    MXFP4_BLOCK_SIZE,
+    check_e8m0_codes,
+    e8m0_to_float32,
+    mx_padded_weight_and_scales,
+)
 
 MXFP6_BLOCK_SIZE = MXFP4_BLOCK_SIZE
 """Values per E8M0 block scale, along the last (K) dimension (32, as every MX format)."""
@@ -166,22 +167,10 @@ def mxfp6_quantize(w: Tensor, scale_e8m0: Tensor | None = None) -> Mxfp6Weight:
         scale_e8m0: uint8 [N, Kp / 32] biased exponents (0..254); None: the absmax exponents
             (`mxfp4_block_scales`: floor(log2(amax)) - 2 for E2M3 as for E2M1).
     """
-    check_float_input("w", w, min_ndim=2)
-    if w.ndim != 2:
-        raise ValueError(f"w must be a 2-D weight [N, K], got shape {tuple(w.shape)}")
-    in_features = w.shape[1]
-    w_padded = pad_last_dim(w.float(), padded_in_features(in_features))
-    if scale_e8m0 is None:
-        scale_e8m0 = mxfp4_block_scales(w_padded)
-    else:
-        check_tensor("scale_e8m0", scale_e8m0, torch.uint8)
-        check_scale_shape("scale_e8m0", scale_e8m0, (w.shape[0], w_padded.shape[1] // MXFP6_BLOCK_SIZE),
-                          f" for w of shape {tuple(w.shape)}")
-        check_e8m0_codes(scale_e8m0)
-        check_finite_amax("w", abs_max(w_padded))
+    w_padded, scale_e8m0 = mx_padded_weight_and_scales(w, scale_e8m0)
     blocks = blocks_of(w_padded, MXFP6_BLOCK_SIZE) / e8m0_to_float32(scale_e8m0).unsqueeze(-1)
     codes = e2m3_encode(blocks).reshape(w_padded.shape)
-    return Mxfp6Weight(packed=pack_fp6(codes), scale_e8m0=scale_e8m0, in_features=in_features)
+    return Mxfp6Weight(packed=pack_fp6(codes), scale_e8m0=scale_e8m0, in_features=w.shape[1])
 
 
 def mxfp6_dequantize(q: Mxfp6Weight) -> Tensor:
