@@ -137,17 +137,17 @@ def check_float_input(name: str, x: object, min_ndim: int) -> None:
         raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
 
 
-def check_packed_layout(packed: object, in_features: object, padded: int) -> None:
-    """`in_features` a positive int and `packed` uint8 [N, padded / 2]."""
+def check_packed_layout(packed: object, in_features: object, padded: int, element_bits: int = 4) -> None:
+    """`in_features` a positive int and `packed` uint8 [N, padded * element_bits / 8] (FP4: 2 codes a byte;
+    MXFP6: 4 codes in 3 bytes)."""
     if isinstance(in_features, bool) or not isinstance(in_features, int):
         raise TypeError(f"in_features must be an int, got {type(in_features).__name__}")
     if in_features <= 0:
         raise ValueError(f"in_features must be positive, got {in_features}")
     check_tensor("packed", packed, torch.uint8)
-    if packed.ndim != 2 or packed.shape[1] != padded // 2:
-        raise ValueError(
-            f"packed must be [N, {padded // 2}] for in_features={in_features}, got {tuple(packed.shape)}"
-        )
+    width = padded * element_bits // 8
+    if packed.ndim != 2 or packed.shape[1] != width:
+        raise ValueError(f"packed must be [N, {width}] for in_features={in_features}, got {tuple(packed.shape)}")
 
 
 def round_up(in_features: int, block: int) -> int:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from kiln.kernels.fp4 import (
     blocks_of,
+    check_packed_layout,
     check_scale_shape,
     check_tensor,
     drop_padding,
@@ -125,15 +126,8 @@ class Mxfp6Weight:
     in_features: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.in_features, bool) or not isinstance(self.in_features, int):
-            raise TypeError(f"in_features must be an int, got {type(self.in_features).__name__}")
-        if self.in_features <= 0:
-            raise ValueError(f"in_features must be positive, got {self.in_features}")
-        padded = padded_in_features(self.in_features)
-        check_tensor("packed", self.packed, torch.uint8)
-        if self.packed.ndim != 2 or self.packed.shape[1] != padded * 3 // 4:
-            raise ValueError(f"packed must be [N, {padded * 3 // 4}] for in_features={self.in_features}, "
-                             f"got {tuple(self.packed.shape)}")
+        padded = padded_in_features(self.in_features) if isinstance(self.in_features, int) else 0
+        check_packed_layout(self.packed, self.in_features, padded, element_bits=6)
         check_tensor("scale_e8m0", self.scale_e8m0, torch.uint8)
         check_scale_shape("scale_e8m0", self.scale_e8m0, (self.packed.shape[0], padded // MXFP6_BLOCK_SIZE))
         check_e8m0_codes(self.scale_e8m0)

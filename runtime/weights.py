@@ -154,20 +154,13 @@ def stored_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.Tenso
             check_shape(f"{module}.weight_scale_2", g, (), (1,))
             check_dtype(f"{module}.weight_scale_2", g, "its global scale", torch.float32)
         return fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in NVFP4_TENSOR_NAMES}, in_features
-    if fmt == WeightFormat.MXFP6:
-        from kiln.kernels.mxfp6 import MXFP6_BLOCK_SIZE, MXFP6_TENSOR_NAMES
-        from kiln.kernels.mxfp6 import padded_in_features as mxfp6_padded
-
-        in_features = _in_features(module, entry, fmt, shape)
-        if shape is not None:
-            _check_block_layout(module, tensors, out, mxfp6_padded(in_features), MXFP6_BLOCK_SIZE, torch.uint8,
-                                element_bits=6)
-        return fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in MXFP6_TENSOR_NAMES}, in_features
+    # the MX formats (MXFP4, MXFP6): packed codes and E8M0 scales per 32, the same names and padding
     from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, MXFP4_TENSOR_NAMES, padded_in_features
 
     in_features = _in_features(module, entry, fmt, shape)
     if shape is not None:
-        _check_block_layout(module, tensors, out, padded_in_features(in_features), MXFP4_BLOCK_SIZE, torch.uint8)
+        _check_block_layout(module, tensors, out, padded_in_features(in_features), MXFP4_BLOCK_SIZE, torch.uint8,
+                            element_bits=6 if fmt == WeightFormat.MXFP6 else 4)
     return fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in MXFP4_TENSOR_NAMES}, in_features
 
 
