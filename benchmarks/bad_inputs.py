@@ -402,7 +402,42 @@ def make_cases(w: Workspace) -> list[Case]:
         Case("build --recipe fp8 --weight-bits 5", ["build", ckpt, "--recipe", "fp8", "--weight-bits", "5",
                                                    "-o", str(out("bits"))], 2),
     ]
+    for group in (artifact_structure_cases, output_policy_cases, bounds_cases, baseline_identity_cases,
+                  killed_build_cases, first_contact_cases):
+        cases += group(w, out)
     return cases
+
+
+# --- the classes of issue #18 (a second hostile run), at least three cases each ----------------------------
+def artifact_structure_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
+    """An artifact whose manifest lies about its own structure (checksums recomputed): exit 2, one line."""
+    return []
+
+
+def output_policy_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
+    """Outputs other than build's and export's -o (gate --junit, report -o) and --overwrite onto a Kiln
+    directory the user added to: refused before any work, never an input, nothing of the user's lost."""
+    return []
+
+
+def bounds_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
+    """Numeric options and recipe fields out of range, conflicting recipes, unbounded input text."""
+    return []
+
+
+def baseline_identity_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
+    """A baseline that is not the artifact's recorded source (weights or config.json differ)."""
+    return []
+
+
+def killed_build_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
+    """A build killed with SIGKILL, then run again: nothing at -o looks finished, the rerun works."""
+    return []
+
+
+def first_contact_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
+    """A newcomer's first hour: a GGUF folder, chat without a template, help at 80 columns."""
+    return []
 
 
 # --- running ----------------------------------------------------------------------------------------------
