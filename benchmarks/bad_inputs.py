@@ -278,8 +278,13 @@ def make_cases(w: Workspace) -> list[Case]:
         Case("gate: baseline is the artifact itself", ["gate", a, "--baseline", a, *gate, "--min-recovery", "0.9"], 2),
         Case("build: an artifact given as the checkpoint", ["build", a, *quick, "-o", str(out("from-artifact"))], 2,
              check=nothing_left(out("from-artifact"))),
-        Case("gate: another model with --any-baseline",
-             ["gate", a, "--baseline", str(w.other), *gate, "--min-recovery", "0.9", "--any-baseline"], 1),
+        # --any-baseline waives the source check, not the text check: the other model cannot read the text
+        # (perplexity ~1e62), so no verdict would mean anything (2); with --force too it is compared, and fails (1)
+        Case("gate: another model with --any-baseline, on text it cannot read",
+             ["gate", a, "--baseline", str(w.other), *gate, "--min-recovery", "0.9", "--any-baseline"], 2),
+        Case("gate: another model with --any-baseline --force",
+             ["gate", a, "--baseline", str(w.other), *gate, "--min-recovery", "0.9", "--any-baseline", "--force"],
+             1),
         Case("gate: the real baseline, floor 0.5", ["gate", f, "--baseline", ckpt, *gate, "--min-recovery", "0.5"], 0),
     ]
 
