@@ -54,70 +54,12 @@ BUILTIN_PASSES: dict[str, type[Pass]] = {
 }
 
 BEST_TUNE_STEPS = 200  # end-to-end tuning steps of the uniform recipes (weight-quant) and production
-# auto at 5.0 bits on stories260K (Blackwell, 600 paragraphs; OOD: benchmarks/ood_text.py samples): 400 steps
-# 0.9853 (KL 0.0177, OOD KL 0.0362) on one thread, 0.9830 (KL 0.0175) on two: tuning amplifies the
-# floating-point order, so recovery moves by about 0.002 between machines. Tried, none clearly better:
-# 800 steps 0.9834 (KL 0.0164, OOD KL 0.0349); lr 2e-4 x 800 steps 0.9829 (KL 0.0168, OOD KL 0.0346);
-# 8192-token steps 0.9827 (KL 0.0170, OOD KL 0.0347); lr 1e-3 0.9826; NVFP4 block scales tuned too (LSQ
-# gradient on log-scales, lr 1e-3): 0.9774 (KL 0.0244)
-# With the source model's samples and the embedding tuned (below), 600 steps (same machine, one thread, 600
-# paragraphs; OOD: benchmarks/ood_text.py): recovery 0.9875, KL 0.01458, top-1 0.945, OOD 0.9861, KL 0.0278;
-# 400 steps with 3000 samples 0.9851, KL 0.01573 (OOD 0.9811, 0.0293); neither 0.9830, KL 0.01749 (OOD 0.9754,
-# 0.0355); 3000 samples alone KL 0.01656 (OOD 0.0333). 800 steps on 3000 samples: KL 0.0146 but 0.9844: at equal
-# KL recovery moves by about 0.002 with the samples' seed. The build: 4 min 13 s and 0.74 GB peak RSS without,
-# 22 min and 1.42 GB with (three builds sharing the 2 cores; sampling 6000 paragraphs is about 7 min of it).
-# The built-in recipe through the CLI gives the same 0.9875 / 0.01458 / 0.9446 (13 min, 1.43 GB). Ending at the
-# mean of the last 25% of the steps (tail averaging) instead: 0.9858, KL 0.01503, so it was not kept; lr 5e-4:
-# 0.9871, KL 0.01496. Samples and batch order from seed 1 instead of 0: 0.9866, KL 0.01508.
-# Also tried (seeds 0 / 1, which give 0.9875 / 0.9866 as is): latents in grid units (V / block scale, so each
-# block moves at its own scale; lr 7.5e-3, the median block's equal) 0.9858 / 0.9858, KL 0.01545 / 0.01538;
-# the norms at 3x the lr 0.9883 / 0.9846 (KL 0.01463 / 0.01481), at 10x 0.9847 (seed 0). At KL 0.0146-0.0155
-# recovery spans 0.9846-0.9883: the evaluation's own noise at a fixed KL. Twice the steps on twice the samples
-# (1200 on 12000, the CPU tuning budget raised to fit) is no better: 0.9837 / 0.9836, KL 0.01513 / 0.01496,
-# 28-29 min (one thread each, two builds sharing the 2 cores), 2.16 GB. Adding the calibration paragraphs'
-# next-token cross-entropy to the KL (weight 0.1 / 0.3, seed 0) buys recovery by fitting TinyStories, not the
-# source: 0.9923 / 1.0061 while KL rises to 0.01503 / 0.01627 and top-1 falls to 0.9418 / 0.9399, so not kept.
-# Adding each block's output error (relative MSE to the source's, summed over blocks, weight 0.3 / 1) to the KL
-# is worse too: 0.9838 / 0.9796, KL 0.01601 / 0.01941. The shipped recipe on two threads (the CLI, as is):
-# 0.9832, KL 0.01486, top-1 0.9422. The nearest miss: the NVFP4 block scales tuned beside the grid points
-# (a log-scale latent per block, straight-through its E4M3 rounding, LSQ's gradient q(u) - u, Adam lr 1e-4 so a
-# scale crosses at most about one E4M3 step) gives, seeds 0 / 1, 0.9888 / 0.9885, KL 0.01449 / 0.01466, top-1
-# 0.9446 / 0.9445, and on two threads 0.9859, KL 0.01516, top-1 0.9425: recovery above the shipped recipe's in
-# all three pairs (+0.0013 to +0.0027) but KL only in two, and under 0.987 on two threads; at lr 3e-4 0.9835, KL
-# 0.01634 (the old 1e-3 attempt: 0.9774). Out of domain (benchmarks/ood_text.py) its KL is 0.02849 / 0.02776 /
-# 0.02837 against the shipped recipe's 0.02778 / 0.02911 / 0.02635 (seed 0, seed 1, two threads): no better
-# there, so not in the code. All of the above ran on AVX-512 code paths. With ATen and oneDNN pinned to AVX2, MKL in
-# strict mode and tuning on one thread, the shipped recipe stored the same weights on one and two threads and gave
-# 0.9829, KL 0.01502, top-1 0.9431 (the shipped pin is MKL's alone: optimizer.cli.pin_cpu_numerics). Also tried since (seed 0, AVX-512): latents started at
-# GPTQ's pre-rounding values (so they sit where GPTQ left them, near or far from a rounding threshold): the
-# tuning's batch KL rose to 0.033 by step 300 (0.021 as is), stopped; each latent pulled toward its grid point
-# by 0.5% / 2% of its offset after every step (oscillation damping): KL 0.01679 / 0.02569, recovery 0.9850 /
-# 0.9792, as the pull freezes the grid points before the cosine tail, which is where the shipped tuning drops
-# from about 0.019 to 0.0146; 8192-token steps (twice the tokens): 0.9845 / 0.9854 (seeds 0 / 1), KL 0.01492 /
-# 0.01498 - the plateau is not gradient noise either.
-# Also tried since (one thread, MKL pinned, seed 0; the shipped recipe: 0.9851, KL 0.01488): FP8 on layers.4's
-# gate_up and o instead of the three qkv the solver picks (its best other fit in the budget): tuning batch KL 0.0240
-# against 0.0197 at step 250, stopped; a continuous gain per NVFP4 tensor (its fp32 global scale) and per FP8 row
-# (its fp32 channel scale), tuned with the FP8 grid points (lr 5e-5): 0.9856, KL 0.01457, 2% lower, within the
-# noise; after a 20-step trial tuning, moving the grid points whose first-order loss change is most negative to
-# that neighbour (even 32 at once) raised the batch KL from 0.043 to 0.07 or more: second-order effects undo the
-# first-order choice (not tried after the full 600 steps). Untuned NVFP4 W4A16 (600 paragraphs): KL 0.0610 as is, 0.0622 with a 16-wide Hadamard input
-# rotation, 0.0611 with AWQ: neither helps. With SiLU thread-invariant and OpenBLAS pinned (optimizer.cli) the
-# shipped recipe gives 0.9852, KL 0.01495, top-1 0.9445. What moved it was a format, not the tuning: with MXFP6
-# (6.25 bits, near FP8's error) among the candidates the solver lifts six groups above FP4 instead of three (and
-# drops four to MXFP4 to pay for it): 0.9884, KL 0.01241, top-1 0.9473 (Blackwell, one thread; out of domain KL
-# 0.02369 against 0.026-0.029). Screened first with round to nearest and no tuning (300 paragraphs): KL 0.0817
-# with FP8 as the only step up, 0.0629 with MXFP6 too, at 5.0 bits; 0.0654 / 0.0394 at 5.5 bits.
+# auto's tuning: what was measured, kept and tried is in benchmarks/results/tuning.md
 AUTO_TUNE_STEPS = 600
 AUTO_TUNE_SAMPLES = 6000
 # The uniform FP8 recipes' tuning rate. FP8's grid is fine enough that tuning it is fine-tuning, at
-# fine-tuning's rates: at weight-quant's 5e-4 (made for FP4's coarse grid) SmolLM2 fp8-weights diverged (30
-# steps of 1024 tokens on 10,000 calibration tokens: KL 0.0029 -> 0.087 on its own batches, held-out KL 0.160
-# and top-1 0.778); at 5e-5 it gains (held-out KL 0.00377 -> 0.00327, top-1 0.958 -> 0.963, recovery 1.0006
-# -> 0.9989; out of domain KL 0.01196 -> 0.01183, top-1 0.938 -> 0.936). stories260K, 200 steps (600
-# paragraphs; out of domain: benchmarks/ood_text.py): fp8-weights KL 0.00481 -> 0.00236 (0.00216 at 5e-4),
-# top-1 0.9644 -> 0.9767, OOD KL 0.00764 -> 0.00465; fp8 (W8A8) KL 0.00941 -> 0.00734 (0.00704 at 5e-4), OOD
-# KL 0.01419 -> 0.01192. Beside FP4, in the mixed recipes, FP8 is not tuned (passes.precision_plan).
+# fine-tuning's rates: weight-quant's 5e-4 (made for FP4's coarse grid) diverges on SmolLM2 (figures:
+# benchmarks/results/tuning.md). Beside FP4, in the mixed recipes, FP8 is not tuned (passes.precision_plan).
 FP8_TUNE_LR = 5e-5
 
 BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
@@ -126,18 +68,15 @@ BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
     # recipe file with `method: rtn` rounds to nearest): AWQ scales folded into norms / linears and GPTQ values,
     # block by block; FP4 then tunes its grid points end to end; MXFP4 W4A4 rotates each linear's input by a
     # 16-wide block Hadamard transform (online).
-    # fp8-weights observes each block once (true_sequential=False): stories260K KL 0.00481 against 0.00465 with
-    # every stage observed through the ones quantized before it, at half the block forwards.
+    # fp8-weights observes each block once (true_sequential=False): about the KL of observing every stage
+    # through the ones quantized before it, at half the block forwards (benchmarks/results/precision.md).
     # The FP8 recipes then tune end to end (FP8_TUNE_LR), where the tuning budget allows (stories260K on the CPU;
     # SmolLM2's 200 steps only on a GPU, not yet run there)
     "fp8-weights": lambda: [WeightQuantization(format="fp8", method="gptq", awq=True, true_sequential=False,
                                                tune_steps=BEST_TUNE_STEPS, tune_lr=FP8_TUNE_LR)],
-    # fp8 (W8A8): GPTQ values, one observation per block, beat MSE scales on both models: stories260K KL 0.00944
-    # vs 0.01091; SmolLM2 KL 0.0154 vs 0.0252 (recovery 0.9850 vs 0.9787, 200 paragraphs), in a third of the time
-    # With each input rotated by a 64-wide block Hadamard (rotation_block=64) SmolLM2 gives KL 0.0126 and top-1
-    # 0.9229 but recovery 0.9803 (against 0.0157, 0.9215, 0.9869 without); out of domain 0.9844, KL 0.0211, top-1
-    # 0.915 (against 0.9733, 0.0246, 0.910): better there on all three, yet an online rotation per linear and
-    # in-domain recovery 0.0066 lower, so not the default
+    # fp8 (W8A8): GPTQ values, one observation per block, beat MSE scales on both models in a third of the
+    # time. A 64-wide input Hadamard rotation (rotation_block=64) is not the default: it costs an online
+    # rotation per linear and lowers in-domain recovery on SmolLM2 (benchmarks/results/precision.md)
     "fp8": lambda: [WeightQuantization(format="fp8", activations="dynamic", method="gptq", awq=True,
                                        true_sequential=False, tune_steps=BEST_TUNE_STEPS, tune_lr=FP8_TUNE_LR)],
     "nvfp4-w4a16": lambda: [WeightQuantization(format="nvfp4", method="gptq", act_order=False,
