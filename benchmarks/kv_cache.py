@@ -35,7 +35,7 @@ from kiln.optimizer.runner import RuntimeRunner
 from kiln.passes.base import PassContext
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.runtime.engine import decode_one_token, load_tokenizer, prefill
-from kiln.runtime.kv_cache import ContiguousKVCache
+from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 from kiln.runtime.kv_format import kv_bytes_per_token
 
 CONFIGS = [  # label, pass config (None: the BF16 baseline)

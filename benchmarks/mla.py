@@ -86,7 +86,7 @@ def decode_ms(engine, cached: int = 1024, steps: int = 32, repeats: int = 3) -> 
     """Milliseconds per greedy decode step of one sequence with `cached` tokens already in the cache (the
     model's own forward, past its trained context where that is shorter: this times the arithmetic)."""
     from kiln.runtime.engine import decode_one_token, prefill
-    from kiln.runtime.kv_cache import ContiguousKVCache
+    from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 
     model = engine.model
     tokens = torch.randint(0, model.spec.vocab_size, (1, cached), generator=torch.Generator().manual_seed(0))

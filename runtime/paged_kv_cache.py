@@ -14,8 +14,8 @@ out, never written; reads past a sequence's length point at it.
 
 `update` writes the new tokens of each row into that row's own blocks (rows' padding positions, marked
 invalid in `prepare`, are never written) and returns every stream gathered and dequantized to the model's
-dtype [B, S, H, D] for S = the longest sequence in the batch: the same contract as `ContiguousKVCache.update`,
-so attention reads through it unchanged. When a step needs more blocks than are free, `prepare` raises
+dtype [B, S, H, D] for S = the longest sequence in the batch: the same contract as the contiguous reference
+cache's `update` (tests/runtime/contiguous_kv_cache.py), so attention reads through it unchanged. When a step needs more blocks than are free, `prepare` raises
 `KvCacheFull` before anything is allocated or written; the caller waits for sequences to finish or refuses.
 
 The pools live on the cache's `device`; block tables and the scheduling arithmetic stay on the host, and

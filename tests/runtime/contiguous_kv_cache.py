@@ -1,11 +1,11 @@
-"""KV caches for the reference runtime.
+"""A contiguous KV cache: the plain reference the paged cache is tested and benchmarked against.
 
 A layer caches one or more "streams" per token: GQA/MHA layers cache K [Hkv, D] and V [Hkv, Dv]; MLA
 layers cache the compressed latent [1, kv_lora_rank] and the roped key part [1, rope_dim]. A cache's
 `update(layer, new, positions)` writes the new tokens' streams at their positions and returns every
 stream for the whole batch up to the longest position, which attention masks by position.
-The engine serves from `runtime.paged_kv_cache.PagedKVCache` (blocks, quantized storage); this contiguous
-cache is the plain reference it is tested and benchmarked against.
+The engine serves from `kiln.runtime.paged_kv_cache.PagedKVCache` (blocks, quantized storage); nothing in the
+package uses this one, so it lives beside the tests (benchmarks/kv_cache.py and mla.py import it from here).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.engine import Engine
-from kiln.runtime.kv_cache import ContiguousKVCache
+from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 from kiln.runtime.model import MlaAttention
 
 

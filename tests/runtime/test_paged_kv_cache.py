@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.engine import Engine
-from kiln.runtime.kv_cache import ContiguousKVCache
+from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 from kiln.runtime.kv_format import KvStream
 from kiln.runtime.paged_kv_cache import BlockAllocator, KvCacheFull, PagedKVCache
 from tests.conftest import CALIB_TEXT, STORIES, needs_stories
