@@ -80,9 +80,9 @@ def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], st
     `cpu_threads`: torch's CPU threads while it runs, when every parameter is on the CPU (None: as they are).
     Quantized weights tune on one (weight_quant.tune_end_to_end): torch splits a reduction (a norm weight's
     gradient, the loss) among its threads, so each thread count sums in another order, and hundreds of steps
-    of straight-through rounding turn a last-bit difference into other grid points (the auto recipe on
-    stories260K: recovery 0.9875 on one thread, 0.9832 on two; on one thread, with MKL's strict mode set by
-    optimizer.cli.pin_cpu_numerics, it stores the same weights whether torch has one thread or two)."""
+    of straight-through rounding turn a last-bit difference into other grid points (the auto recipe's recovery
+    moved by 0.004 between thread counts: benchmarks/results/tuning.md). On one thread, with MKL's strict mode
+    set by optimizer.cli.pin_cpu_numerics, it stores the same weights whether torch has one thread or two."""
     if steps <= 0:
         return []
     if lr <= 0:

@@ -6,8 +6,8 @@ the token at t+2 (KL to the target's logits there, not the text's next token) an
 feature f_{t+1} (smooth L1, EAGLE's regression term), so its output can stand in for the feature when it drafts
 the next token. Features get uniform noise (EAGLE) so the head tolerates its own imprecise features.
 An EAGLE-3 head is held to the same regression, although EAGLE-3 trains on KL alone: its output is what it
-feeds back, and pulling it toward the target's feature drafted better on stories260K (600 steps, k=4, 200
-prompts: tau 2.05 chain / 2.44 tree of 3 on KL alone, 2.35 / 2.81 with the regression).
+feeds back, and pulling it toward the target's feature drafted better on stories260K
+(benchmarks/results/speculative.md).
 
 A second, unrolled step (EAGLE-3's "training-time test", simplified) feeds the head its own output features at
 every position and trains the token after: what it sees from its second draft on.

@@ -62,10 +62,9 @@ class AutoPrecision(PrecisionPass):
     candidates: tuple[str, ...] = ()
 
     name: ClassVar[str] = "auto-precision"
-    # beside PrecisionPass's 0.98 recovery floor: `auto --weight-bits 5.0` costs KL 0.0146, top-1 0.945 on
-    # stories260K (Blackwell, 600 paragraphs; 0.0175, 0.939 before the tuning fitted the model's own samples,
-    # whose figures set these: a ceiling of twice that KL, a floor allowing 1.5 times that disagreement);
-    # SmolLM2, untuned, KL 0.0273, top-1 0.904
+    # beside PrecisionPass's 0.98 recovery floor: a KL ceiling of twice what `auto --weight-bits 5.0` costs on
+    # stories260K before its tuning fitted the model's own samples, a top-1 floor allowing 1.5 times that
+    # disagreement (figures: benchmarks/results/precision.md)
     default_max_kl: ClassVar[float] = 0.04
     default_min_top1: ClassVar[float] = 0.9
 

@@ -142,9 +142,9 @@ def init_tensors(module: ExtraModuleSpec, hidden: int, seed: int) -> dict[str, t
 class DraftHead(Pass):
     draft_tokens: int = 4  # k: drafts per verification, for the gate's tau
     tree_width: int = 3  # greedy tree drafting: the top-3 tokens at each depth verified together (1: a chain)
-    # eagle3: EAGLE-3, which `optimize export --format eagle3` writes for vLLM / SGLang (stories260K, fp8-weights,
-    # 1200 steps, k=4, 200 prompts: tau 2.62 chain, 3.10 tree of 3); mtp: DeepSeek's MTP shape, which drafts a
-    # little better here (2.81, 3.29) but no serving engine loads beside a Llama target
+    # eagle3: EAGLE-3, which `optimize export --format eagle3` writes for vLLM / SGLang; mtp: DeepSeek's MTP
+    # shape, which drafts a little better on stories260K (benchmarks/results/speculative.md) but no serving
+    # engine loads beside a Llama target
     architecture: str = "eagle3"
     train_steps: int = 1200
     batch_tokens: int = 2048

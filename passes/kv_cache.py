@@ -81,10 +81,9 @@ class KvCacheQuantization(Pass):
 
     name: ClassVar[str] = "kv-cache"
     default_floor: ClassVar[float] = 0.99
-    # fp8-kv costs KL 0.0081, top-1 0.959 on stories260K (600 paragraphs; SmolLM2, 40: 0.0050, 0.953): a ceiling
-    # of twice that KL, a floor allowing 1.5 times that disagreement. NVFP4 KV shares the recovery floor, and so
-    # these: it backs off (BF16 layers) until it costs what FP8 does (before back-off, SmolLM2: KL 0.072,
-    # top-1 0.820, recovery 0.941; stories260K's 8-wide heads keep FP8)
+    # a ceiling of twice the KL fp8-kv costs on stories260K, a floor allowing 1.5 times its disagreement
+    # (benchmarks/results/kv_cache.md). NVFP4 KV shares the recovery floor, and so these: it backs off (BF16
+    # layers) until it costs what FP8 does (stories260K's 8-wide heads keep FP8)
     default_max_kl: ClassVar[float] = 0.02
     default_min_top1: ClassVar[float] = 0.93
     runs_after: ClassVar[frozenset[str]] = frozenset({"mla"})

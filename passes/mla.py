@@ -15,9 +15,8 @@ Per layer, with G KV heads of dim D, H query heads, x the attention's input:
    (`rope_dim` = 2f dims) keeps the f (frequency, component) pairs whose loss of rotation would cost most:
    attention mass |κ_im| Σ_h |mix_i[g(h), m]| |q_h,i| (MHA2MLA's 2-norm criterion) times how far the frequency
    turns a score over the context (slow frequencies barely move). The residual n_g = k_g - (what κ carries)
-   loses its rotation and joins the latent. Measured on stories260K (8-dim heads, 4 KV heads), layer 1 at full
-   latent rank: a 4-, 8-, 16-, 32-dim rotary key costs KL 0.33, 0.35, 0.014, 0.003: the rotation of the
-   residual, not the latent's rank, is what the budget pays for first, so the width is chosen per layer.
+   loses its rotation and joins the latent. The rotation of the residual, not the latent's rank, is what the
+   budget pays for first (benchmarks/results/mla.md), so the width is chosen per layer.
 2. The latent c = encoder [n; v] of rank r: PCA of the calibration covariance of the residual keys and values,
    n scaled by 1/β so both carry equal energy (TransMLA's balancing; weighing key errors by the queries and
    value errors by o_proj instead was worse on 3 of 5 stories260K layers). kv_b (the decoder) rebuilds every
@@ -66,7 +65,7 @@ from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, RotarySpec
 BF16_BYTES = 2
 PROBE_EIGHTHS = (1, 2, 3, 4, 5, 6, 7)  # KV values per token probed per layer: these eighths of its source's
 NORM_SAMPLE_ROWS = 4096  # calibration tokens per layer kept to fit the latent norm
-# the projections the conversion wrote: what healing trains (o_proj too: stories260K x0.5 0.9128, not better)
+# the projections the conversion wrote: what healing trains (o_proj too was not better: benchmarks/results/mla.md)
 HEALED_ROLES = ("q", "kv_a", "kv_b")
 
 
@@ -291,8 +290,7 @@ class MlaConversion(Pass):
     kv_fraction: float | None = None
     kv_bytes_per_token: int | None = None
     rope_dim: int | None = None
-    # stories260K at x0.5 (200 evaluation paragraphs): 300 steps of 4096 tokens at lr 1e-3 0.8956; 600 of 2048
-    # at 3e-3 0.9195 (calibration KL 0.025, evaluation KL 0.083); at 1e-2 0.8914; 200 steps at 3e-3 0.9027
+    # healing's length, batch and rate: the best measured on stories260K at x0.5 (benchmarks/results/mla.md)
     heal_steps: int = 600
     heal_lr: float = 3e-3
     heal_batch_tokens: int = 2048
@@ -301,7 +299,7 @@ class MlaConversion(Pass):
     layers: tuple[int, ...] | None = None
 
     name: ClassVar[str] = "mla"
-    # a lossy rewrite by design: judged against what the budget can buy (stories260K at x0.5, healed: see README)
+    # a lossy rewrite by design: judged against what the budget can buy (stories260K at x0.5, healed: benchmarks/results/mla.md)
     default_floor: ClassVar[float] = 0.95
     default_max_kl: ClassVar[float] = 0.1
     default_min_top1: ClassVar[float] = 0.8

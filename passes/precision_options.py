@@ -102,8 +102,8 @@ def target_fp4(target: Target) -> str:
 
 def default_candidates(target: Target) -> tuple[str, ...]:
     """What `AutoPrecision` searches when `candidates` is empty: every option the target runs. FP8 W8A16 and
-    W8A8 store the same bytes (what decode reads); the table decides between them (on stories260K at 5.0 bits
-    weight-only FP8 loses less: 0.9853 recovery with it among the candidates, 0.9840 without)."""
+    W8A8 store the same bytes (what decode reads); the table decides between them (on stories260K weight-only
+    FP8 loses less: benchmarks/results/precision.md)."""
     return tuple(name for name, o in OPTIONS.items() if runs_on(o, target))
 
 

@@ -316,11 +316,9 @@ class PrecisionPass(Pass):
             stats.clear()
             release_freed_memory()
         if teacher is not None:
-            # FP4 grid points only: beside FP4, FP8's 8x finer grid fits the calibration text instead (stories260K,
-            # 600 paragraphs: production 0.9872, KL 0.01424 with its FP8 attention tuned too, against 0.9890, KL
-            # 0.01257 without; auto at 5.0 bits, with its samples, seeds 0 / 1: KL 0.0143 / 0.0145 against 0.01458
-            # / 0.01508, recovery 0.9876 / 0.9865 against 0.9875 / 0.9866: no clear gain). An all-FP8 model is
-            # another matter: the uniform FP8 recipes tune (optimizer.recipes)
+            # FP4 grid points only: beside FP4, tuning FP8's 8x finer grid fits the calibration text instead, with
+            # no clear gain (benchmarks/results/precision.md). An all-FP8 model is another matter: the uniform FP8
+            # recipes tune (optimizer.recipes)
             fp4 = [n for g in plan for n in plan[g].linears
                    if graph.linears[n].quant is not None and graph.linears[n].quant.format in (WeightFormat.NVFP4, WeightFormat.MXFP4)]
             if fp4:

@@ -36,7 +36,7 @@ class ProductionPrecision(PrecisionPass):
 
     name: ClassVar[str] = "production-precision"
     # the floors of auto-precision (passes/auto_precision.py), whose 0.98 recovery floor it shares: the production
-    # recipe costs KL 0.0143, top-1 0.944 (recovery 0.988) on stories260K (Hopper, 600 paragraphs)
+    # recipe costs about what auto does on stories260K (benchmarks/results/precision.md)
     default_max_kl: ClassVar[float] = 0.04
     default_min_top1: ClassVar[float] = 0.9
 
