@@ -318,8 +318,8 @@ class Pass(abc.ABC):
 
     name: ClassVar[str] = "pass"
     default_floor: ClassVar[float] = 0.99
-    # beside a 0.99 recovery floor, the KL and top-1 floors of FP8 W8A8, which recovers 0.993 on stories260K
-    # (passes/weight_quant.py DEFAULT_MAX_KL): a pass that declares none is held to what FP8 costs
+    # beside a 0.99 recovery floor, the KL and top-1 floors of FP8 W8A8 (passes/weight_quant.py
+    # DEFAULT_MAX_KL): a pass that declares none is held to what FP8 costs
     default_max_kl: ClassVar[float] = 0.02
     default_min_top1: ClassVar[float] = 0.91
     runs_after: ClassVar[frozenset[str]] = frozenset()

@@ -83,16 +83,15 @@ MLP_INPUT_STAGE = STAGES.index(("gate", "up"))  # gate/up (an MoE layer's expert
 
 # Default gate floors (recovery = ppl_source / ppl) per weight format and activation mode, used unless the
 # context sets one: the weight-only FP4 floors of the precision issue, and for FP8 and W4A4 what the built-in
-# recipes reach on stories260K (FP8 0.995-0.996, NVFP4 W4A4 0.91, MXFP4 W4A4 0.84) less a margin, so a build
-# backs off (and pays for another calibration) only when it really falls short.
+# recipes reach on stories260K (benchmarks/results/precision.md) less a margin, so a build backs off (and pays
+# for another calibration) only when it really falls short.
 DEFAULT_FLOORS = {("fp8", "none"): 0.99, ("fp8", "dynamic"): 0.99, ("fp8", "static"): 0.99,
                   ("nvfp4", "none"): 0.97, ("nvfp4", "dynamic"): 0.88, ("nvfp4", "static"): 0.88,
                   ("mxfp4", "none"): 0.94, ("mxfp4", "dynamic"): 0.8, ("mxfp6", "none"): 0.99}
 # Default KL ceilings (nats/token) and top-1 floors, beside recovery, from what the built-in recipes cost on
-# stories260K (600 evaluation paragraphs; KL, top-1): FP8 W8A16 0.0048, 0.963; FP8 W8A8 0.0109, 0.947; NVFP4
-# W4A16 0.0248, 0.927; MXFP4 W4A16 0.0494, 0.898; NVFP4 W4A4 0.101, 0.849; MXFP4 W4A4 0.178, 0.799. Each ceiling
-# is twice the recipe's KL (one significant figure), each floor allows 1.5 times its disagreement (rounded down
-# to 0.01); static activations take the dynamic figures.
+# stories260K (600 evaluation paragraphs; benchmarks/results/precision.md). Each ceiling is twice the recipe's
+# KL (one significant figure), each floor allows 1.5 times its disagreement (rounded down to 0.01); static
+# activations take the dynamic figures.
 DEFAULT_MAX_KL = {("fp8", "none"): 0.01, ("fp8", "dynamic"): 0.02, ("fp8", "static"): 0.02,
                   ("nvfp4", "none"): 0.05, ("nvfp4", "dynamic"): 0.2, ("nvfp4", "static"): 0.2,
                   ("mxfp4", "none"): 0.1, ("mxfp4", "dynamic"): 0.4, ("mxfp6", "none"): 0.01}
@@ -209,8 +208,8 @@ def source_samples(graph: ModelGraph, runner, count: int, seed: int = 0) -> list
     each from the first SAMPLE_PROMPT_TOKENS tokens of a calibration paragraph (cycled; paragraph i sampled
     with seed + i), up to the calibration paragraphs' length (calibration.data.token_cap) or its end-of-sequence
     token. End-to-end tuning fits these beside the calibration text: the model's own distribution, as much of
-    it as wanted, rather than the calibration paragraphs' few tokens over and over (stories260K, auto at 5.0
-    bits: held-out KL 0.0175 -> 0.0166)."""
+    it as wanted, rather than the calibration paragraphs' few tokens over and over (held-out KL falls:
+    benchmarks/results/precision.md)."""
     prompts = [list(t[:SAMPLE_PROMPT_TOKENS]) for t in runner.calibration_tokens if len(t) > SAMPLE_PROMPT_TOKENS]
     if not prompts or count <= 0:
         return []
@@ -666,8 +665,8 @@ class WeightQuantization(Pass):
 
         # FP8 weight-only: inside the alpha search (21 candidates per group) absmax scales rank the alphas as
         # the MSE scale search (16 candidates per row, each a full rounding of the weight) does, at 1/16 of the
-        # cost (stories260K FP8 W8A16: recovery 0.9954 vs 0.9957); AutoAWQ searches with its plain quantizer
-        # too. With quantized activations (FP8 W8A8: 0.9895 vs 0.9928) and FP4's block scales they matter.
+        # cost (benchmarks/results/precision.md); AutoAWQ searches with its plain quantizer too. With quantized
+        # activations and FP4's block scales the MSE scales matter.
         fp8_search = self.weight_format == WeightFormat.FP8_E4M3 and act_quantizer is None
 
         def fake_quantize(w: torch.Tensor) -> torch.Tensor:
