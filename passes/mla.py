@@ -65,7 +65,8 @@ from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, RotarySpec
 BF16_BYTES = 2
 PROBE_EIGHTHS = (1, 2, 3, 4, 5, 6, 7)  # KV values per token probed per layer: these eighths of its source's
 NORM_SAMPLE_ROWS = 4096  # calibration tokens per layer kept to fit the latent norm
-# the projections the conversion wrote: what healing trains (o_proj too was not better: benchmarks/results/mla.md)
+# the projections the conversion wrote: what healing trains (o_proj too was not better:
+# benchmarks/results/mla.md)
 HEALED_ROLES = ("q", "kv_a", "kv_b")
 
 
@@ -299,7 +300,8 @@ class MlaConversion(Pass):
     layers: tuple[int, ...] | None = None
 
     name: ClassVar[str] = "mla"
-    # a lossy rewrite by design: judged against what the budget can buy (stories260K at x0.5, healed: benchmarks/results/mla.md)
+    # a lossy rewrite by design: judged against what the budget can buy (stories260K at x0.5, healed:
+    # benchmarks/results/mla.md)
     default_floor: ClassVar[float] = 0.95
     default_max_kl: ClassVar[float] = 0.1
     default_min_top1: ClassVar[float] = 0.8

@@ -316,9 +316,9 @@ class PrecisionPass(Pass):
             stats.clear()
             release_freed_memory()
         if teacher is not None:
-            # FP4 grid points only: beside FP4, tuning FP8's 8x finer grid fits the calibration text instead, with
-            # no clear gain (benchmarks/results/precision.md). An all-FP8 model is another matter: the uniform FP8
-            # recipes tune (optimizer.recipes)
+            # FP4 grid points only: beside FP4, tuning FP8's 8x finer grid fits the calibration text instead,
+            # with no clear gain (benchmarks/results/precision.md). An all-FP8 model is another matter: the
+            # uniform FP8 recipes tune (optimizer.recipes)
             fp4 = [n for g in plan for n in plan[g].linears
                    if graph.linears[n].quant is not None and graph.linears[n].quant.format in (WeightFormat.NVFP4, WeightFormat.MXFP4)]
             if fp4:

@@ -665,8 +665,8 @@ class WeightQuantization(Pass):
 
         # FP8 weight-only: inside the alpha search (21 candidates per group) absmax scales rank the alphas as
         # the MSE scale search (16 candidates per row, each a full rounding of the weight) does, at 1/16 of the
-        # cost (benchmarks/results/precision.md); AutoAWQ searches with its plain quantizer too. With quantized
-        # activations and FP4's block scales the MSE scales matter.
+        # cost (benchmarks/results/precision.md); AutoAWQ searches with its plain quantizer too. With
+        # quantized activations and FP4's block scales the MSE scales matter.
         fp8_search = self.weight_format == WeightFormat.FP8_E4M3 and act_quantizer is None
 
         def fake_quantize(w: torch.Tensor) -> torch.Tensor:
