@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -158,6 +159,90 @@ def quantize_sibling_weights(ws: list[torch.Tensor], fmt: str, granularity: str 
         out.append(replace(stacked, tensors=part))
         start += w.shape[0]
     return out
+
+
+@dataclass
+class BlockProduct:
+    """What calibrating one block (or the lm_head, `layer` None) left in the graph, before any tuning: the
+    quant annotation of each linear it quantized, the tensor entries it replaced (AWQ folds: norms, producer
+    rows, consumer columns; as stored, possibly spilled), and its lines of the result."""
+
+    layer: int | None
+    chosen: frozenset[str]  # the block's linears this calibration quantized
+    quant: dict[str, QuantizedWeight]
+    tensors: dict[str, object]  # graph.tensors overlay entries the block replaced
+    changed: dict[str, str]
+    metrics: dict[str, float]
+    notes: list[str]
+    idle: list[str]  # linears that saw no calibration token
+    seconds: float
+
+
+class CalibrationCache:
+    """The calibration product of one gated WeightQuantization, carried from the first attempt to its back-offs
+    (the pass keeps no state: `back_offs` hands this object to each config it yields, `reusing`).
+
+    Calibration is sequential: block i is calibrated on the outputs of blocks 0..i-1 as quantized. Keeping a
+    linear of block f back in source precision changes block f and so the inputs of every block after it, but
+    nothing before it. A back-off attempt therefore restores the stored product of the blocks before the first
+    block whose chosen linears differ (quant annotations, AWQ-folded tensors, result lines) and calibrates from
+    there on, exactly as a full calibration with the same keep list would (the session replays the restored
+    blocks' forwards to reach block f's inputs). End-to-end tuning (tune_steps) fits every block at once, so
+    it is redone whole, from the same untuned product: the tuned result is the full rebuild's too.
+
+    `blocks` is the latest attempt's product (each back-off only adds kept linears, so the latest shares the
+    longest prefix with the next); `start` the graph the first attempt started from (every attempt starts from
+    the same snapshot: a cache for another graph is not used)."""
+
+    def __init__(self, config_key: tuple, start: tuple, blocks: list[BlockProduct], seconds: float):
+        self.config_key = config_key
+        self.start = start
+        self.blocks = blocks
+        self.first_seconds = seconds  # the first attempt's calibration (the block loop; tuning not counted)
+        self.steps = 0  # back-off attempts that used it
+
+    def matches(self, config_key: tuple, start: tuple) -> str | None:
+        """Why this cache cannot serve an attempt with `config_key` on a graph in state `start`, or None."""
+        if config_key != self.config_key:
+            return "its config differs beyond the keep list"
+        if not _same_state(start, self.start):
+            return "the graph is not the one it was calibrated on"
+        return None
+
+    def clear(self) -> None:
+        self.blocks = []
+
+
+def _graph_state(graph: ModelGraph) -> tuple:
+    """What an attempt starts from, by identity (passes replace tensors and annotations, never mutate them)."""
+    t = graph.tensors
+    return (graph.spec, t.base, dict(t.overlay), frozenset(t.removed),
+            {name: lin.quant for name, lin in graph.linears.items()})
+
+
+def _same_state(a: tuple, b: tuple) -> bool:
+    spec_a, base_a, overlay_a, removed_a, quant_a = a
+    spec_b, base_b, overlay_b, removed_b, quant_b = b
+    return (spec_a is spec_b and base_a is base_b and removed_a == removed_b
+            and overlay_a.keys() == overlay_b.keys() and all(overlay_a[k] is overlay_b[k] for k in overlay_a)
+            and quant_a.keys() == quant_b.keys() and all(quant_a[k] is quant_b[k] for k in quant_a))
+
+
+def _block_label(layer: int | None) -> str:
+    return "lm_head" if layer is None else str(layer)
+
+
+def _block_span(layers: Sequence[int | None]) -> str:
+    if not layers:
+        return "none"
+    return _block_label(layers[0]) if len(layers) == 1 else f"{_block_label(layers[0])}..{_block_label(layers[-1])}"
+
+
+@dataclass
+class WeightQuantResult(PassResult):
+    """A PassResult that also carries the calibration product for the pass's back-offs (never serialized)."""
+
+    calibration: CalibrationCache | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -401,6 +486,9 @@ class WeightQuantization(Pass):
     name: ClassVar[str] = "weight-quant"
     default_floor: ClassVar[float] = 0.98
     runs_after: ClassVar[frozenset[str]] = frozenset({"mla"})  # so MLA's new projections are quantized too
+    # Not config (no field: never in a recipe or the manifest): the calibration a back-off attempt may reuse,
+    # handed over explicitly by `back_offs` through `reusing` (CalibrationCache).
+    reuse: ClassVar[CalibrationCache | None] = None
 
     def __post_init__(self):
         check_choice("format", self.format, WEIGHT_FORMATS)
@@ -484,8 +572,21 @@ class WeightQuantization(Pass):
     def needs_calibration(self) -> bool:
         return self.method == "gptq" or self.awq or self.tune_steps > 0 or self.activations == "static"
 
+    def reusing(self, cache: CalibrationCache | None) -> WeightQuantization:
+        """This config, reading (and updating) `cache`'s calibration product: the attempt restores the blocks
+        before the first one whose chosen linears differ and calibrates the rest (CalibrationCache)."""
+        out = replace(self)
+        object.__setattr__(out, "reuse", cache)
+        return out
+
+    def _config_key(self) -> tuple:
+        """Everything that decides a block's calibration except which linears are kept."""
+        return (type(self), *((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                              if f.name not in ("keep", "max_back_offs")))
+
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
-        result = PassResult(self.name)
+        start_state = _graph_state(graph)  # what a back-off's cache is checked against
+        result = WeightQuantResult(self.name)
         chosen, result.skipped = self._selected(graph)
         if not chosen:
             return result
@@ -521,9 +622,17 @@ class WeightQuantization(Pass):
         for lin in chosen:
             by_layer.setdefault(lin.layer, []).append(lin)
         idle: list[str] = []
-        for layer in progress.track(sorted(by_layer, key=lambda i: (i is None, i or 0)),
-                                    f"{self.name}: calibrate {self.format}", unit="blocks"):
+        order = sorted(by_layer, key=lambda i: (i is None, i or 0))
+        reused = self._reused_blocks(order, by_layer, start_state, ctx)
+        products: list[BlockProduct] = []
+        calibration_start = time.perf_counter()
+        for layer in progress.track(order, f"{self.name}: calibrate {self.format}", unit="blocks"):
+            if len(products) < len(reused):  # as the attempt before calibrated it: restored, not recomputed
+                products.append(self._restore_block(graph, reused[len(products)], result, idle))
+                continue
             release_freed_memory()  # what the block before freed
+            block_start = time.perf_counter()
+            notes_before, idle_before, overlay_before = len(result.notes), len(idle), dict(graph.tensors.overlay)
             lins = by_layer[layer]
             derived = self._awq(graph, observe, layer, lins, result) if self.awq else {}
             if not self.true_sequential:  # the whole block in one observation, before anything in it changes
@@ -574,12 +683,76 @@ class WeightQuantization(Pass):
                 for lin in members:  # this stage's observations (an 8B down_proj's Hessian: 0.8 GB) go now
                     derived.pop(lin.name, None)
                 release_freed_memory()  # and the heap the stage's GPTQ freed, before the next stage's
+            names = [lin.name for lin in lins]
+            overlay = graph.tensors.overlay
+            products.append(BlockProduct(
+                layer, frozenset(names), {n: graph.linears[n].quant for n in names},
+                {k: v for k, v in overlay.items() if overlay_before.get(k) is not v},
+                {n: result.changed[n] for n in names}, {n: result.metrics[n] for n in names},
+                result.notes[notes_before:], idle[idle_before:], time.perf_counter() - block_start))
+        seconds = time.perf_counter() - calibration_start
+        result.calibration = self._record_calibration(products, reused, order, seconds, start_state, result, ctx)
         if idle:
             result.notes.append(f"{len(idle)} linear(s) saw no calibration token (experts never routed to), "
                                 f"data-free MSE scales: {', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''}")
         if self.tune_steps:
+            tune_start = time.perf_counter()
             self._tune(graph, session, chosen, result, ctx.log)
+            ctx.log(f"{self.name}: end-to-end tuning (every block, redone on each attempt): "
+                    f"{time.perf_counter() - tune_start:.1f} s")
         return result
+
+    # --- calibration reuse (back-off) --------------------------------------------------------------------------
+    def _reused_blocks(self, order: list[int | None], by_layer: dict[int | None, list[Linear]],
+                       start_state: tuple, ctx: PassContext) -> list[BlockProduct]:
+        """The leading blocks of `order` whose calibration `self.reuse` holds for exactly these chosen linears
+        (their inputs are then the same too: every block before them is)."""
+        cache = self.reuse
+        if cache is None:
+            return []
+        why_not = cache.matches(self._config_key(), start_state)
+        if why_not is not None:
+            ctx.log(f"{self.name}: the calibration cache is not used ({why_not}); calibrating every block")
+            return []
+        prefix = []
+        for block, layer in zip(cache.blocks, order):
+            if block.layer != layer or block.chosen != frozenset(lin.name for lin in by_layer[layer]):
+                break
+            prefix.append(block)
+        return prefix
+
+    def _restore_block(self, graph: ModelGraph, block: BlockProduct, result: PassResult,
+                       idle: list[str]) -> BlockProduct:
+        """Put a cached block's product back: the same annotation and tensor objects, so the calibration
+        session's fingerprints (identity) see the graph the attempt before saw."""
+        graph.tensors.overlay.update(block.tensors)
+        for name, qw in block.quant.items():
+            graph.linears[name].quant = qw
+        result.changed.update(block.changed)
+        result.metrics.update(block.metrics)
+        result.notes.extend(block.notes)
+        idle.extend(block.idle)
+        return block
+
+    def _record_calibration(self, products: list[BlockProduct], reused: list[BlockProduct],
+                            order: list[int | None], seconds: float, start_state: tuple, result: PassResult,
+                            ctx: PassContext) -> CalibrationCache:
+        """Log what this attempt's calibration cost and hand its product on: the back-offs' cache, updated in
+        place when this attempt reused one, a new one otherwise."""
+        redone = order[len(reused):]
+        cache = self.reuse
+        if cache is None or cache.matches(self._config_key(), start_state) is not None:
+            ctx.log(f"{self.name}: calibrated blocks {_block_span(order)} in {seconds:.1f} s")
+            return CalibrationCache(self._config_key(), start_state, products, seconds)
+        cache.steps += 1
+        cache.blocks = products
+        share = f"{100 * seconds / cache.first_seconds:.0f}%" if cache.first_seconds > 0 else "n/a"
+        ctx.log(f"back-off step {cache.steps}: kept {len(self.keep)} linears in source precision, recalibrated "
+                f"blocks {_block_span(redone)} ({seconds:.1f} s, {share} of the first calibration); reused "
+                f"blocks {_block_span(order[:len(reused)])}")
+        result.notes.append(f"calibration of blocks {_block_span(order[:len(reused)])} reused from the attempt "
+                            f"before (the same linears, the same inputs); blocks {_block_span(redone)} recalibrated")
+        return cache
 
     # --- internals ---------------------------------------------------------------------------------------------
     def _stage_order(self, lins: list[Linear]) -> list[int]:
@@ -726,13 +899,21 @@ class WeightQuantization(Pass):
         graph.tensors.update(tuned.norms)  # fp32, like the tuning
 
     def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
+        """Keep the 1, 2, 4, ... linears with the largest relative weight error in source precision. Each
+        config reuses the calibration of the attempt before it (`result.calibration`, CalibrationCache): only
+        the blocks from the first one a kept linear is in are recalibrated."""
         worst = sorted(result.metrics, key=lambda name: -result.metrics[name])
+        cache = getattr(result, "calibration", None)
         count = 1
-        for _ in range(self.max_back_offs):
-            if count >= len(worst):
-                break
-            yield replace(self, keep=tuple(sorted(set(self.keep) | set(worst[:count]))))
-            count *= 2
+        try:
+            for _ in range(self.max_back_offs):
+                if count >= len(worst):
+                    break
+                yield replace(self, keep=tuple(sorted(set(self.keep) | set(worst[:count])))).reusing(cache)
+                count *= 2
+        finally:  # the series is over (a step passed, or none did): its products are not needed any more
+            if cache is not None:
+                cache.clear()
 
 
 def _fold_input_scale(graph: ModelGraph, group: _AwqGroup, scale: torch.Tensor) -> None:
