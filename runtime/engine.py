@@ -500,10 +500,19 @@ class Engine:
 
 def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
     """The tokenizer in directory `path` (a checkpoint or an artifact). Whatever goes wrong reading it
-    (missing, malformed or hostile files) is a one-line KilnError; its code runs only with trust_remote_code."""
-    from transformers import AutoTokenizer
+    (missing, malformed or hostile files) is a one-line KilnError; its code runs only with trust_remote_code.
+
+    A tokenizer.json of transformers' generic class is read by runtime.tokenizer.Tokenizer (the `tokenizers`
+    library and jinja2: milliseconds, the same ids and text as transformers); any other tokenizer (a
+    model-specific class, a sentencepiece model only, custom code) by transformers' AutoTokenizer, which costs
+    seconds of imports."""
+    from kiln.runtime.tokenizer import Tokenizer, readable
 
     try:
+        if readable(path):
+            return Tokenizer(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 -- tokenizer files are input; any failure to parse them is theirs
         lines = str(exc).strip().splitlines()

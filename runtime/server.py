@@ -30,7 +30,7 @@ Prompts are tokenized as `Engine.generate` does (`tokenizer(text)["input_ids"]`)
 completion is `Engine.generate`'s text for the same prompt and max_tokens. Chat messages go through the
 tokenizer's chat template (`apply_chat_template(add_generation_prompt=True)`); a tokenizer without one gets
 FALLBACK_CHAT_FORMAT: each message as "{role}: {content}" on its own line, then "assistant:", tokenized as a
-plain prompt (BOS included).
+plain prompt (BOS included), and the server log says so once (the first such request).
 
 Sampling: temperature (default 1.0, as OpenAI's), top_p, seed (choice j of a prompt samples with seed + j),
 stop (a string or a list), n, max_tokens (completions: default 16; chat: default the rest of the context),
@@ -459,6 +459,7 @@ class ServingState:
         self.model_id = model_id
         self.log = log
         self.tokenizer = engine.tokenizer
+        self.warned_no_chat_template = False
         self.scheduler = Scheduler(engine, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_queue=config.max_queue,
                                    prefix_caching=config.prefix_caching, num_blocks=config.num_blocks,
@@ -524,6 +525,11 @@ class ServingState:
                 raise _bad(f"the chat template refused the messages: {' '.join(str(exc).split())[:200]}",
                            "messages") from None
             return list(tok(text, add_special_tokens=False)["input_ids"])
+        if not self.warned_no_chat_template:  # once, in the server log, as vLLM warns of its fallback
+            self.warned_no_chat_template = True
+            self.log(f"kiln serve: warning: {self.model_id} has no chat template (no chat_template.jinja, none in "
+                     "tokenizer_config.json); chat messages are sent as 'role: content' lines followed by "
+                     "'assistant:', which the model was not trained on")
         text = "".join(FALLBACK_CHAT_FORMAT.format(**m) for m in plain) + "assistant:"
         return self._tokenize(text)
 

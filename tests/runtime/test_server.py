@@ -373,11 +373,14 @@ def test_chat_messages_use_the_chat_template_when_there_is_one(artifact):
     from kiln.runtime.server import ChatMessage, ServerConfig, ServingState
 
     engine = runtime.load(artifact)
-    state = ServingState(engine, ServerConfig(num_blocks=8), "m", print)
+    lines: list[str] = []
+    state = ServingState(engine, ServerConfig(num_blocks=8), "m", lines.append)
     messages = [ChatMessage(role="system", content="Be kind."),
                 ChatMessage(role="user", content=[{"type": "text", "text": "Hi"}])]
     tok = engine.tokenizer
     assert state.chat_prompt(messages) == tok("system: Be kind.\nuser: Hi\nassistant:")["input_ids"]  # fallback
+    state.chat_prompt(messages)
+    assert len(lines) == 1 and "warning: m has no chat template" in lines[0]  # said once, not per request
     tok.chat_template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
                          "{% if add_generation_prompt %}[assistant]{% endif %}")
     expected = tok("[system] Be kind. [user] Hi [assistant]", add_special_tokens=False)["input_ids"]
