@@ -26,7 +26,10 @@ from kiln.kernels import progress
 from kiln.kernels.errors import BelowFloor, KilnError
 from kiln.optimizer.progress_view import reporter_for, timing_table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# rich_markup_mode=None: click's plain help, which gives each option's names their own line when they are long;
+# typer's rich panels cut long names at 80 columns (`--no-trust-remote…`) and show `<bool>` on every flag
+# (tests/optimizer/test_help.py renders every command at 80 columns)
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Kiln: optimize a Hugging Face causal LM into an engine artifact for Hopper or Blackwell.")
 # Tables stay readable when piped (rich would otherwise wrap them to 80 columns).
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
@@ -88,6 +91,70 @@ def has_avx2(confirmed: bool = False) -> bool:
         return " avx2" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return not confirmed
+
+
+def physical_cores(cpus: set[int] | None = None) -> int | None:
+    """Distinct physical cores among `cpus` (logical CPU numbers; None: all), from /proc/cpuinfo's physical id and
+    core id; None where it does not say (not Linux, or a VM that hides the topology)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    cores = set()
+    for block in text.split("\n\n"):
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if "processor" not in fields or "core id" not in fields:
+            continue
+        if cpus is None or int(fields["processor"]) in cpus:
+            cores.add((fields.get("physical id", "0"), fields["core id"]))
+    return len(cores) or None
+
+
+def choose_threads() -> tuple[int, str]:
+    """CPU threads for torch's (and MKL's, OpenBLAS's) parallel regions, and why.
+
+    OMP_NUM_THREADS set: that, as the user asked. Otherwise the CPUs this process may run on (its affinity mask:
+    a container's or taskset's limit), at most one per physical core (a second hyperthread adds nothing to
+    GEMMs and costs a barrier), less the load other processes already put on them (the 1-minute load
+    average): OpenMP threads wait for each other at every parallel region, so on cores that others are
+    busy on, each region waits for the slowest, descheduled thread. README command 1 on a 2-core machine that
+    other jobs kept busy took 60 s to gate with two threads and 5 s with one. The numbers do not depend on the
+    choice (pin_cpu_numerics: the same weights on one and two threads)."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given:
+        return (int(given) if given.isdigit() and int(given) > 0 else 1), "OMP_NUM_THREADS"
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        allowed = set(range(os.cpu_count() or 1))
+    physical = physical_cores(allowed) or len(allowed)
+    top = max(1, min(physical, len(allowed)))
+    why = f"{len(allowed)} CPUs available, {physical} physical cores"
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return top, why
+    free = int(len(allowed) - load + 0.5)
+    if free < top:
+        return max(1, free), f"{why}, load average {load:.1f}: busy"
+    return top, f"{why}, load average {load:.1f}"
+
+
+THREADS: tuple[int, str] | None = None
+"""What use_threads chose for this process (the build's log line says it)."""
+
+
+def use_threads() -> tuple[int, str]:
+    """choose_threads, applied: OMP_NUM_THREADS for torch, MKL and OpenBLAS not yet started, and torch's own
+    count when torch is imported already (an in-process caller)."""
+    global THREADS
+    count, why = choose_threads()
+    os.environ.setdefault("OMP_NUM_THREADS", str(count))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(count)
+    THREADS = count, why
+    return THREADS
 
 
 class Interrupted(BaseException):
@@ -191,6 +258,8 @@ def build(
     from kiln.optimizer.defaults import default_checkpoint, shared_dir
     from kiln.optimizer.report import human_bytes
 
+    count, why = THREADS or use_threads()
+    _log(f"threads: {count} ({why})")
     if checkpoint is None:
         path, message = default_checkpoint()
         console.print(f"[bold]{message}[/bold]")
@@ -724,6 +793,7 @@ def _quiet_libraries() -> None:
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     pin_cpu_numerics()  # before torch is imported by a command (they import it lazily)
+    use_threads()  # likewise: OMP_NUM_THREADS is read when torch starts its thread pool
     _quiet_libraries()
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
