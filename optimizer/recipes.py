@@ -34,7 +34,7 @@ import yaml
 
 from kiln.kernels.errors import KilnError
 from kiln.passes.auto_precision import AutoPrecision
-from kiln.passes.base import Pass
+from kiln.passes.base import Pass, Pipeline
 from kiln.passes.draft_head import DraftHead
 from kiln.passes.fuse import Fusion
 from kiln.passes.kv_cache import KvCacheQuantization
@@ -298,7 +298,19 @@ def load_recipe_file(path: Path, allow_custom_passes: bool = False) -> Recipe:
         except KilnError as exc:
             prefix = f"recipe file {_clip(path, 60)}, pass {i + 1}: "
             raise KilnError(prefix + _clip(exc, MAX_MESSAGE - len(prefix))) from None
-    return Recipe(name, tuple(passes))
+    try:
+        return _checked(Recipe(name, tuple(passes)))
+    except KilnError as exc:
+        prefix = f"recipe file {_clip(path, 60)}: "
+        raise KilnError(prefix + _clip(exc, MAX_MESSAGE - len(prefix))) from None
+
+
+def _checked(recipe: Recipe) -> Recipe:
+    """`recipe` once its passes' order and compatibility hold (Pipeline's rules: an order, a pass that must be
+    last, two passes that claim the same part of the model), so that a conflict is refused when the recipe is
+    named, before a checkpoint is read or a calibration runs."""
+    Pipeline(recipe.passes)
+    return recipe
 
 
 def resolve_recipe(spec: str, weight_bits: float | None = None, weight_bytes: int | None = None,
@@ -350,4 +362,4 @@ def resolve_recipe(spec: str, weight_bits: float | None = None, weight_bytes: in
     if kv_budget and not used_kv_budget:
         raise KilnError(f"--kv-fraction/--kv-bytes-per-token apply to the 'mla' recipe; recipe {_r(spec)} has no "
                         "KV budget")
-    return Recipe(spec, tuple(passes))
+    return _checked(Recipe(spec, tuple(passes)))

@@ -14,6 +14,7 @@ from typing import ClassVar
 from kiln.calibration.sensitivity import Choice, cheapest_bytes, solve_assignment
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.targets import Target
+from kiln.passes.base import check_range
 from kiln.passes.precision_options import BF16, OPTIONS, default_candidates
 from kiln.passes.precision_plan import GroupPlan, PrecisionPass, group_loss
 
@@ -74,13 +75,9 @@ class AutoPrecision(PrecisionPass):
             raise KilnError("auto-precision needs exactly one budget: weight_bits (e.g. --weight-bits 5.0) or "
                             f"weight_bytes; got weight_bits={self.weight_bits!r}, weight_bytes={self.weight_bytes!r}")
         if self.weight_bits is not None:
-            if isinstance(self.weight_bits, bool) or not isinstance(self.weight_bits, (int, float)) \
-                    or not 0 < self.weight_bits <= 16:
-                raise KilnError(f"weight_bits must be a number in (0, 16], got {self.weight_bits!r}")
+            check_range("weight_bits", self.weight_bits, 0, 16, low_open=True)
             object.__setattr__(self, "weight_bits", float(self.weight_bits))
-        if self.weight_bytes is not None and (isinstance(self.weight_bytes, bool)
-                                              or not isinstance(self.weight_bytes, int) or self.weight_bytes <= 0):
-            raise KilnError(f"weight_bytes must be a positive integer, got {self.weight_bytes!r}")
+        check_range("weight_bytes", self.weight_bytes, 1, integer=True, optional=True)
         object.__setattr__(self, "candidates", tuple(self.candidates))
         for name in self.candidates:
             check_choice("candidates entry", name, tuple(OPTIONS))

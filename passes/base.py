@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,61 @@ from kiln.kernels import progress
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import Target
 from kiln.passes.graph import ModelGraph, QuantizedWeight
+
+
+def _shown(value: object) -> str:
+    """A config value as a recipe writes it, for a one-line message (YAML's true/false/null, a clipped repr)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _bound(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def check_range(field_name: str, value: object, low: float | None = None, high: float | None = None, *,
+                integer: bool = False, low_open: bool = False, high_open: bool = False, optional: bool = False,
+                why: str = "") -> None:
+    """Refuse a numeric config field outside its range, in one line naming the value and the range: a bool is
+    not a number, a number is finite, an integer field takes integers only (2.5 is not a width), `high` bounds
+    a field whose cost grows with it (`why` says what grows). None passes when `optional`. Every pass config
+    validates its numbers through this in __post_init__, so a recipe is refused when it is parsed."""
+    if optional and value is None:
+        return
+    kinds = int if integer else (int, float)
+    ok = not isinstance(value, bool) and isinstance(value, kinds)
+    if ok and isinstance(value, float):
+        ok = math.isfinite(value)  # not for ints: a huge one would overflow the conversion, and is compared below
+    if ok:
+        ok = (low is None or (value > low if low_open else value >= low)) and \
+             (high is None or (value < high if high_open else value <= high))
+    if ok:
+        return
+    kind = ("an integer" if integer else "a finite number")
+    if low is not None and high is not None:
+        where = f"in {'(' if low_open else '['}{_bound(low)}, {_bound(high)}{')' if high_open else ']'}"
+    elif low is not None:
+        where = f"{'>' if low_open else '>='} {_bound(low)}"
+    elif high is not None:
+        where = f"{'<' if high_open else '<='} {_bound(high)}"
+    else:
+        where = ""
+    extra = f"{' or null' if optional else ''}{f' ({why})' if why else ''}"
+    raise KilnError(f"{field_name} must be {kind} {where}{extra}, got {_shown(value)}".replace("  ", " "))
+
+
+# Upper bounds of the config fields whose cost grows with them (check_range states them in its message): far
+# above any recipe's (the built-ins tune 200-1200 steps of 2048-4096 tokens), far below a run that never ends
+MAX_STEPS = 100_000  # tuning, healing and draft-training steps
+MAX_BATCH_TOKENS = 1 << 20  # tokens per tuning / healing / training step
+MAX_PARAGRAPHS = 100_000  # calibration paragraphs a sensitivity probe or a logit check runs on
+MAX_SAMPLES = 100_000  # texts a pass generates to train on
+MAX_BACK_OFFS = 64  # back-off steps, each one more gate evaluation
+MAX_SEED = 2**32 - 1  # seeds: what every generator takes (numpy's legacy one stops at 2^32 - 1)
+MAX_LR = 1.0  # learning rates: Adam's step is about lr per parameter; above 1 it only diverges
+STEPS_WHY = "each step costs a forward and a backward pass"
 
 
 @dataclass
@@ -324,6 +380,10 @@ class Pass(abc.ABC):
     default_min_top1: ClassVar[float] = 0.91
     runs_after: ClassVar[frozenset[str]] = frozenset()
     must_be_last: ClassVar[bool] = False
+    # what the pass rewrites that a second such pass in one pipeline could not rewrite again (the weights' format,
+    # the KV cache's format, the attention's structure, the draft module): two passes that claim the same are
+    # refused before anything runs (Pipeline), instead of one silently overriding the other or failing late
+    exclusive: ClassVar[str | None] = None
 
     @abc.abstractmethod
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
@@ -335,6 +395,13 @@ class Pass(abc.ABC):
 
     def check(self, graph: ModelGraph, target: Target) -> None:
         """Refuse, before anything runs, what this graph or target cannot do. Raise KilnError."""
+
+    def conflict(self, earlier: Pass) -> str | None:
+        """Why this pass cannot follow `earlier` in one pipeline, or None. The default: both claim the same
+        `exclusive` part of the model."""
+        if self.exclusive is not None and self.exclusive == earlier.exclusive:
+            return f"both set the {self.exclusive}"
+        return None
 
     def floor(self, ctx: PassContext) -> float:
         return ctx.floor if ctx.floor is not None else self.default_floor
@@ -371,6 +438,12 @@ class Pipeline(Pass):
                                     f"got order {' -> '.join(names)}")
             if p.must_be_last and i != len(flat) - 1:
                 raise KilnError(f"pass order: {p.name!r} must be the last pass; got order {' -> '.join(names)}")
+            for earlier in flat[:i]:
+                why = p.conflict(earlier)
+                if why is not None:
+                    both = f"two {p.name!r} passes" if p.name == earlier.name else f"{earlier.name!r} and {p.name!r}"
+                    raise KilnError(f"recipe conflict: {both} {why}; only one can apply, keep one (got order "
+                                    f"{' -> '.join(names)})")
 
     def flat(self) -> list[Pass]:
         out: list[Pass] = []

@@ -30,7 +30,19 @@ import torch
 
 from kiln.calibration.tuning import tune
 from kiln.kernels.errors import KilnError
-from kiln.passes.base import Pass, PassContext, PassMetric, PassResult
+from kiln.passes.base import (
+    MAX_BATCH_TOKENS,
+    MAX_LR,
+    MAX_SAMPLES,
+    MAX_SEED,
+    MAX_STEPS,
+    STEPS_WHY,
+    Pass,
+    PassContext,
+    PassMetric,
+    PassResult,
+    check_range,
+)
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.spec import ExtraModuleSpec, LayerSpec, LinearSpec
 
@@ -155,6 +167,7 @@ class DraftHead(Pass):
     seed: int = 0
 
     name: ClassVar[str] = "draft-head"
+    exclusive: ClassVar[str | None] = "draft module"  # the runtime drafts with one; a second would replace it
     default_floor: ClassVar[float] = 0.9999  # the target is untouched: its figures must not move
     default_max_kl: ClassVar[float] = 1e-6
     default_min_top1: ClassVar[float] = 0.9999
@@ -163,21 +176,23 @@ class DraftHead(Pass):
                                                       "production-precision"})
 
     def __post_init__(self):
-        for name in ("draft_tokens", "train_steps", "batch_tokens", "generated", "generated_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise KilnError(f"draft-head: {name} must be an integer >= 0, got {value!r}")
+        check_range("draft-head: draft_tokens", self.draft_tokens, 1, 16, integer=True)
+        check_range("draft-head: tree_width", self.tree_width, 1, 8, integer=True, why="1: a chain")
+        check_range("draft-head: train_steps", self.train_steps, 0, MAX_STEPS, integer=True, why=STEPS_WHY)
+        check_range("draft-head: batch_tokens", self.batch_tokens, 1, MAX_BATCH_TOKENS, integer=True)
+        check_range("draft-head: generated", self.generated, 0, MAX_SAMPLES, integer=True,
+                    why="each is a generation by the target")
+        check_range("draft-head: generated_tokens", self.generated_tokens, 0, 1 << 16, integer=True,
+                    why="tokens each generation decodes")
+        check_range("draft-head: lr", self.lr, 0, MAX_LR, low_open=True)
+        check_range("draft-head: seed", self.seed, 0, MAX_SEED, integer=True)
         if self.architecture not in ARCHITECTURES:
             raise KilnError(f"draft-head: architecture={self.architecture!r} is not allowed; choose one of "
                             f"{', '.join(ARCHITECTURES)}")
-        if not 1 <= self.tree_width <= 8:
-            raise KilnError(f"draft-head: tree_width must be in [1, 8] (1: a chain), got {self.tree_width}")
-        if not 1 <= self.draft_tokens <= 16:
-            raise KilnError(f"draft-head: draft_tokens must be in [1, 16], got {self.draft_tokens}")
-        if not self.lr > 0:
-            raise KilnError(f"draft-head: lr must be > 0, got {self.lr}")
-        if not self.min_tau >= 1:
-            raise KilnError(f"draft-head: min_tau must be >= 1 (tau counts the target's own token), got {self.min_tau}")
+        tau = self.min_tau
+        if isinstance(tau, bool) or not isinstance(tau, int | float) or not 1 <= tau <= self.draft_tokens + 1:
+            raise KilnError(f"draft-head: min_tau must be >= 1 (tau counts the target's own token) and <= "
+                            f"draft_tokens + 1 = {self.draft_tokens + 1} (every draft accepted), got {tau!r}")
 
     def metrics(self) -> tuple[PassMetric, ...]:
         return (PassMetric("tau", self.min_tau, _tau(self.draft_tokens, TAU_PROMPTS, self.tree_width)),)

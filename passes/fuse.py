@@ -48,7 +48,15 @@ import torch
 from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import ActivationFormat, WeightFormat
-from kiln.passes.base import ExecutedGraph, Pass, PassContext, PassMetric, PassResult
+from kiln.passes.base import (
+    MAX_PARAGRAPHS,
+    ExecutedGraph,
+    Pass,
+    PassContext,
+    PassMetric,
+    PassResult,
+    check_range,
+)
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 from kiln.passes.tensor_store import release_freed_memory
 from kiln.runtime.spec import KernelFusion, LayerSpec, LinearSpec, ModelSpec
@@ -220,12 +228,9 @@ class Fusion(Pass):
         if not (self.qkv or self.gate_up or self.kernels):
             raise KilnError("fuse: qkv, gate_up and kernels are all false: the pass would fuse nothing")
         check_choice("fp8_per_tensor", self.fp8_per_tensor, FP8_PER_TENSOR)
-        value = self.check_paragraphs
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise KilnError(f"fuse: check_paragraphs must be an integer >= 0 (0: all), got {value!r}")
-        diff = self.max_logit_diff
-        if isinstance(diff, bool) or not isinstance(diff, int | float) or not 0 < diff < 1:
-            raise KilnError(f"fuse: max_logit_diff must be a number in (0, 1), got {diff!r}")
+        check_range("fuse: check_paragraphs", self.check_paragraphs, 0, MAX_PARAGRAPHS, integer=True,
+                    why="0: all of the gate's")
+        check_range("fuse: max_logit_diff", self.max_logit_diff, 0, 1, low_open=True, high_open=True)
 
     def metrics(self) -> tuple[PassMetric, ...]:
         return (PassMetric("max logit diff (relative)", self.max_logit_diff,

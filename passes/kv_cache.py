@@ -38,7 +38,7 @@ from kiln.kernels.fp8 import E4M3_MAX
 from kiln.kernels.kv_quant import KV_FP8_SCALINGS, kv_fake_quantize, nvfp4_kv_global_scale
 from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
 from kiln.kernels.targets import Target
-from kiln.passes.base import Pass, PassContext, PassResult
+from kiln.passes.base import MAX_BACK_OFFS, MAX_PARAGRAPHS, Pass, PassContext, PassResult, check_range
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.spec import AttentionSpec
 
@@ -87,6 +87,7 @@ class KvCacheQuantization(Pass):
     default_max_kl: ClassVar[float] = 0.02
     default_min_top1: ClassVar[float] = 0.93
     runs_after: ClassVar[frozenset[str]] = frozenset({"mla"})
+    exclusive: ClassVar[str | None] = "KV cache's format"  # fp8-kv,nvfp4-kv: one would silently win
 
     def __post_init__(self):
         check_choice("format", self.format, KV_FORMATS)
@@ -94,14 +95,11 @@ class KvCacheQuantization(Pass):
         check_choice("center", self.center, (True, False))
         keep = tuple(self.keep)
         for layer in keep:
-            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-                raise KilnError(f"keep takes layer indices (non-negative integers), got {layer!r}")
+            check_range("keep entry (a layer index)", layer, 0, integer=True)
         object.__setattr__(self, "keep", tuple(sorted(set(keep))))
-        if isinstance(self.max_back_offs, bool) or not isinstance(self.max_back_offs, int) or self.max_back_offs < 0:
-            raise KilnError(f"max_back_offs must be a non-negative integer, got {self.max_back_offs!r}")
-        if (isinstance(self.sensitivity_paragraphs, bool) or not isinstance(self.sensitivity_paragraphs, int)
-                or self.sensitivity_paragraphs < 1):
-            raise KilnError(f"sensitivity_paragraphs must be a positive integer, got {self.sensitivity_paragraphs!r}")
+        check_range("max_back_offs", self.max_back_offs, 0, MAX_BACK_OFFS, integer=True, why="each is a gate run")
+        check_range("sensitivity_paragraphs", self.sensitivity_paragraphs, 1, MAX_PARAGRAPHS, integer=True,
+                    why="each layer's probe runs on them")
 
     def check(self, graph: ModelGraph, target: Target) -> None:
         layers = {b.index for b in graph.blocks}

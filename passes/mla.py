@@ -57,7 +57,17 @@ from kiln.calibration.tuning import tune
 from kiln.kernels import progress
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import Target
-from kiln.passes.base import Pass, PassContext, PassResult
+from kiln.passes.base import (
+    MAX_BATCH_TOKENS,
+    MAX_LR,
+    MAX_PARAGRAPHS,
+    MAX_STEPS,
+    STEPS_WHY,
+    Pass,
+    PassContext,
+    PassResult,
+    check_range,
+)
 from kiln.passes.graph import ModelGraph
 from kiln.passes.weight_quant import check_tune_budget, over_budget
 from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, RotarySpec
@@ -300,6 +310,7 @@ class MlaConversion(Pass):
     layers: tuple[int, ...] | None = None
 
     name: ClassVar[str] = "mla"
+    exclusive: ClassVar[str | None] = "attention's structure (MLA)"  # a second one finds no GQA/MHA layer left
     # a lossy rewrite by design: judged against what the budget can buy (stories260K at x0.5, healed:
     # benchmarks/results/mla.md)
     default_floor: ClassVar[float] = 0.95
@@ -309,24 +320,20 @@ class MlaConversion(Pass):
     def __post_init__(self):
         if (self.kv_fraction is None) == (self.kv_bytes_per_token is None):
             raise KilnError("mla takes one budget: kv_fraction (e.g. 0.5) or kv_bytes_per_token")
-        if self.kv_fraction is not None and not (isinstance(self.kv_fraction, int | float)
-                                                 and 0 < self.kv_fraction <= 1):
-            raise KilnError(f"kv_fraction must be in (0, 1], got {self.kv_fraction!r}")
-        if self.kv_bytes_per_token is not None and (isinstance(self.kv_bytes_per_token, bool) or not isinstance(
-                self.kv_bytes_per_token, int) or self.kv_bytes_per_token < 1):
-            raise KilnError(f"kv_bytes_per_token must be a positive integer, got {self.kv_bytes_per_token!r}")
-        if self.rope_dim is not None and (isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int)
-                                          or self.rope_dim < 0 or self.rope_dim % 2):
+        check_range("kv_fraction", self.kv_fraction, 0, 1, low_open=True, optional=True)
+        check_range("kv_bytes_per_token", self.kv_bytes_per_token, 1, integer=True, optional=True)
+        check_range("rope_dim", self.rope_dim, 0, integer=True, optional=True)
+        if self.rope_dim is not None and self.rope_dim % 2:
             raise KilnError(f"rope_dim must be an even non-negative integer, got {self.rope_dim!r}")
         check_tune_budget(self.heal_budget, "heal_budget")
-        for field_name in ("heal_steps", "heal_batch_tokens", "sensitivity_paragraphs"):
-            value = getattr(self, field_name)
-            least = 0 if field_name == "heal_steps" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise KilnError(f"{field_name} must be an integer >= {least}, got {value!r}")
-        if not isinstance(self.heal_lr, int | float) or not self.heal_lr > 0:
-            raise KilnError(f"heal_lr must be positive, got {self.heal_lr!r}")
+        check_range("heal_steps", self.heal_steps, 0, MAX_STEPS, integer=True, why=STEPS_WHY)
+        check_range("heal_batch_tokens", self.heal_batch_tokens, 1, MAX_BATCH_TOKENS, integer=True)
+        check_range("sensitivity_paragraphs", self.sensitivity_paragraphs, 1, MAX_PARAGRAPHS, integer=True,
+                    why="each rank probe runs on them")
+        check_range("heal_lr", self.heal_lr, 0, MAX_LR, low_open=True)
         if self.layers is not None:
+            for layer in self.layers:
+                check_range("layers entry (a layer index)", layer, 0, integer=True)
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
 
     def check(self, graph: ModelGraph, target: Target) -> None:

@@ -65,7 +65,19 @@ from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import WeightFormat, parse_weight_format
 from kiln.kernels.nvfp4 import E2M1_MAX, E4M3_MAX
 from kiln.kernels.targets import Target
-from kiln.passes.base import Pass, PassContext, PassResult
+from kiln.passes.base import (
+    MAX_BACK_OFFS,
+    MAX_BATCH_TOKENS,
+    MAX_LR,
+    MAX_PARAGRAPHS,
+    MAX_SAMPLES,
+    MAX_STEPS,
+    STEPS_WHY,
+    Pass,
+    PassContext,
+    PassResult,
+    check_range,
+)
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 from kiln.passes.precision_options import BF16, LM_HEAD_POLICIES, OPTIONS, PrecisionOption, option
 from kiln.passes.tensor_store import release_freed_memory
@@ -164,37 +176,38 @@ class PrecisionPass(Pass):
 
     default_floor: ClassVar[float] = 0.98
     runs_after: ClassVar[frozenset[str]] = frozenset({"mla"})  # so MLA's new projections are quantized too
+    # after a weight-quant pass it assigns the linears that pass left (build_plan skips quantized ones); a second
+    # precision pass would find none (Pass.conflict's default)
+    exclusive: ClassVar[str | None] = "weights' format"
+
+    def conflict(self, earlier: Pass) -> str | None:
+        if earlier.name == "weight-quant":
+            return None  # it takes the linears the weight pass left
+        return super().conflict(earlier)
 
     def _validate_common(self) -> None:
         check_choice("lm_head", self.lm_head, LM_HEAD_POLICIES)
         check_choice("method", self.method, METHODS)
         check_choice("sensitivity_method", self.sensitivity_method, SENSITIVITY_METHODS)
-        if isinstance(self.sensitivity_paragraphs, bool) or not isinstance(self.sensitivity_paragraphs, int) \
-                or self.sensitivity_paragraphs <= 0:
-            raise KilnError(f"sensitivity_paragraphs must be a positive integer, got {self.sensitivity_paragraphs!r}")
-        if self.max_back_offs is not None and (isinstance(self.max_back_offs, bool)
-                                               or not isinstance(self.max_back_offs, int) or self.max_back_offs < 0):
-            raise KilnError(f"max_back_offs must be a non-negative integer or None (until every group is at "
-                            f"its most precise option), got {self.max_back_offs!r}")
+        check_range("sensitivity_paragraphs", self.sensitivity_paragraphs, 1, MAX_PARAGRAPHS, integer=True,
+                    why="each group's probe runs on them")
+        check_range("max_back_offs", self.max_back_offs, 0, MAX_BACK_OFFS, integer=True, optional=True,
+                    why="null: until every group is at its most precise option; each is a gate run")
         object.__setattr__(self, "sensitivity", tuple(tuple(e) for e in self.sensitivity))
         SensitivityTable.from_entries(self.sensitivity)  # validates the shape of every entry
         object.__setattr__(self, "promote", tuple(self.promote))
-        if isinstance(self.tune_steps, bool) or not isinstance(self.tune_steps, int) or self.tune_steps < 0:
-            raise KilnError(f"tune_steps must be a non-negative integer, got {self.tune_steps!r}")
-        if isinstance(self.tune_lr, bool) or not isinstance(self.tune_lr, int | float) or not self.tune_lr > 0:
-            raise KilnError(f"tune_lr must be a positive number, got {self.tune_lr!r}")
+        check_range("tune_steps", self.tune_steps, 0, MAX_STEPS, integer=True, why=STEPS_WHY)
+        check_range("tune_lr", self.tune_lr, 0, MAX_LR, low_open=True)
         check_tune_budget(self.tune_budget)
-        if isinstance(self.tune_samples, bool) or not isinstance(self.tune_samples, int) or self.tune_samples < 0:
-            raise KilnError(f"tune_samples must be a non-negative integer, got {self.tune_samples!r}")
+        check_range("tune_samples", self.tune_samples, 0, MAX_SAMPLES, integer=True,
+                    why="each is a generation by the source model")
         if not isinstance(self.tune_embedding, bool):
             raise KilnError(f"tune_embedding must be true or false, got {self.tune_embedding!r}")
         if not isinstance(self.sequential, bool):
             raise KilnError(f"sequential must be true or false, got {self.sequential!r}")
         if self.act_order is not None and not isinstance(self.act_order, bool):
             raise KilnError(f"act_order must be true, false or null (by format), got {self.act_order!r}")
-        if isinstance(self.tune_batch_tokens, bool) or not isinstance(self.tune_batch_tokens, int) \
-                or self.tune_batch_tokens < 1:
-            raise KilnError(f"tune_batch_tokens must be a positive integer, got {self.tune_batch_tokens!r}")
+        check_range("tune_batch_tokens", self.tune_batch_tokens, 1, MAX_BATCH_TOKENS, integer=True)
 
     def gptq_act_order(self, fmt: str) -> bool:
         """GPTQ's act-order for a weight format: `act_order`, or by default what the uniform recipes use (NVFP4

@@ -12,6 +12,7 @@ from typing import ClassVar
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import WeightFormat
 from kiln.kernels.targets import Target
+from kiln.passes.base import check_range
 from kiln.passes.precision_options import ATTENTION_ROLES, BF16, OPTIONS, runs_on, target_fp4
 from kiln.passes.precision_plan import PrecisionPass, group_loss
 
@@ -47,9 +48,7 @@ class ProductionPrecision(PrecisionPass):
         if self.lm_head == "search":
             raise KilnError("lm_head='search' is for auto-precision; production-precision takes 'keep' or an "
                             f"option name ({', '.join(OPTIONS)})")
-        if isinstance(self.keep_most_sensitive, bool) or not isinstance(self.keep_most_sensitive, int) \
-                or self.keep_most_sensitive < 0:
-            raise KilnError(f"keep_most_sensitive must be a non-negative integer, got {self.keep_most_sensitive!r}")
+        check_range("keep_most_sensitive", self.keep_most_sensitive, 0, integer=True)
 
     def policy_option(self, roles: set[str], target: Target) -> str:
         if roles <= set(ATTENTION_ROLES):

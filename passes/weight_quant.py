@@ -69,7 +69,18 @@ from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import ActivationFormat, WeightFormat, parse_weight_format
 from kiln.kernels.rotation import block_hadamard
 from kiln.kernels.targets import Target
-from kiln.passes.base import CalibrationSession, Pass, PassContext, PassResult
+from kiln.passes.base import (
+    MAX_BACK_OFFS,
+    MAX_BATCH_TOKENS,
+    MAX_LR,
+    MAX_STEPS,
+    STEPS_WHY,
+    CalibrationSession,
+    Pass,
+    PassContext,
+    PassResult,
+    check_range,
+)
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 from kiln.passes.tensor_store import release_freed_memory
 
@@ -125,6 +136,7 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
 # a 4096-token step took about 110 s there) does not, and the pass says so. A GPU's fp32 matmuls are about
 # 1000 times 2 CPU cores' (an H100's 50-60 TFLOP/s): the same few minutes there are 2^50, SmolLM2's 200 steps
 # about 20 s; an 8B model's (2.9e15, and both models and Adam's state in fp32: some 150 GB) stay over.
+MAX_ROTATION_BLOCK = 4096  # widest online Hadamard block: its cost per token grows with the width
 TUNE_BUDGETS = {"cpu": 2**40, "cuda": 2**50}
 TUNE_BUDGET = TUNE_BUDGETS["cpu"]
 STACK_BYTES = 128 << 20  # fp32 bytes of siblings quantized as one stack (SmolLM2's gate/up: 7 MB; 8B q/k/v: 100 MB)
@@ -485,6 +497,7 @@ class WeightQuantization(Pass):
 
     name: ClassVar[str] = "weight-quant"
     default_floor: ClassVar[float] = 0.98
+    exclusive: ClassVar[str | None] = "weights' format"
     runs_after: ClassVar[frozenset[str]] = frozenset({"mla"})  # so MLA's new projections are quantized too
     # Not config (no field: never in a recipe or the manifest): the calibration a back-off attempt may reuse,
     # handed over explicitly by `back_offs` through `reusing` (CalibrationCache).
@@ -510,20 +523,27 @@ class WeightQuantization(Pass):
         for flag in ("awq", "act_order", "sequential", "true_sequential"):
             if not isinstance(getattr(self, flag), bool):
                 raise KilnError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
-        if isinstance(self.damping, bool) or not isinstance(self.damping, int | float) or not 0 <= self.damping <= 1:
-            raise KilnError(f"damping must be a number in [0, 1], got {self.damping!r}")
-        for field_name in ("max_back_offs", "tune_steps", "tune_batch_tokens"):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise KilnError(f"{field_name} must be a non-negative integer, got {value!r}")
-        if self.tune_batch_tokens < 1:
-            raise KilnError(f"tune_batch_tokens must be positive, got {self.tune_batch_tokens}")
-        if isinstance(self.tune_lr, bool) or not isinstance(self.tune_lr, int | float) or not self.tune_lr > 0:
-            raise KilnError(f"tune_lr must be a positive number, got {self.tune_lr!r}")
+        check_range("damping", self.damping, 0, 1)
+        check_range("max_back_offs", self.max_back_offs, 0, MAX_BACK_OFFS, integer=True, why="each is a gate run")
+        check_range("tune_steps", self.tune_steps, 0, MAX_STEPS, integer=True, why=STEPS_WHY)
+        check_range("tune_batch_tokens", self.tune_batch_tokens, 1, MAX_BATCH_TOKENS, integer=True)
+        check_range("tune_lr", self.tune_lr, 0, MAX_LR, low_open=True)
         check_tune_budget(self.tune_budget)
-        block = self.rotation_block
-        if isinstance(block, bool) or not isinstance(block, int) or block < 0 or block & (block - 1):
-            raise KilnError(f"rotation_block must be 0 (no rotation) or a power of two, got {block!r}")
+        check_range("rotation_block", self.rotation_block, 0, MAX_ROTATION_BLOCK, integer=True,
+                    why="0: no rotation; each input is rotated online by a Hadamard block this wide")
+        if self.rotation_block & (self.rotation_block - 1):
+            raise KilnError(f"rotation_block must be 0 (no rotation) or a power of two, got {self.rotation_block!r}")
+
+    def conflict(self, earlier: Pass) -> str | None:
+        """Two weight passes may split the linears by role (each quantizes what the other leaves); one that
+        follows a precision pass finds every linear taken."""
+        if isinstance(earlier, WeightQuantization):
+            shared = [r for r in self.roles if r in earlier.roles]
+            roles = ", ".join(shared[:4]) + (", ..." if len(shared) > 4 else "")
+            return f"both quantize the same linears (roles {roles})" if shared else None
+        if earlier.exclusive == self.exclusive:
+            return f"both set the {self.exclusive} ({earlier.name!r} assigns every linear a format)"
+        return None
 
     @property
     def weight_format(self) -> WeightFormat:

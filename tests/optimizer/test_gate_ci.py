@@ -162,9 +162,9 @@ def test_long_generation_catches_a_looping_artifact(cli, fp8_artifact, tmp_path)
 @pytest.mark.parametrize(("extra", "message"), [
     (("--format", "xml"), "--format must be one of text, json, markdown, junit"),
     (("--decision", "mean"), "--decision must be point or lower"),
-    (("--generate", "-1"), "--generate must be >= 0"),
+    (("--generate", "-1"), "--generate must be an integer in [0, 10000]"),
     (("--min-distinct-ratio", "7"), "distinct4-ratio floor must be in [0, 1.5]"),
-    (("--resamples", "0"), "--resamples must be >= 1"),
+    (("--resamples", "0"), "--resamples must be an integer in [1, 100000]"),
 ])
 def test_gate_usage_errors_exit_2_with_one_line(cli, plain_artifact, generated_checkpoint, tmp_path, extra, message):
     text = tmp_path / "t.txt"

@@ -229,3 +229,87 @@ def test_long_values_keep_messages_bounded(tmp_path):
     _refused(resolve_recipe, "x" * 100_000, match="unknown recipe")
     _refused(resolve_recipe, "y" * 100_000 + ".yaml", match="not found")
     _refused(resolve_recipe, "line\nbreak.yaml", match="recipe file line\\nbreak.yaml not found")
+
+
+# --- 6. every numeric field typed and bounded; conflicting passes refused before any work (issue #18, 3) -------
+@pytest.mark.parametrize("entry, expected", [
+    ("{pass: weight-quant, tune_lr: .inf}", "tune_lr must be a finite number in (0, 1], got inf"),
+    ("{pass: weight-quant, tune_lr: .nan}", "tune_lr must be a finite number in (0, 1], got nan"),
+    ("{pass: mla, kv_fraction: 0.5, heal_lr: .inf}", "heal_lr must be a finite number in (0, 1], got inf"),
+    ("{pass: draft-head, tree_width: 2.5}", "tree_width must be an integer in [1, 8] (1: a chain), got 2.5"),
+    ("{pass: draft-head, seed: 'x'}", "seed must be an integer in [0, 4294967295], got 'x'"),
+    ("{pass: draft-head, seed: 1180591620717411303424}", "seed must be an integer in [0, 4294967295]"),
+    ("{pass: draft-head, min_tau: .inf}", "min_tau must be >= 1"),
+    ("{pass: weight-quant, tune_steps: 1000000000000}", "tune_steps must be an integer in [0, 100000]"),
+    ("{pass: weight-quant, max_back_offs: true}", "max_back_offs must be an integer in [0, 64]"),
+    ("{pass: weight-quant, damping: -.inf}", "damping must be a finite number in [0, 1], got -inf"),
+    ("{pass: weight-quant, rotation_block: 1048576}", "rotation_block must be an integer in [0, 4096]"),
+    ("{pass: auto-precision, weight_bits: .nan}", "weight_bits must be a finite number in (0, 16], got nan"),
+    ("{pass: auto-precision, weight_bits: 5, tune_samples: 10000000}", "tune_samples must be an integer in [0, 100000]"),
+    ("{pass: production-precision, keep_most_sensitive: 1.5}", "keep_most_sensitive must be an integer >= 0"),
+    ("{pass: kv-cache, sensitivity_paragraphs: 1e9}", "sensitivity_paragraphs must be an integer in [1, 100000]"),
+    ("{pass: kv-cache, keep: [0, 1.5]}", "keep entry (a layer index) must be an integer >= 0, got 1.5"),
+    ("{pass: mla, kv_fraction: true}", "kv_fraction must be a finite number in (0, 1] or null, got true"),
+    ("{pass: mla, kv_fraction: 0.5, heal_steps: 10000000}", "heal_steps must be an integer in [0, 100000]"),
+    ("{pass: mla, kv_fraction: 0.5, layers: [0, x]}", "layers entry (a layer index) must be an integer >= 0"),
+    ("{pass: draft-head, batch_tokens: 0}", "batch_tokens must be an integer in [1, 1048576], got 0"),
+    ("{pass: fuse, max_logit_diff: .inf}", "max_logit_diff must be a finite number in (0, 1), got inf"),
+])
+def test_numeric_fields_out_of_range_are_refused_when_parsed(tmp_path, entry, expected):
+    path = _recipe(tmp_path, f"passes:\n  - {entry}\n")
+    message = _refused(load_recipe_file, path, match=expected)
+    assert message.startswith("recipe file ") and ", pass 1: " in message, message
+
+
+def test_check_range_names_the_value_and_the_range():
+    from kiln.passes.base import check_range
+
+    check_range("n", 3, 1, 8, integer=True)
+    check_range("x", None, 0, 1, optional=True)
+    check_range("big", 10**400, 0, integer=True)  # compared as an int, never converted to a float
+    _refused(check_range, "n", True, 1, 8, integer=True, match="n must be an integer in [1, 8], got true")
+    _refused(check_range, "x", 10**400, 0, 1, match="x must be a finite number in [0, 1], got 1000")
+    _refused(check_range, "x", 0.0, 0, low_open=True, why="why", match="x must be a finite number > 0 (why), got 0.0")
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("fp8-kv,nvfp4-kv", "two 'kv-cache' passes both set the KV cache's format"),
+    ("fp8-weights,nvfp4-w4a16", "two 'weight-quant' passes both quantize the same linears"),
+    ("production,fp8-weights", "'production-precision' and 'weight-quant' both set the weights' format"),
+    ("production,production", "two 'production-precision' passes both set the weights' format"),
+    ("draft-head,draft-head", "two 'draft-head' passes both set the draft module"),
+    ("fuse,fp8-weights", "'fuse' must be the last pass"),
+])
+def test_conflicting_built_in_recipes_are_refused_at_once(spec, expected):
+    start = time.perf_counter()
+    _refused(resolve_recipe, spec, match=expected)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_mla_twice_is_refused_before_any_pass_runs():
+    _refused(resolve_recipe, "mla,mla", kv_fraction=0.5, match="two 'mla' passes both set the attention's structure")
+
+
+def test_a_recipe_file_with_two_kv_passes_is_refused(tmp_path):
+    path = _recipe(tmp_path, "passes:\n  - {pass: kv-cache, format: fp8}\n  - {pass: kv-cache, format: nvfp4}\n")
+    message = _refused(load_recipe_file, path, match="two 'kv-cache' passes both set the KV cache's format")
+    assert message.startswith("recipe file ") and ": recipe conflict: " in message, message
+
+
+def test_passes_that_split_the_model_still_combine(tmp_path):
+    """What is not a conflict: weight passes on disjoint roles, a precision pass after a weight pass (it takes
+    what the weight pass left), and one pass of each kind in their order."""
+    split = _recipe(tmp_path, "passes:\n  - {pass: weight-quant, roles: [q, k, v, o]}\n"
+                              "  - {pass: weight-quant, format: nvfp4, roles: [gate, up, down]}\n"
+                              "  - {pass: production-precision}\n")
+    assert [p.name for p in load_recipe_file(split).passes] == ["weight-quant", "weight-quant", "production-precision"]
+    assert len(resolve_recipe("fp8-weights,fp8-kv,draft-head,fuse").passes) == 4
+
+
+def test_build_refuses_a_conflicting_recipe_before_loading_anything(tmp_path):
+    from kiln.optimizer.build import build
+
+    start = time.perf_counter()
+    _refused(build, tmp_path / "no-such-checkpoint", "hopper", "fp8-weights,nvfp4-w4a16", tmp_path / "out",
+             match="two 'weight-quant' passes")
+    assert time.perf_counter() - start < 2.0 and not (tmp_path / "out").exists()
