@@ -190,7 +190,9 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     timings = not reproducible
     manifest = {
         "source": {"checkpoint": graph.source.name, "model_type": graph.model_type,
-                   "weight_files": dict(graph.source.weight_files)},
+                   "weight_files": dict(graph.source.weight_files),
+                   # the gate's baseline must match both (optimizer.gate.check_baseline)
+                   **({"config_sha256": graph.source.config_sha256} if graph.source.config_sha256 else {})},
         "target": tgt.name,
         "recipe": {"name": rec.name, "passes": [r.config for r in records] if records else []},
         "passes": [r.to_json(timings) for r in records],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import signal
@@ -178,6 +179,67 @@ def _one_line(message: str) -> str:
     return line if len(line) <= MAX_MESSAGE else line[: MAX_MESSAGE - 1] + "…"
 
 
+MAX_SEED = 2**32 - 1
+"""Largest seed an option takes: every generator Kiln seeds takes it (torch's, numpy's), and seed + i too."""
+MAX_PARAGRAPHS = 1_000_000
+"""Most paragraphs a command scores: far above any held-out set's, far below a run that never ends."""
+
+
+def _bounded(flag: str, low: float | None = None, high: float | None = None, *, integer: bool = False,
+             low_open: bool = False, why: str = ""):
+    """A typer callback that refuses, while the command line is parsed (before any work), a numeric option
+    outside its range: finite, within [low, high] (or (low, high] when `low_open`); `high` bounds an option
+    whose cost grows with it, and `why` says what grows. One line naming the value and the range (exit 2);
+    None (an option left unset) passes. Typer has already checked that an int option holds an integer."""
+    def check(value):
+        if value is None:
+            return value
+        ok = not isinstance(value, float) or math.isfinite(value)  # an int is compared as it is, however large
+        ok = ok and (low is None or (value > low if low_open else value >= low)) and (high is None or value <= high)
+        if not ok:
+            kind = "an integer" if integer else "a finite number"
+            if low is not None and high is not None:
+                where = f"in {'(' if low_open else '['}{_num(low)}, {_num(high)}]"
+            else:
+                where = f"{'>' if low_open else '>='} {_num(low)}" if low is not None else f"<= {_num(high)}"
+            raise KilnError(f"{flag} must be {kind} {where}{f' ({why})' if why else ''}, got {_num(value)}")
+        return value
+    return check
+
+
+def _num(value: float) -> str:
+    """An int as written (a seed of 2^32 - 1 is 4294967295, not 4.29497e+09), a float in its shortest form."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+# The numeric options' ranges, checked while the command line is parsed (report's --context and --price-per-hour
+# are checked by optimizer.economics, the gate floors by optimizer.gate.check_floors, both before any work)
+_PARAGRAPHS = _bounded("--paragraphs", 1, MAX_PARAGRAPHS, integer=True, why="each is scored")
+_CALIB_TOKENS = _bounded("--calib-tokens", 1, integer=True)
+_WEIGHT_BITS = _bounded("--weight-bits", 0, 16, low_open=True)
+_WEIGHT_BYTES = _bounded("--weight-bytes", 1, integer=True)
+_KV_FRACTION = _bounded("--kv-fraction", 0, 1, low_open=True)
+_KV_BYTES = _bounded("--kv-bytes-per-token", 1, integer=True)
+_DRAFT_TOKENS = _bounded("--draft-tokens", 1, 16, integer=True)
+_TREE_WIDTH = _bounded("--tree-width", 1, 8, integer=True, why="1: a chain")
+_MAX_NEW_TOKENS = _bounded("--max-new-tokens", 0, 1 << 20, integer=True, why="each is a decode step")
+_TEMPERATURE = _bounded("--temperature", 0, why="0: greedy")
+_TOP_P = _bounded("--top-p", 0, 1, low_open=True)
+_SEED = _bounded("--seed", 0, MAX_SEED, integer=True)
+_REPETITION_PENALTY = _bounded("--repetition-penalty", 0, low_open=True)
+_PORT = _bounded("--port", 0, 65535, integer=True)
+_MAX_QUEUE = _bounded("--max-queue", 1, 1 << 20, integer=True, why="each waiting request holds its prompt")
+_MAX_NUM_SEQS = _bounded("--max-num-seqs", 1, 4096, integer=True, why="each holds KV cache blocks")
+_MAX_BATCHED = _bounded("--max-num-batched-tokens", 1, 1 << 20, integer=True, why="a step's activations grow with it")
+_REQUEST_TIMEOUT = _bounded("--request-timeout", 0, low_open=True)
+_RESAMPLES = _bounded("--resamples", 1, 100_000, integer=True, why="the bootstrap's time and memory grow with it")
+_GENERATE = _bounded("--generate", 0, 10_000, integer=True, why="each prompt is decoded by both models")
+_GENERATE_TOKENS = _bounded("--generate-tokens", 1, 1 << 16, integer=True, why="each is a decode step of both models")
+_TASK_LIMIT = _bounded("--task-limit", 1, integer=True)
+_TAU = _bounded("--tau", 1)
+_GPUS_PER_REPLICA = _bounded("--gpus-per-replica", 1, 1024, integer=True)
+
+
 def _gate_table(records_json: list[dict]) -> Table:
     """One column per pass, one row per figure: stays whole in an 80-column terminal."""
     from kiln.optimizer.report import floor_cell
@@ -226,10 +288,10 @@ def build(
     output: Annotated[Path, typer.Option("-o", "--output", help="artifact directory to write")] = Path("artifacts/out"),
     eval_data: Annotated[Path | None, typer.Option(help=f"held-out data for the gate: {DATA_FORMATS}")] = None,
     calib_data: Annotated[Path | None, typer.Option(help=f"calibration data: {DATA_FORMATS}")] = None,
-    calib_tokens: Annotated[int | None, typer.Option(help="calibrate on whole paragraphs, in file order, up to "
+    calib_tokens: Annotated[int | None, typer.Option(callback=_CALIB_TOKENS, help="calibrate on whole paragraphs, in file order, up to "
                                                      "this many tokens (default: 256 paragraphs to observe, all "
                                                      "to tune)")] = None,
-    paragraphs: Annotated[int, typer.Option(help="paragraphs of eval data the gate scores")] = 600,
+    paragraphs: Annotated[int, typer.Option(callback=_PARAGRAPHS, help="paragraphs of eval data the gate scores")] = 600,
     min_recovery: Annotated[float | None, typer.Option(help="gate floor for every pass")] = None,
     max_kl: Annotated[float | None, typer.Option(help="gate ceiling on the mean KL (nats/token) each pass adds, "
                                                  "for every pass")] = None,
@@ -243,13 +305,13 @@ def build(
     trust_remote_code: Annotated[bool, typer.Option(help="allow a checkpoint's custom code")] = False,
     allow_custom_passes: Annotated[bool, typer.Option(help="let a recipe file import its module:Class passes "
                                                       "(runs that code)")] = False,
-    weight_bits: Annotated[float | None, typer.Option(help="auto recipe: effective bits per weight, scales "
+    weight_bits: Annotated[float | None, typer.Option(callback=_WEIGHT_BITS, help="auto recipe: effective bits per weight, scales "
                                                       "included (e.g. 5.0)")] = None,
-    weight_bytes: Annotated[int | None, typer.Option(help="auto recipe: bytes of the quantizable linears' "
+    weight_bytes: Annotated[int | None, typer.Option(callback=_WEIGHT_BYTES, help="auto recipe: bytes of the quantizable linears' "
                                                      "weights and scales")] = None,
-    kv_fraction: Annotated[float | None, typer.Option(help="mla recipe: KV values per token kept, as a fraction "
+    kv_fraction: Annotated[float | None, typer.Option(callback=_KV_FRACTION, help="mla recipe: KV values per token kept, as a fraction "
                                                       "of the source's (e.g. 0.5)")] = None,
-    kv_bytes_per_token: Annotated[int | None, typer.Option(help="mla recipe: KV bytes per token, all layers, "
+    kv_bytes_per_token: Annotated[int | None, typer.Option(callback=_KV_BYTES, help="mla recipe: KV bytes per token, all layers, "
                                                            "with a BF16 cache")] = None,
     device: Annotated[str, typer.Option(help=BUILD_DEVICE_HELP)] = "cpu",
 ) -> None:
@@ -426,16 +488,16 @@ def _score_artifact(artifact: Path, data: Path, paragraphs: int, force: bool = F
 def eval_(
     artifact: Annotated[Path, typer.Argument(help="artifact directory")],
     data: Annotated[Path, typer.Option(help=DATA_FORMATS)],
-    paragraphs: Annotated[int, typer.Option(help="first N paragraphs")] = 600,
+    paragraphs: Annotated[int, typer.Option(callback=_PARAGRAPHS, help="first N paragraphs")] = 600,
     force: Annotated[bool, typer.Option(help="score text the model cannot read (perplexity above 1/8 of the "
                                         "vocabulary), with a warning")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
     speculative: Annotated[bool, typer.Option(help="also decode each paragraph's first 16 tokens greedily for 64 "
                                               "tokens, with and without speculative decoding: tau, identical "
                                               "outputs, tokens/s")] = False,
-    draft_tokens: Annotated[int, typer.Option(help="speculative: tokens drafted per target forward")] = 4,
+    draft_tokens: Annotated[int, typer.Option(callback=_DRAFT_TOKENS, help="speculative: tokens drafted per target forward")] = 4,
     draft: Annotated[str, typer.Option(help="speculative drafter: auto, head, prompt-lookup")] = "auto",
-    tree_width: Annotated[int | None, typer.Option(help="speculative, head: candidates per depth verified as a "
+    tree_width: Annotated[int | None, typer.Option(callback=_TREE_WIDTH, help="speculative, head: candidates per depth verified as a "
                                                    "tree (default: the artifact's; 1: a chain)")] = None,
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
 ) -> None:
@@ -486,20 +548,20 @@ def _speculative_eval(engine, tokens, draft: str, draft_tokens: int, tree_width:
 def generate(
     artifact: Annotated[Path, typer.Argument(help="artifact directory")],
     prompt: Annotated[list[str], typer.Argument(help="one or more prompts")],
-    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="nucleus sampling")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(callback=_MAX_NEW_TOKENS, help="tokens to generate")] = 64,
+    temperature: Annotated[float, typer.Option(callback=_TEMPERATURE, help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option(callback=_TOP_P, help="nucleus sampling")] = 1.0,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
-    seed: Annotated[int | None, typer.Option(help="sampling seed")] = None,
-    repetition_penalty: Annotated[float | None, typer.Option(help="above 1 discourages repeats, below 1 "
+    seed: Annotated[int | None, typer.Option(callback=_SEED, help="sampling seed")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(callback=_REPETITION_PENALTY, help="above 1 discourages repeats, below 1 "
                                                              "encourages them (default: the artifact's "
                                                              "generation_config.json, else 1)")] = None,
     speculative: Annotated[bool, typer.Option(help="speculative decoding: draft tokens, verify them in one "
                                               "target forward (greedy output is plain decoding's)")] = False,
-    draft_tokens: Annotated[int, typer.Option(help="speculative: tokens drafted per target forward")] = 4,
+    draft_tokens: Annotated[int, typer.Option(callback=_DRAFT_TOKENS, help="speculative: tokens drafted per target forward")] = 4,
     draft: Annotated[str, typer.Option(help="speculative drafter: auto (the artifact's draft head or MTP layer, "
                                        "else prompt-lookup), head, prompt-lookup")] = "auto",
-    tree_width: Annotated[int | None, typer.Option(help="speculative, greedy, head: candidates per depth verified "
+    tree_width: Annotated[int | None, typer.Option(callback=_TREE_WIDTH, help="speculative, greedy, head: candidates per depth verified "
                                                    "as a tree (default: the artifact's; 1: a chain)")] = None,
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step first (pays on long "
                                           "generations: compiling takes minutes; CUDA graphs on a GPU)")] = False,
@@ -508,8 +570,6 @@ def generate(
     """Generate text from an artifact with the slim runtime."""
     from kiln import runtime
 
-    if temperature < 0:
-        raise KilnError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
     engine = runtime.load(artifact, device=device)
     if compile:
         _log("compiling the decode step (torch.compile) ...")
@@ -528,11 +588,11 @@ def generate(
 def serve(
     artifact: Annotated[Path, typer.Argument(help="artifact directory")],
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port to listen on (0: any free port)")] = 8000,
-    max_queue: Annotated[int, typer.Option(help="requests waiting for a slot; beyond, 429")] = 256,
-    max_num_seqs: Annotated[int, typer.Option(help="requests decoding together")] = 32,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="tokens one step runs")] = 512,
-    request_timeout: Annotated[float | None, typer.Option(help="abort a request after SEC seconds (504)")] = None,
+    port: Annotated[int, typer.Option(callback=_PORT, help="port to listen on (0: any free port)")] = 8000,
+    max_queue: Annotated[int, typer.Option(callback=_MAX_QUEUE, help="requests waiting for a slot; beyond, 429")] = 256,
+    max_num_seqs: Annotated[int, typer.Option(callback=_MAX_NUM_SEQS, help="requests decoding together")] = 32,
+    max_num_batched_tokens: Annotated[int, typer.Option(callback=_MAX_BATCHED, help="tokens one step runs")] = 512,
+    request_timeout: Annotated[float | None, typer.Option(callback=_REQUEST_TIMEOUT, help="abort a request after SEC seconds (504)")] = None,
     prefix_caching: Annotated[bool, typer.Option(help="reuse the KV blocks of shared prompt prefixes")] = True,
     served_model_name: Annotated[str | None, typer.Option(help="model id (default: the directory name)")] = None,
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step before serving: "
@@ -557,14 +617,14 @@ def gate(
                                                  "the ceilings the artifact's passes were built to)")] = None,
     min_top1: Annotated[float | None, typer.Option(help="floor on top-1 agreement (default: 1 less the agreement "
                                                    "the artifact's passes were each allowed to lose)")] = None,
-    paragraphs: Annotated[int, typer.Option(help="first N paragraphs")] = 600,
+    paragraphs: Annotated[int, typer.Option(callback=_PARAGRAPHS, help="first N paragraphs")] = 600,
     decision: Annotated[str, typer.Option(help="point: the recovery figure must clear --min-recovery; lower: "
                                           "the lower end of its 95% interval must")] = "point",
-    resamples: Annotated[int, typer.Option(help="bootstrap resamples for the recovery interval")] = 2000,
-    seed: Annotated[int, typer.Option(help="bootstrap seed (the interval is deterministic for a seed)")] = 0,
-    generate: Annotated[int, typer.Option(help="long-generation check: prompts (each paragraph's first 16 "
+    resamples: Annotated[int, typer.Option(callback=_RESAMPLES, help="bootstrap resamples for the recovery interval")] = 2000,
+    seed: Annotated[int, typer.Option(callback=_SEED, help="bootstrap seed (the interval is deterministic for a seed)")] = 0,
+    generate: Annotated[int, typer.Option(callback=_GENERATE, help="long-generation check: prompts (each paragraph's first 16 "
                                           "tokens) decoded greedily by both models; 0 skips it")] = 32,
-    generate_tokens: Annotated[int, typer.Option(help="tokens each long generation decodes")] = 256,
+    generate_tokens: Annotated[int, typer.Option(callback=_GENERATE_TOKENS, help="tokens each long generation decodes")] = 256,
     min_gen_agreement: Annotated[float | None, typer.Option(help="floor, each quarter of the generation: fraction "
                                                             "of the artifact's tokens the baseline would pick "
                                                             "(default 0.8)")] = None,
@@ -575,7 +635,7 @@ def gate(
                                                                "first differ (default 4)")] = None,
     tasks: Annotated[Path | None, typer.Option(help="lm-eval task YAML (local tasks, a floor per task in its "
                                                "metadata) run on both models through the runtime")] = None,
-    task_limit: Annotated[int | None, typer.Option(help="first N documents of each task")] = None,
+    task_limit: Annotated[int | None, typer.Option(callback=_TASK_LIMIT, help="first N documents of each task")] = None,
     any_baseline: Annotated[bool, typer.Option(help="compare against BASELINE even when it is not the "
                                                "artifact's recorded source")] = False,
     force: Annotated[bool, typer.Option(help="score text the baseline cannot read (perplexity above 1/8 of "
@@ -599,10 +659,6 @@ def gate(
         raise KilnError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if decision not in ("point", "lower"):
         raise KilnError(f"--decision must be point or lower, got {decision!r}")
-    if generate < 0:
-        raise KilnError(f"--generate must be >= 0 prompts, got {generate}")
-    if resamples < 1:
-        raise KilnError(f"--resamples must be >= 1, got {resamples}")
     from kiln.optimizer.generation_check import GenerationFloors
 
     given = {"agreement": min_gen_agreement, "distinct4_ratio": min_distinct_ratio,
@@ -628,7 +684,7 @@ def gate(
     engine = runtime.load(artifact, device=device)
     source = load_checkpoint(baseline, log=_log)
     if not any_baseline:
-        check_baseline(engine.manifest, source)
+        check_baseline(engine.manifest, source, log=_log)  # weights and config.json, each by sha256
     recorded_kl, recorded_top1 = artifact_floors(engine.manifest)
     max_kl = recorded_kl if max_kl is None else max_kl
     min_top1 = recorded_top1 if min_top1 is None else min_top1
@@ -744,10 +800,10 @@ def report_(
     context: Annotated[int, typer.Option(help="decode context: KV tokens each sequence holds")] = 4096,
     weights: Annotated[str | None, typer.Option(help="config only: assumed weights bf16, fp8 (W8A8) or nvfp4")] = None,
     kv: Annotated[str | None, typer.Option(help="config only: assumed KV cache bf16, fp8 or nvfp4")] = None,
-    tau: Annotated[float | None, typer.Option(help="speculation: mean tokens a verification step yields (overrides "
+    tau: Annotated[float | None, typer.Option(callback=_TAU, help="speculation: mean tokens a verification step yields (overrides "
                                               "an artifact's recorded tau)")] = None,
-    draft_tokens: Annotated[int, typer.Option(help="speculation: draft tokens verified per step")] = 3,
-    gpus_per_replica: Annotated[int, typer.Option(help="GPUs serving one copy of the model (their HBM, bandwidth "
+    draft_tokens: Annotated[int, typer.Option(callback=_DRAFT_TOKENS, help="speculation: draft tokens verified per step")] = 3,
+    gpus_per_replica: Annotated[int, typer.Option(callback=_GPUS_PER_REPLICA, help="GPUs serving one copy of the model (their HBM, bandwidth "
                                                   "and FLOPs added up; price multiplied)")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="directory to write report.md and "

@@ -48,17 +48,29 @@ def check_floors(min_recovery: float | None = None, max_kl: float | None = None,
         raise KilnError(f"--min-top1 must be in [0, 1], got {min_top1}")
 
 
-def check_baseline(manifest: dict, baseline: ModelGraph) -> None:
-    """Refuse a baseline that is not the artifact's recorded source (its safetensors files' sha256)."""
-    recorded = (manifest.get("source") or {}).get("weight_files") or {}
+def check_baseline(manifest: dict, baseline: ModelGraph, log: Callable[[str], None] = lambda message: None) -> None:
+    """Refuse a baseline that is not the artifact's recorded source: its safetensors files' sha256 and its
+    config.json's (loader.config_digest) must both match, since the same weights under another config (rope_theta,
+    norm eps, ...) are another model. An artifact built before the config's hash was recorded is checked on its
+    weights alone, and `log` hears a warning saying so."""
+    source = manifest.get("source") or {}
+    recorded = source.get("weight_files") or {}
     given = dict(baseline.source.weight_files)
     if not recorded:
         raise KilnError("the artifact's manifest records no source weight hashes, so its baseline cannot be "
                         "checked; pass --any-baseline to compare against BASELINE anyway")
+    where = f"baseline {baseline.source.name!s:.80} is not this artifact's source {source.get('checkpoint')!s:.80}"
     if given != recorded:
-        raise KilnError(f"baseline {baseline.source.name} is not this artifact's source "
-                        f"{manifest['source'].get('checkpoint')!s:.80}: its weight files' sha256 differ; pass the "
-                        "checkpoint the artifact was built from, or --any-baseline to compare anyway")
+        raise KilnError(f"{where}: its weight files' sha256 differ; pass the checkpoint the artifact was built from, "
+                        "or --any-baseline to compare anyway")
+    config = source.get("config_sha256")
+    if config is None:
+        log("warning: the artifact's manifest records no hash of its source's config.json (built before Kiln "
+            "recorded one): the baseline is checked on its weights only")
+    elif config != baseline.source.config_sha256:
+        raise KilnError(f"{where}: the weights match but its config.json differs (sha256 {config[:12]}... recorded, "
+                        f"{str(baseline.source.config_sha256)[:12]}... given); pass the checkpoint the artifact was "
+                        "built from, or --any-baseline to compare anyway")
 
 
 def artifact_floors(manifest: dict) -> tuple[float, float]:

@@ -18,6 +18,7 @@ one tensor at a time and keeps none: one reduction per tensor (NaN/Inf, overflow
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import math
 import platform
@@ -322,6 +323,14 @@ def _refuse_artifact(root: Path) -> None:
                         f"built from (manifest source: {checkpoint or 'not recorded'!s:.120})")
 
 
+def config_digest(config: dict) -> str:
+    """sha256 of a config.json's content: its JSON with keys sorted and no whitespace, so that the same config
+    written with another indentation or key order is the same config. Recorded beside the weight files' sha256
+    (manifest source.config_sha256): the weights alone do not say which model runs them (rope_theta, eps, ...)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def read_config(root: Path) -> dict:
     config_path = root / "config.json"
     if not config_path.is_file():
@@ -351,6 +360,7 @@ def load_checkpoint(ref: str | Path, trust_remote_code: bool = False, *,
     root = resolve_checkpoint(ref)
     _refuse_artifact(root)
     config = read_config(root)
+    config_sha256 = config_digest(config)  # as read: the dequantized view below rewrites the dict
     check_config(config)  # types and ranges first: the layer count below sizes everything after it
     files, weight_map = _weight_files(root)
     header = raw_header = _read_header(root, files, weight_map)
@@ -371,6 +381,7 @@ def load_checkpoint(ref: str | Path, trust_remote_code: bool = False, *,
         weight_files={f.name: sha256_file(f) for f in files},
         weight_bytes=sum(stored.info(name).nbytes for name in stored),
         tokenizer_files=tuple(root / n for n in TOKENIZER_FILES if (root / n).is_file()),
+        config_sha256=config_sha256,
     )
     tensors = TensorStore(stored, spill=SpillFile())
     tensors = prequantized.dequantize(quantized, tensors, _bad_values)  # float32; source keeps the stored bytes

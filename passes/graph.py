@@ -105,13 +105,15 @@ class Linear:
 
 @dataclass(frozen=True)
 class Source:
-    """Where the graph came from: directory, weight files with their sha256, byte size, tokenizer files."""
+    """Where the graph came from: directory, weight files with their sha256, byte size, tokenizer files, and the
+    sha256 of its config.json's content (None: not known, e.g. a graph built in memory)."""
 
     path: Path
     name: str
     weight_files: Mapping[str, str]
     weight_bytes: int
     tokenizer_files: tuple[Path, ...] = ()
+    config_sha256: str | None = None
 
 
 @dataclass
