@@ -482,11 +482,57 @@ def config_scenario(name: str, spec: ModelSpec, weights: str = "bf16", kv: str =
     return scenario(name, "config", spec, spec, formats, table, spec.tie_word_embeddings, speculation, notes)
 
 
+CONFIG_SIZE_LIMITS = {"num_hidden_layers": 1024, "num_nextn_predict_layers": 16, "head_dim": 4096,
+                      "qk_rope_head_dim": 4096, "qk_nope_head_dim": 4096, "v_head_dim": 4096,
+                      "num_local_experts": 1024, "num_experts": 1024, "n_routed_experts": 1024}
+"""Most of each config.json field that sizes what a report builds (a spec per layer, per expert, rotary tables per
+head dim): far above any released model (DeepSeek-V3: 61 layers, 256 experts; head dims up to 256), far below a
+config whose spec would not fit in memory. A report reads no weights, so nothing else bounds them."""
+MAX_LAYER_EXPERTS = 1 << 17
+"""Most expert specs in all (layers x experts; Kimi K2: 61 x 384)."""
+
+
+def check_config_sizes(config: Mapping, where: str) -> None:
+    """Refuse, before a spec is built, a config (already type-checked by loader_config.check_config) whose sizes
+    would make the spec itself huge: CONFIG_SIZE_LIMITS, the head dim hidden_size / num_attention_heads when
+    head_dim is not given, and layers x experts. One line naming the field, its value and the bound."""
+    def refuse(name: str, value: object, limit: int) -> None:
+        raise KilnError(f"{where}: {name} = {value} is above {limit}, the most a report models (the spec it builds "
+                        "grows with it)")
+
+    for name, limit in CONFIG_SIZE_LIMITS.items():
+        value = config.get(name)
+        if isinstance(value, int) and value > limit:
+            refuse(name, value, limit)
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if config.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 \
+            and hidden // heads > CONFIG_SIZE_LIMITS["head_dim"]:
+        refuse("hidden_size / num_attention_heads", hidden // heads, CONFIG_SIZE_LIMITS["head_dim"])
+    experts = max((config.get(k) or 0 for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                   if isinstance(config.get(k), int)), default=0)
+    layers = config.get("num_hidden_layers") or 0
+    if experts * layers > MAX_LAYER_EXPERTS:
+        refuse("num_hidden_layers x experts", experts * layers, MAX_LAYER_EXPERTS)
+
+
+def _config_spec(config_path: Path) -> ModelSpec:
+    """The spec of a Hugging Face config.json, refused in one line when it is malformed or too big to model."""
+    from kiln.optimizer.loader_config import build_spec, check_config
+    from kiln.runtime.artifact import clip, read_json
+
+    data = read_json(config_path)
+    if not isinstance(data, dict):
+        raise KilnError(f"{clip(config_path)} must hold a JSON object")
+    check_config(data)  # types and ranges, as the loader checks them
+    check_config_sizes(data, clip(config_path))
+    return build_spec(data)
+
+
 def load_scenario(target: Path, weights: str | None = None, kv: str | None = None,
                   speculation: Speculation | None = None) -> Scenario:
     """An artifact directory (its manifest; weights are not read, so not checksummed), or a Hugging Face config:
     a config.json file or a directory holding one and no manifest."""
-    from kiln.runtime.artifact import MANIFEST, clip, read_json, read_manifest
+    from kiln.runtime.artifact import MANIFEST, clip, read_manifest
     from kiln.runtime.spec import spec_from_json
 
     target = Path(target)
@@ -501,20 +547,13 @@ def load_scenario(target: Path, weights: str | None = None, kv: str | None = Non
         if (any(layer.attention.kind == "mla" for layer in spec.layers)
                 and manifest["source"]["model_type"] != "deepseek_v3" and (target / "config.json").is_file()):
             # MLA came from a pass: the source's own structure, from its config
-            from kiln.optimizer.loader_config import build_spec
-
-            source_spec = build_spec(read_json(target / "config.json"))
+            source_spec = _config_spec(target / "config.json")
         return manifest_scenario(str(target), manifest, spec, source_spec, speculation)
     config = target / "config.json" if target.is_dir() else target
     if not config.is_file():
         raise KilnError(f"{clip(target)} is neither a Kiln artifact nor a Hugging Face config (no manifest.json "
                         "or config.json)")
-    data = read_json(config)
-    if not isinstance(data, dict):
-        raise KilnError(f"{clip(config)} must hold a JSON object")
-    from kiln.optimizer.loader_config import build_spec
-
-    return config_scenario(str(target), build_spec(data), weights or "bf16", kv or "bf16", speculation)
+    return config_scenario(str(target), _config_spec(config), weights or "bf16", kv or "bf16", speculation)
 
 
 # --- the report ------------------------------------------------------------------------------------------------
