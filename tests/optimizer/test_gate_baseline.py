@@ -80,3 +80,58 @@ def test_suspect_results_never_pass():
     assert not too_good.passed and "far above 1" in too_good.suspect
     assert not other.passed and "not a faithful rewrite" in other.suspect
     assert too_good.to_json()["suspect"] == too_good.suspect
+
+
+# --- the baseline's identity is its weights and its config.json (issue #18, 4) ------------------------------
+def edited_config_copy(tmp_path, name: str, **changes):
+    """stories260K with the same weights and its config.json changed (or only rewritten, with no changes)."""
+    path = broken_copy(STORIES, tmp_path / name, "intact")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}, indent=4, sort_keys=not changes))
+    return path
+
+
+@needs_stories
+def test_the_manifest_records_the_sources_config_hash(artifact):
+    from kiln.optimizer.loader import config_digest, read_config
+
+    source = json.loads((artifact / "manifest.json").read_text())["source"]
+    assert source["config_sha256"] == config_digest(read_config(STORIES))
+    assert set(source["weight_files"]) == {"model.safetensors"}
+
+
+@needs_stories
+def test_the_same_weights_under_another_config_are_refused(cli, artifact, tmp_path):
+    """rope_theta changed: the weight hashes match, so this was accepted, and the gate then failed on KL with
+    exit 1 as if the artifact were bad. It is another model: refused as one (exit 2), unless --any-baseline."""
+    other = edited_config_copy(tmp_path, "rope", rope_theta=500000.0)
+    code, _, stderr = gate(cli, artifact, other)
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    assert "is not this artifact's source" in stderr and "the weights match but its config.json differs" in stderr
+    code, _, stderr = gate(cli, artifact, other, "--any-baseline")
+    assert code != 2, stderr  # compared: the figures decide (1 here: another rotary base is another model)
+
+
+@needs_stories
+def test_a_config_rewritten_without_changes_is_the_same_source(cli, artifact, tmp_path):
+    same = edited_config_copy(tmp_path, "reformatted")  # other indentation and key order, the same content
+    assert (same / "config.json").read_bytes() != (STORIES / "config.json").read_bytes()
+    code, _, stderr = gate(cli, artifact, same)
+    assert code == 0, stderr
+
+
+@needs_stories
+def test_an_artifact_built_before_the_config_hash_still_gates_on_its_weights(cli, artifact, tmp_path):
+    import shutil
+
+    old = tmp_path / "old-art"
+    shutil.copytree(artifact, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["source"]["config_sha256"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    code, _, stderr = gate(cli, old, STORIES)
+    assert code == 0, stderr
+    assert "warning: the artifact's manifest records no hash of its source's config.json" in stderr
+    assert "checked on its weights only" in stderr
+    code, _, stderr = gate(cli, old, scrambled_copy(tmp_path))  # the weights are still checked
+    assert code == 2 and "its weight files' sha256 differ" in stderr
