@@ -421,9 +421,23 @@ def inspect(
     artifact: Annotated[Path, typer.Argument(help="artifact directory")],
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Per-layer formats, sizes and gate figures of an artifact."""
+    """Per-layer formats, sizes and gate figures of an artifact; of an export: its layout and what loads it."""
     from kiln.runtime.artifact import read_manifest
 
+    if not (artifact / "manifest.json").is_file():
+        from kiln.optimizer.export_notes import describe_export
+
+        export = describe_export(artifact)
+        if export is not None:
+            if as_json:
+                print(json.dumps(export, indent=2))
+            else:
+                for line in (f"{artifact}: a Kiln export, format {export['format']} (from {export['artifact']})",
+                             f"layout: {export['layout']}",
+                             "loaders that read it: " + ("; ".join(export["loaders"]) or "unknown"),
+                             f"config.json written for transformers {export['transformers_version']}"):
+                    out.print(Text(line), soft_wrap=True)
+            return
     manifest = read_manifest(artifact)
     layers = {name: e["format"] + (f"+{e['activation']}" if e.get("activation", "none") != "none" else "")
               for name, e in manifest["formats"].items()}

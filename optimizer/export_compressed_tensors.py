@@ -70,6 +70,7 @@ from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
 from kiln.optimizer.export_modelopt import NVFP4_GROUP_SIZE, copy_tokenizer_files, kv_algo, read_for_export
+from kiln.optimizer.export_notes import stamp, write_readme
 from kiln.optimizer.output_dir import atomic_directory, mark_export
 from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.runtime.artifact import MANIFEST, WEIGHTS
@@ -293,11 +294,12 @@ def export_compressed_tensors(artifact: Path | str, output: Path | str, overwrit
     exported = export_tensors(schemes, tensors)
     with atomic_directory(output, overwrite, [artifact]) as tmp:
         mark_export(tmp, artifact, "compressed-tensors")
+        write_readme(tmp, "compressed-tensors", artifact)
         save_file(exported, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.pop("quantization_config", None)
         if quant is not None:
             config["quantization_config"] = quant
-        (tmp / "config.json").write_text(json.dumps(config, indent=4) + "\n")
+        (tmp / "config.json").write_text(json.dumps(stamp(config), indent=4) + "\n")
         copy_tokenizer_files(artifact, tmp)
         verify_compressed_tensors(tmp, artifact)
     return output

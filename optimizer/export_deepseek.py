@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.export_modelopt import copy_tokenizer_files
+from kiln.optimizer.export_notes import stamp, write_readme
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
 from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.passes.fuse import unfuse_spec
@@ -255,8 +256,9 @@ def export_deepseek(artifact: Path | str, output: Path | str, overwrite: bool = 
     config = deepseek_config(spec, json.loads((artifact / "config.json").read_text()))
     with atomic_directory(output, overwrite, [artifact]) as tmp:
         mark_export(tmp, artifact, "hf")
+        write_readme(tmp, "hf", artifact)
         save_file(exported, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(stamp(config), indent=2) + "\n")
         copy_tokenizer_files(artifact, tmp)
         verify_deepseek_export(tmp, artifact)
     return output

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.kernels.errors import KilnError
+from kiln.optimizer.export_notes import stamp, write_readme
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
 from kiln.runtime.artifact import WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json
@@ -99,8 +100,9 @@ def export_eagle3(artifact: Path | str, output: Path | str, overwrite: bool = Fa
     config = eagle3_config(spec, source, exported["fc.weight"].dtype)
     with atomic_directory(output, overwrite, [artifact]) as tmp:
         mark_export(tmp, artifact, "eagle3")
+        write_readme(tmp, "eagle3", artifact)
         save_file(exported, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(stamp(config), indent=2) + "\n")
         back = load_file(str(tmp / "model.safetensors"))
         if set(back) != set(exported) or any(not torch.equal(back[n], exported[n]) for n in exported):
             raise KilnError("eagle3 export: the written tensors do not read back equal")

@@ -44,6 +44,7 @@ from kiln.kernels import fp8
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
+from kiln.optimizer.export_notes import stamp, write_readme
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
 from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.runtime.artifact import MANIFEST, WEIGHTS, read_manifest
@@ -260,11 +261,12 @@ def write_modelopt_files(directory: Path, artifact: Path, tensors: dict[str, tor
     """An hf-modelopt export's files in `directory`: the marker, the weights, hf_quant_config.json (when anything
     is quantized), config.json with its quantization_config, the tokenizer."""
     mark_export(directory, artifact, "hf-modelopt")
+    write_readme(directory, "hf-modelopt", artifact)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if hf_quant["quantization"]["quant_algo"] or hf_quant["quantization"]["kv_cache_quant_algo"]:
         (directory / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
         config = {**config, "quantization_config": quantization_config(hf_quant)}
-    (directory / "config.json").write_text(json.dumps(config, indent=4) + "\n")
+    (directory / "config.json").write_text(json.dumps(stamp(config), indent=4) + "\n")
     copy_tokenizer_files(artifact, directory)
 
 

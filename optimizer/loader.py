@@ -44,7 +44,7 @@ from kiln.passes.tensor_store import (
     read_tensor,
     releasing,
 )
-from kiln.runtime.artifact import MANIFEST, read_json, sha256_file
+from kiln.runtime.artifact import MANIFEST, clip, read_json, sha256_file
 from kiln.runtime.spec import ModelSpec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -331,10 +331,30 @@ def config_digest(config: dict) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def gguf_hint(root: Path) -> str | None:
+    """How to turn a folder holding a GGUF file (llama.cpp's format, which Kiln does not read) into a Hugging Face
+    checkpoint; None when it holds none."""
+    try:
+        ggufs = sorted(p.name for p in root.iterdir() if p.suffix.lower() == ".gguf")
+    except OSError:
+        return None
+    if not ggufs:
+        return None
+    gguf = clip(ggufs[0], 60)
+    if (root / "to_hf.py").is_file():
+        how = f"convert it with its script: python {clip(root / 'to_hf.py', 90)} OUT, then build OUT"
+    else:
+        how = (f"convert it with transformers (pip install gguf): AutoModelForCausalLM and AutoTokenizer"
+               f".from_pretrained(DIR, gguf_file={gguf!r}).save_pretrained(OUT)")
+    return f"it holds {gguf} (GGUF, which Kiln does not read): {how}"
+
+
 def read_config(root: Path) -> dict:
     config_path = root / "config.json"
     if not config_path.is_file():
-        raise KilnError(f"{root} has no config.json; is it a Hugging Face checkpoint directory?")
+        hint = gguf_hint(root)
+        raise KilnError(f"{clip(root, 60) if hint else root} has no config.json; "
+                        + (hint or "is it a Hugging Face checkpoint directory?"))
     config = read_json(config_path)
     if not isinstance(config, dict):
         raise KilnError(f"{config_path} must hold a JSON object")

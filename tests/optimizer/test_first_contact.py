@@ -48,3 +48,56 @@ def test_physical_cores_reads_cpuinfo():
     if count is None:
         pytest.skip("no /proc/cpuinfo topology here")
     assert 1 <= count <= (os.cpu_count() or count)
+
+
+# -- GGUF hint -------------------------------------------------------------------------------------------------
+
+def test_a_gguf_folder_says_how_to_convert(tmp_path):
+    from kiln.optimizer.loader import load_checkpoint
+    from tests.conftest import refused
+
+    (tmp_path / "Model.Q4_1.gguf").write_bytes(b"GGUF")
+    message = refused(load_checkpoint, tmp_path, match="has no config.json")
+    assert "Model.Q4_1.gguf (GGUF" in message and "gguf_file='Model.Q4_1.gguf'" in message
+    (tmp_path / "to_hf.py").write_text("")
+    message = refused(load_checkpoint, tmp_path, match="has no config.json")
+    assert "convert it with its script: python " in message and "to_hf.py OUT, then build OUT" in message
+    (tmp_path / "Model.Q4_1.gguf").unlink()
+    (tmp_path / "to_hf.py").unlink()
+    assert "GGUF" not in refused(load_checkpoint, tmp_path, match="is it a Hugging Face checkpoint directory?")
+
+
+# -- exports: the version that wrote config.json, the loaders that read the layout ----------------------------
+
+@pytest.fixture(scope="module")
+def stories_plain(tmp_path_factory):
+    """stories260K with no passes: its config.json claims transformers 5.24.0."""
+    from kiln.optimizer.build import build
+    from tests.conftest import STORIES
+
+    if not (STORIES / "config.json").is_file():
+        pytest.skip("../shared/models absent")
+    return build(STORIES, "hopper", "none", tmp_path_factory.mktemp("fc") / "art", gate=False).path
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "hf-modelopt"])
+def test_exports_name_their_writer_and_their_loaders(stories_plain, tmp_path, cli, fmt):
+    import json
+    from importlib.metadata import version
+
+    from kiln.optimizer.export import export
+
+    source = json.loads((stories_plain / "config.json").read_text())["transformers_version"]
+    out = export(stories_plain, fmt, tmp_path / fmt)
+    written = json.loads((out / "config.json").read_text())["transformers_version"]
+    assert written == version("transformers") and written != source
+    readme = (out / "README.md").read_text()
+    code, text, err = cli("inspect", str(out))
+    assert code == 0, err
+    names = ("vLLM", "SGLang", "TensorRT-LLM", "ModelOpt") if fmt == "hf-modelopt" else ("vLLM", "SGLang")
+    for name in names:
+        assert name in readme and name in text, name
+    if fmt == "hf-modelopt":
+        assert "does NOT read it" in readme and "does NOT read it" in " ".join(text.split())
+    code, text, _ = cli("inspect", str(out), "--json")
+    assert json.loads(text)["format"] == fmt and json.loads(text)["transformers_version"] == written
