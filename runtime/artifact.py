@@ -18,7 +18,9 @@ bounded length):
   - model.safetensors must be in that table, and every other entry of the directory too:
     the runtime reads only checksummed files (the tokenizer loader picks up whatever tokenizer files lie
     in the directory, so an unlisted file is refused rather than ignored);
-  - no file inside the artifact may be a symlink (the artifact directory itself may be one).
+  - no file inside the artifact may be a symlink (the artifact directory itself may be one);
+  - the architecture must be well-typed and consistent, and agree with model.safetensors' header: every
+    tensor the runtime reads present with the shape and dtype of its declared format (runtime.structure).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
 
 def read_manifest(path: Path | str, verify: bool = True) -> dict:
     """The artifact's manifest, after checking its schema version and shape and (by default) its files:
-    the required ones are listed, nothing unlisted lies beside them, none is a symlink, every sha256 matches."""
+    the required ones are listed, nothing unlisted lies beside them, none is a symlink, every sha256 matches;
+    and then its structure against model.safetensors' header (`runtime.structure.check_structure`)."""
     root = Path(path)
     if not root.is_dir():
         raise KilnError(f"artifact {clip(root)} does not exist or is not a directory")
@@ -115,6 +118,10 @@ def read_manifest(path: Path | str, verify: bool = True) -> dict:
     validate_manifest(manifest, root)
     if verify:
         verify_checksums(root, manifest)
+        # the writer of an artifact writes its checksums too: its architecture must agree with its tensors
+        from kiln.runtime.structure import check_structure
+
+        check_structure(root, manifest)
     return manifest
 
 

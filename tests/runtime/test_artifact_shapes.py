@@ -33,8 +33,8 @@ def _manifest(art: Path) -> dict:
 
 
 def _rewrite_weights(art: Path, edit, formats: dict | None = None) -> None:
-    """Apply `edit` to the tensor dict, save it, and make the manifest match (checksum, tensor table,
-    format entries), so that the edited artifact passes verification."""
+    """Apply `edit` to the tensor dict, save it, and make the manifest match (checksum, tensor table, weight
+    bytes, format entries), so that the edited artifact passes verification."""
     tensors = load_file(str(art / WEIGHTS))
     edit(tensors)
     save_file(tensors, str(art / WEIGHTS))
@@ -42,6 +42,7 @@ def _rewrite_weights(art: Path, edit, formats: dict | None = None) -> None:
     manifest["files"][WEIGHTS] = sha256_file(art / WEIGHTS)
     manifest["tensors"] = {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                            for name, t in tensors.items()}
+    manifest["sizes"]["weight_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
     manifest["formats"].update(formats or {})
     (art / MANIFEST).write_text(json.dumps(manifest))
 
@@ -83,7 +84,7 @@ def test_a_reshaped_weight_of_the_same_size_isrefused(art):
 
 def test_an_architecture_vocab_size_disagreeing_with_the_embedding_isrefused(art, cli):
     _rewrite_architecture(art, vocab_size=500)
-    message = f"artifact tensor {EMBED} has shape (384, 64), the architecture needs (500, 64)"
+    message = "architecture.lm_head (lm_head): out_features is 384, the architecture's other sizes need 500"
     refused(runtime.load, art, match=message)
     code, _, err = cli("generate", art, "hi")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
@@ -116,7 +117,7 @@ def test_non_finite_dense_values_arerefused(art):
 
 def test_an_integer_norm_isrefused(art):
     _rewrite_weights(art, lambda t: t.update({NORM: t[NORM].to(torch.int32)}))
-    refused(runtime.load, art, match=f"artifact tensor {NORM} has dtype int32; a norm weight must be floating point")
+    refused(runtime.load, art, match=f"artifact tensor {NORM} has dtype int32; a norm weight must be float32")
 
 
 def test_an_unknown_format_isrefused(art, cli):
