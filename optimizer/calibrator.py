@@ -17,6 +17,13 @@ has changed (a tensor or quant annotation replaced), starts again from the embed
 
 The source for distillation is the graph as it stood when the session was created (before the pass).
 
+    checkpoint = session.checkpoint()   # the hidden states at the input of the block the session stands at
+    later.resume(checkpoint)            # another session on the same text starts there, not at the embedding
+
+A back-off attempt of weight quantization restores the blocks an earlier attempt calibrated and resumes at the
+first block it recalibrates (passes.weight_quant.CalibrationCache); `resume` refuses a checkpoint the graph no
+longer matches (the blocks before it compute with other tensors or annotations, compared by identity).
+
 Device: a session made with `device` ("cuda") keeps the hidden states there and runs each block there in fp32
 (moved as it is built; the graph's tensors stay where they are); the callback gets inputs on that device.
 Distillation runs there too: both models are moved whole, and the tuned parameters must already live there
@@ -118,6 +125,20 @@ class _Batch:
         self.hidden: torch.Tensor | None = None  # [B, T, C] at the session's position
 
 
+class HiddenCheckpoint:
+    """A session's hidden states at the input of block `position` (one tensor per batch, on the session's
+    device) and the fingerprints of the blocks they went through (RuntimeCalibrationSession.checkpoint)."""
+
+    __slots__ = ("position", "hidden", "ran", "tokens")
+
+    def __init__(self, position: int, hidden: list[torch.Tensor], ran: dict, tokens: list[torch.Tensor]):
+        self.position, self.hidden, self.ran, self.tokens = position, hidden, ran, tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.numel() * h.element_size() for h in self.hidden)
+
+
 class RuntimeCalibrationSession:
     def __init__(self, graph: ModelGraph, token_lists: list[list[int]], max_batch_tokens: int,
                  observe_sequences: int | None = None, device: torch.device | str = "cpu"):
@@ -165,6 +186,30 @@ class RuntimeCalibrationSession:
         weights[name]() and the norms (or the embedding) in `norms` (tensor name -> weight) replaced, against
         the source, on every calibration paragraph and `extra_token_lists`."""
         return Distillation(self, weights, norms, max_batch_tokens, extra_token_lists)
+
+    def checkpoint(self) -> HiddenCheckpoint | None:
+        """The hidden states where the session stands (the input of block `position`; none yet: None), with what
+        every block before computed with. Held by reference: the session replaces hidden states, never changes
+        them, so this costs the memory they would otherwise free."""
+        if self.position is None:
+            return None
+        return HiddenCheckpoint(self.position, [b.hidden for b in self.batches], dict(self._ran),
+                                [b.tokens for b in self.batches])
+
+    def resume(self, checkpoint: HiddenCheckpoint) -> bool:
+        """Stand at `checkpoint` (e.g. from an earlier session on the same text) instead of replaying the blocks
+        before it, when this session's batches are its and the graph still holds exactly what those blocks
+        computed with (the fingerprints, by identity); False, and nothing changed, otherwise."""
+        if len(checkpoint.tokens) != len(self.batches) or any(
+                not torch.equal(t, b.tokens) for t, b in zip(checkpoint.tokens, self.batches, strict=True)):
+            return False
+        if any(self._fingerprint(i) != checkpoint.ran.get(i) for i in range(-1, checkpoint.position)):
+            return False
+        for b, hidden in zip(self.batches, checkpoint.hidden, strict=True):
+            b.hidden = hidden
+        self.position = checkpoint.position
+        self._ran = dict(checkpoint.ran)
+        return True
 
     # --- internals -----------------------------------------------------------------------------------------
     def _seek(self, layer: int) -> None:

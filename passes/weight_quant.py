@@ -188,6 +188,7 @@ class BlockProduct:
     notes: list[str]
     idle: list[str]  # linears that saw no calibration token
     seconds: float
+    checkpoint: Any = None  # the session's hidden states at this block's input (session.checkpoint), or None
 
 
 class CalibrationCache:
@@ -286,6 +287,12 @@ def over_budget(graph: ModelGraph, steps: int, batch_tokens: int, budget: float 
     return (f"{skipped}: {steps} steps of {batch_tokens} tokens on {weights / 1e6:.1f}M weights is {cost:.2g} "
             f"token-weights, over the {kind} budget of {budget:.2g} on {place} ({field_name})")
 
+
+CHECKPOINT_BYTES = 1 << 30
+"""A back-off's cache keeps the calibration set's hidden states at the input of every block, or of every k-th
+block so that they fit this (SmolLM2-135M, 13082 observed tokens: 30 MB a block, every block kept; an 8B model's
+4096-wide states: every 7th): a back-off step then resumes at its first recalibrated block (or at most k - 1
+blocks before it) instead of replaying every block before it."""
 
 AWQ_EXACT_FLOPS = 2e10
 """A weight-only AWQ loss costlier than this per candidate (2 N K min(K, tokens)) is estimated from a sketch of
@@ -645,11 +652,14 @@ class WeightQuantization(Pass):
         order = sorted(by_layer, key=lambda i: (i is None, i or 0))
         reused = self._reused_blocks(order, by_layer, start_state, ctx)
         products: list[BlockProduct] = []
+        stride = 0  # keep the block inputs of every stride-th block (CHECKPOINT_BYTES); 0: not known yet
         calibration_start = time.perf_counter()
         for layer in progress.track(order, f"{self.name}: calibrate {self.format}", unit="blocks"):
             if len(products) < len(reused):  # as the attempt before calibrated it: restored, not recomputed
                 products.append(self._restore_block(graph, reused[len(products)], result, idle))
                 continue
+            if reused and len(products) == len(reused):  # the first block to redo: start from its inputs
+                self._resume(observe, len(graph.spec.layers) if layer is None else layer, ctx)
             release_freed_memory()  # what the block before freed
             block_start = time.perf_counter()
             notes_before, idle_before, overlay_before = len(result.notes), len(idle), dict(graph.tensors.overlay)
@@ -710,6 +720,12 @@ class WeightQuantization(Pass):
                 {k: v for k, v in overlay.items() if overlay_before.get(k) is not v},
                 {n: result.changed[n] for n in names}, {n: result.metrics[n] for n in names},
                 result.notes[notes_before:], idle[idle_before:], time.perf_counter() - block_start))
+            found = getattr(observe, "checkpoint", lambda: None)()  # the inputs this block was calibrated on
+            if found is not None and found.position == (len(graph.spec.layers) if layer is None else layer):
+                stride = stride or max(1, math.ceil(found.nbytes * len(order) / CHECKPOINT_BYTES))
+                if (len(products) - 1) % stride == 0:
+                    products[-1].checkpoint = found
+            del found
         seconds = time.perf_counter() - calibration_start
         result.calibration = self._record_calibration(products, reused, order, seconds, start_state, result, ctx)
         if idle:
@@ -717,9 +733,9 @@ class WeightQuantization(Pass):
                                 f"data-free MSE scales: {', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''}")
         if self.tune_steps:
             tune_start = time.perf_counter()
-            self._tune(graph, session, chosen, result, ctx.log)
-            ctx.log(f"{self.name}: end-to-end tuning (every block, redone on each attempt): "
-                    f"{time.perf_counter() - tune_start:.1f} s")
+            if self._tune(graph, session, chosen, result, ctx.log):
+                ctx.log(f"{self.name}: end-to-end tuning (every block, redone on each attempt): "
+                        f"{time.perf_counter() - tune_start:.1f} s")
         return result
 
     # --- calibration reuse (back-off) --------------------------------------------------------------------------
@@ -740,6 +756,18 @@ class WeightQuantization(Pass):
                 break
             prefix.append(block)
         return prefix
+
+    def _resume(self, session, position: int, ctx: PassContext) -> None:
+        """Have `session` stand at the latest kept block input at or before `position` (the first block to
+        recalibrate), rather than replay every restored block from the embedding. The session checks that the
+        graph holds what those blocks computed with, by identity (the restored objects are the same)."""
+        cache = self.reuse
+        resume = getattr(session, "resume", None)
+        found = [b.checkpoint for b in cache.blocks if b.checkpoint is not None and b.checkpoint.position <= position]
+        for checkpoint in sorted(found, key=lambda c: -c.position) if resume is not None else ():
+            if resume(checkpoint):
+                ctx.log(f"{self.name}: calibration resumes from the kept inputs of block {checkpoint.position}")
+                return
 
     def _restore_block(self, graph: ModelGraph, block: BlockProduct, result: PassResult,
                        idle: list[str]) -> BlockProduct:
@@ -906,17 +934,19 @@ class WeightQuantization(Pass):
         return derived
 
     def _tune(self, graph: ModelGraph, session, chosen: list[Linear], result: PassResult,
-              log: Callable[[str], None]) -> None:
+              log: Callable[[str], None]) -> bool:
+        """Tune end to end and store the result; False when nothing was tuned (over the budget)."""
         tuned = tune_end_to_end(graph, session, [lin.name for lin in chosen], self.tune_steps, self.tune_lr,
                                 self.tune_batch_tokens, log, self.tune_budget)
         result.notes.append(tuned.note)
         if not tuned.tensors:
-            return
+            return False
         for lin in chosen:
             w = self._rotate(graph.weight(lin).float())
             qw = replace(lin.quant, tensors=tuned.tensors[lin.name], method=self._method_label(tuned=True))
             self._store(lin, w, qw, result)
         graph.tensors.update(tuned.norms)  # fp32, like the tuning
+        return True
 
     def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
         """Keep the 1, 2, 4, ... linears with the largest relative weight error in source precision. Each

@@ -90,7 +90,9 @@ def test_a_reusing_attempt_stores_what_a_full_calibration_stores(four_blocks, na
         config = WeightQuantization(**CONFIGS[name], keep=keep)
         result = config.reusing(cache).apply(graph, ctx)
         reused_to = 1 if step == 1 else 2
-        line = lines[-1] if not first_config.tune_steps else next(l for l in lines if l.startswith("back-off step"))
+        line = next(line for line in lines if line.startswith("back-off step"))
+        # the session starts at the first recalibrated block's kept inputs, not from the embedding
+        assert f"weight-quant: calibration resumes from the kept inputs of block {reused_to + 1}" in lines
         lines.clear()
         assert line.startswith(f"back-off step {step}: kept {len(keep)} linears in source precision, recalibrated "
                                f"blocks {reused_to + 1}")
@@ -125,6 +127,29 @@ def test_blocks_before_the_first_kept_one_are_not_recalibrated(four_blocks, monk
     replace_keep.reusing(cache).apply(graph, ctx)
     assert set(observed) == {3}  # blocks 0..2 restored: neither observed nor quantized again
     assert len(quantized) == 3  # q/k/v, o, gate/up of block 3 (down_proj kept)
+
+
+def test_a_session_resumes_only_where_the_graph_is_what_the_checkpoint_went_through(four_blocks):
+    from kiln.optimizer.calibrator import RuntimeCalibrator
+
+    graph = load_checkpoint(four_blocks)
+    tokens = token_lists(graph.spec.vocab_size)
+    calibrator = RuntimeCalibrator(tokens, max_batch_tokens=128)
+    seen: dict[str, list[torch.Tensor]] = {}
+    name = "model.layers.2.self_attn.o_proj"
+    first = calibrator.session(graph)
+    first.observe([name], lambda n, x: seen.setdefault("replayed", []).append(x))
+    checkpoint = first.checkpoint()
+    assert checkpoint.position == 2 and checkpoint.nbytes >= 4 * sum(map(len, tokens)) * graph.spec.hidden_size  # padded batches
+    second = calibrator.session(graph)
+    assert second.resume(checkpoint) and second.position == 2
+    second.observe([name], lambda n, x: seen.setdefault("resumed", []).append(x))
+    assert all(torch.equal(a, b) for a, b in zip(seen["replayed"], seen["resumed"], strict=True))
+    # block 1 changes: the checkpoint no longer describes the graph, and a session refuses it
+    WeightQuantization(format="nvfp4", keep=tuple(n for n in graph.linears if ".layers.1." not in n)).apply(
+        graph, PassContext(get_target("hopper")))
+    assert not calibrator.session(graph).resume(checkpoint)
+    assert not RuntimeCalibrator(tokens[:5]).session(graph).resume(checkpoint)  # other batches
 
 
 def test_a_cache_from_another_graph_or_config_is_not_used(four_blocks):
