@@ -415,34 +415,414 @@ def make_cases(w: Workspace) -> list[Case]:
 
 # --- the classes of issue #18 (a second hostile run), at least three cases each ----------------------------
 def artifact_structure_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
-    """An artifact whose manifest lies about its own structure (checksums recomputed): exit 2, one line."""
-    return []
+    """An artifact whose manifest lies about its own structure (checksums recomputed): exit 2, one line.
+
+    Copies of the fp8-weights artifact, each edited as a hostile writer would: the manifest and/or the tensors,
+    then model.safetensors' sha256, the manifest's tensors table and weight bytes recomputed, so that every
+    checksum matches and only the check of the architecture against the tensors can refuse it."""
+    prompt = ["Once upon a time", "--max-new-tokens", "4"]
+
+    def lie(name: str, edit_manifest: Callable[[dict], object] | None = None,
+            edit_tensors: Callable[[dict, dict], object] | None = None) -> tuple[str, Callable[[], None]]:
+        root = w.hostile / f"structure-{name}"
+
+        def setup() -> None:
+            if root.exists():
+                return
+            shutil.copytree(w.f, root)
+            manifest = json.loads((root / "manifest.json").read_text())
+            if edit_tensors is not None:
+                from safetensors.torch import load_file, save_file
+
+                tensors = load_file(root / "model.safetensors")
+                edit_tensors(tensors, manifest)
+                save_file(tensors, root / "model.safetensors")
+                manifest["files"]["model.safetensors"] = hashlib.sha256(
+                    (root / "model.safetensors").read_bytes()).hexdigest()
+                manifest["tensors"] = {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                                       for k, t in tensors.items()}
+                manifest["sizes"]["weight_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+            if edit_manifest is not None:
+                edit_manifest(manifest)
+            (root / "manifest.json").write_text(json.dumps(manifest))
+        return str(root), setup
+
+    def layer0(m: dict) -> dict:
+        return m["architecture"]["layers"][0]["attention"]
+
+    q = "model.layers.0.self_attn.q_proj"
+
+    def dense_label_on_fp8(tensors: dict, m: dict) -> None:
+        # the fp8-weights artifact stores q_proj as FP8 codes + scale; the entry now says they are plain weights
+        m["formats"][q] = {"format": "dense", "activation": "none", "role": "q"}
+
+    def sliced_q(tensors: dict, m: dict) -> None:
+        tensors[f"{q}.weight"] = tensors[f"{q}.weight"][:, :32].contiguous()
+
+    def rotary_strings(m: dict) -> None:
+        layer0(m)["rotary"]["inv_freq"] = [str(f) for f in layer0(m)["rotary"]["inv_freq"]]
+
+    cases = []
+    for label, command, (art, setup) in [
+        ("num_heads 0 in a layer", "generate", lie("heads0", lambda m: layer0(m).update(num_heads=0))),
+        ("no layers", "generate", lie("nolayers", lambda m: m["architecture"].update(layers=[]))),
+        ("rotary inv_freq as strings", "generate", lie("rotary-strings", rotary_strings)),
+        ("head_dim 16 where the tensors hold 8", "eval", lie("headdim16", lambda m: layer0(m).update(head_dim=16))),
+        ("formats says dense for an FP8 linear", "generate", lie("dense-fp8", None, dense_label_on_fp8)),
+        ("a weight sliced to (64, 32)", "inspect", lie("sliced", None, sliced_q)),
+        ("a weight sliced to (64, 32)", "generate", lie("sliced", None, sliced_q)),
+        ("num_kv_heads 3 (does not divide 8 heads)", "inspect",
+         lie("kvheads3", lambda m: layer0(m).update(num_kv_heads=3))),
+        ("tensors table says (64, 32) for a (64, 64) weight", "inspect",
+         lie("table", lambda m: m["tensors"][f"{q}.weight"].update(shape=[64, 32]))),
+        ("intermediate_size 100 where down_proj takes 172", "generate",
+         lie("inter100", lambda m: m["architecture"]["layers"][1]["mlp"].update(intermediate_size=100))),
+        ("rms_norm_eps -1", "eval", lie("eps", lambda m: m["architecture"].update(rms_norm_eps=-1))),
+    ]:
+        args = {"generate": ["generate", art, *prompt], "inspect": ["inspect", art],
+                "eval": ["eval", art, "--data", str(w.text)]}[command]
+        cases.append(Case(f"structure: {command}: {label}", args, 2, setup=setup))
+    return cases
 
 
 def output_policy_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
     """Outputs other than build's and export's -o (gate --junit, report -o) and --overwrite onto a Kiln
     directory the user added to: refused before any work, never an input, nothing of the user's lost."""
-    return []
+    ckpt, a, f = str(w.ckpt), str(w.a), str(w.f)
+    root = w.tmp / "output-policy"
+    text_copy = root / "eval.txt"  # the cases aim at a copy of the evaluation text, never at ../shared
+    user_xml, user_report = root / "mine.xml", root / "user-report"
+    kiln_art, kiln_export = root / "kiln-art", root / "kiln-export"
+    text = w.text.read_text()
+
+    def prepare() -> None:
+        root.mkdir(exist_ok=True)
+        text_copy.write_text(text)
+        user_xml.write_text("<mine/>\n")
+        user_report.mkdir(exist_ok=True)
+        (user_report / "report.md").write_text("my own report")
+
+    def art_with_user_file() -> None:
+        prepare()
+        shutil.rmtree(kiln_art, ignore_errors=True)
+        shutil.copytree(w.a, kiln_art)
+        (kiln_art / "notes.md").write_text("my notes")
+
+    def export_with_user_file() -> None:
+        prepare()
+        if not (kiln_export / "kiln_export.json").is_file():
+            subprocess.run([OPTIMIZE, "export", f, "-o", str(kiln_export)], capture_output=True, env=ENV, cwd=w.work,
+                           timeout=TIMEOUT, check=True)
+        (kiln_export / "notes.md").write_text("my notes")
+
+    gate = ["gate", a, "--baseline", ckpt, "--data", str(text_copy), "--min-recovery", "0.5", "--paragraphs", "20",
+            "--generate", "0"]
+
+    def made_nothing(path: Path) -> Check:
+        def check(_: Result) -> tuple[bool, str]:
+            return (False, f"CREATED {path.name}") if path.exists() else (True, "nothing created")
+        return check
+
+    return [
+        Case("output: gate --junit into a missing directory", [*gate, "--junit", str(root / "nodir" / "g.xml")], 2,
+             setup=prepare, check=made_nothing(root / "nodir")),
+        Case("output: gate --junit onto a directory", [*gate, "--junit", str(user_report)], 2, setup=prepare,
+             check=file_kept(user_report / "report.md", "my own report")),
+        Case("output: gate --junit /proc/x", [*gate, "--junit", "/proc/x"], 2, setup=prepare),
+        Case("output: gate --junit FILE, FILE is the --data text", [*gate, "--junit", str(text_copy)], 2,
+             setup=prepare, check=file_kept(text_copy, text)),
+        Case("output: gate --junit onto the user's own XML", [*gate, "--junit", str(user_xml)], 2, setup=prepare,
+             check=file_kept(user_xml, "<mine/>\n")),
+        Case("output: report -o DIR, DIR holds the user's report.md", ["report", a, "-o", str(user_report)], 2,
+             setup=prepare, check=file_kept(user_report / "report.md", "my own report")),
+        Case("output: report -o /proc/x", ["report", a, "-o", "/proc/x"], 2, setup=prepare),
+        Case("output: build --overwrite onto a Kiln artifact the user added a file to",
+             ["build", ckpt, "--recipe", "none", "--no-gate", "-o", str(kiln_art), "--overwrite"], 2,
+             setup=art_with_user_file, check=file_kept(kiln_art / "notes.md", "my notes")),
+        Case("output: export --overwrite onto a Kiln export the user added a file to",
+             ["export", f, "-o", str(kiln_export), "--overwrite"], 2, setup=export_with_user_file,
+             check=file_kept(kiln_export / "notes.md", "my notes")),
+    ]
 
 
 def bounds_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
     """Numeric options and recipe fields out of range, conflicting recipes, unbounded input text."""
-    return []
+    import resource
+
+    ckpt, a, text = str(w.ckpt), str(w.a), str(w.text)
+    gate = ["gate", a, "--baseline", ckpt, "--data", text, "--min-recovery", "0.9", "--generate", "0"]
+    huge_config, one_line = w.tmp / "billion-layers" / "config.json", w.tmp / "no-newline-200MB.txt"
+    fields = {"tune-lr-inf": "{pass: weight-quant, tune_lr: .inf}",
+              "heal-lr-inf": "{pass: mla, kv_fraction: 0.5, heal_lr: .inf}",
+              "tree-width-2.5": "{pass: draft-head, tree_width: 2.5}",
+              "seed-x": "{pass: draft-head, seed: 'x'}"}
+
+    def write_recipes() -> None:
+        for name, entry in fields.items():
+            (w.recipes / f"{name}.yaml").write_text(f"passes:\n  - {entry}\n")
+
+    def write_huge_config() -> None:
+        huge_config.parent.mkdir(exist_ok=True)
+        config = json.loads((w.ckpt / "config.json").read_text())
+        huge_config.write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
+
+    def write_one_line() -> None:  # 200 MB, one paragraph, no newline: it grew to 8.2 GB before scoring a token
+        sentence = "Once upon a time there was a little cat who liked to play in the sun. "
+        block = sentence * ((1 << 20) // len(sentence))
+        with open(one_line, "w", encoding="utf-8") as f:
+            f.writelines(block for _ in range(200_000_000 // len(block) + 1))
+
+    def fast(limit: float) -> Check:
+        def check(result: Result) -> tuple[bool, str]:
+            return result.seconds < limit, f"{result.seconds:.1f} s (refused before any work: under {limit:g} s)"
+        return check
+
+    def bounded_rss(_: Result) -> tuple[bool, str]:
+        # the largest child so far (the two prepared builds included): well under the 8.2 GB it took
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
+        one_line.unlink(missing_ok=True)
+        return peak < 2.0, f"largest child RSS {peak:.2f} GiB"
+
+    cases = [
+        Case("bounds: generate --seed 2^70", ["generate", a, "Once upon a time", "--seed", str(2**70)], 2),
+        Case("bounds: gate --resamples 10^9", [*gate, "--resamples", str(10**9)], 2, check=fast(30)),
+        Case("bounds: gate --resamples 10^11", [*gate, "--resamples", str(10**11)], 2, check=fast(30)),
+        Case("bounds: generate --temperature nan", ["generate", a, "Once upon a time", "--temperature", "nan"], 2),
+        Case("bounds: serve --port 70000", ["serve", a, "--port", "70000"], 2),
+        Case("bounds: report on a config.json declaring 10^9 layers", ["report", str(huge_config)], 2,
+             setup=write_huge_config, check=fast(30)),
+    ]
+    cases += [Case(f"bounds: recipe YAML {entry}", ["build", ckpt, "--recipe", str(w.recipes / f"{name}.yaml"),
+                                                      "-o", str(out(f"bounds-{name}"))], 2, setup=write_recipes,
+                   check=nothing_left(out(f"bounds-{name}"))) for name, entry in fields.items()]
+    cases += [
+        Case("bounds: --recipe fp8-kv,nvfp4-kv (two KV passes)",
+             ["build", ckpt, "--recipe", "fp8-kv,nvfp4-kv", "-o", str(out("bounds-kv"))], 2, check=fast(30)),
+        Case("bounds: --recipe fp8-weights,nvfp4-w4a16 (refused before calibration)",
+             ["build", ckpt, "--recipe", "fp8-weights,nvfp4-w4a16", "-o", str(out("bounds-w"))], 2, check=fast(30)),
+        Case("bounds: --recipe mla,mla (refused before the MLA pass)",
+             ["build", ckpt, "--recipe", "mla,mla", "--kv-fraction", "0.5", "-o", str(out("bounds-mla"))], 2,
+             check=fast(30)),
+        Case("bounds: eval --data, 200 MB with no newline", ["eval", a, "--data", str(one_line)], 0,
+             setup=write_one_line, check=bounded_rss, show="warning"),
+    ]
+    return cases
 
 
 def baseline_identity_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
     """A baseline that is not the artifact's recorded source (weights or config.json differ)."""
-    return []
+    ckpt, text = str(w.ckpt), str(w.text)
+    rope, reformatted, old_art = w.tmp / "baseline-rope", w.tmp / "baseline-reformatted", w.tmp / "art-no-config-hash"
+
+    def config_copy(dst: Path, **changes) -> Callable[[], None]:
+        def setup() -> None:  # the source's weights, its config.json edited (or only rewritten)
+            if dst.exists():
+                return
+            shutil.copytree(w.ckpt, dst)
+            config = json.loads((dst / "config.json").read_text())
+            (dst / "config.json").write_text(json.dumps({**config, **changes}, indent=4, sort_keys=not changes))
+        return setup
+
+    def old_artifact() -> None:  # an artifact built before the manifest recorded the config's hash
+        if old_art.exists():
+            return
+        shutil.copytree(w.a, old_art)
+        manifest = json.loads((old_art / "manifest.json").read_text())
+        manifest["source"].pop("config_sha256", None)
+        (old_art / "manifest.json").write_text(json.dumps(manifest))
+
+    def gate(artifact: Path, baseline: Path | str, *extra: str) -> list[str]:
+        return ["gate", str(artifact), "--baseline", str(baseline), "--data", text, "--paragraphs", "50",
+                "--min-recovery", "0.9", "--generate", "0", *extra]
+
+    return [
+        Case("baseline: the source's weights, rope_theta changed in config.json", gate(w.a, rope), 2,
+             setup=config_copy(rope, rope_theta=500000.0)),
+        Case("baseline: rope_theta changed, --any-baseline compares anyway", gate(w.a, rope, "--any-baseline"), 1,
+             setup=config_copy(rope, rope_theta=500000.0)),
+        Case("baseline: config.json rewritten (indent, key order), same content", gate(w.a, reformatted), 0,
+             setup=config_copy(reformatted)),
+        Case("baseline: artifact without a config hash (built before), real source", gate(old_art, ckpt), 0,
+             setup=old_artifact, show="checked on its weights only"),
+        Case("baseline: artifact without a config hash, another model's weights", gate(old_art, w.other), 2,
+             setup=old_artifact),
+    ]
 
 
 def killed_build_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
     """A build killed with SIGKILL, then run again: nothing at -o looks finished, the rerun works."""
-    return []
+    ckpt = str(w.ckpt)
+    root = w.tmp / "killed"
+    marker, recipe = root / "stall.marker", root / "stall.yaml"
+    sleepers: list[subprocess.Popen] = []
+
+    def kill_at(cmd: list[str], ready: Callable[[subprocess.Popen], bool], env: dict | None = None) -> None:
+        """Run `cmd`, SIGKILL it once `ready`, wait: what a crash or the OOM killer leaves."""
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=w.work,
+                                env={**ENV, **(env or {})})
+        start = time.perf_counter()
+        while not ready(proc) and proc.poll() is None and time.perf_counter() - start < TIMEOUT:
+            time.sleep(0.02)
+        proc.kill()
+        proc.wait()
+
+    def killed_in_a_pass(target: Path) -> Callable[[], None]:
+        def setup() -> None:
+            root.mkdir(exist_ok=True)
+            recipe.write_text(f"passes:\n  - pass: tests.passes.destructive:Stall\n    marker: {marker}\n"
+                              "    seconds: 3\n")
+            marker.unlink(missing_ok=True)
+            kill_at([OPTIMIZE, "build", ckpt, "--recipe", str(recipe), "--allow-custom-passes", "--no-gate", "-o",
+                     str(target)], lambda _: marker.exists(), {"PYTHONPATH": str(ROOT)})
+        return setup
+
+    def killed_while_writing(target: Path) -> Callable[[], None]:
+        """A process of Kiln's own writer (atomic_directory) killed with the output half written: its
+        `.NAME.tmp-*` stays behind, with Kiln's owner marker naming a process that is gone."""
+        def setup() -> None:
+            root.mkdir(exist_ok=True)
+            script = ("import time\nfrom kiln.optimizer.output_dir import atomic_directory\n"
+                      f"with atomic_directory({str(target)!r}) as d:\n"
+                      "    (d / 'manifest.json').write_text('{}')\n    print('ready', flush=True)\n    time.sleep(60)\n")
+            kill_at([sys.executable, "-c", script], lambda proc: proc.stdout.readline().strip() == "ready")
+            if not list(target.parent.glob(f".{target.name}.tmp-*")):
+                raise SystemExit(f"setup: no temporary left beside {target}")
+        return setup
+
+    def temporary(target: Path, kind: str, pid: int | None) -> Path:
+        """A `.NAME.KIND-*` sibling of `target` with a half output in it and, when `pid`, Kiln's owner marker."""
+        import socket
+
+        from kiln.optimizer.output_dir import OWNER_MARKER
+
+        path = target.parent / f".{target.name}.{kind}-bench"
+        shutil.rmtree(path, ignore_errors=True)
+        (path / target.name).mkdir(parents=True)
+        (path / target.name / "model.safetensors").write_bytes(b"half")
+        if pid is not None:
+            (path / OWNER_MARKER).write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
+        return path
+
+    def dead_pid() -> int:
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        return proc.pid
+
+    def finished(target: Path, kept: Path | None = None) -> Check:
+        """The rerun wrote a whole artifact, and of the temporaries beside it only `kept` remains."""
+        def check(_: Result) -> tuple[bool, str]:
+            for proc in sleepers:
+                proc.kill()
+                proc.wait()
+            debris = sorted(p.name for p in target.parent.glob(f".{target.name}.*") if p != kept)
+            whole = (target / "manifest.json").is_file()
+            if kept is not None and not kept.is_dir():
+                return False, f"REMOVED {kept.name}, which was not a stale Kiln temporary"
+            if not whole or debris:
+                return False, f"{'' if whole else 'NO ARTIFACT; '}LEFT BEHIND: {', '.join(debris) or '-'}"
+            return True, "artifact written, stale temporaries gone" + (f", {kept.name} kept" if kept else "")
+        return check
+
+    def live_temporary(target: Path) -> Callable[[], None]:
+        def setup() -> None:
+            sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            sleepers.append(sleeper)
+            temporary(target, "tmp", sleeper.pid)
+        return setup
+
+    quick = ["--recipe", "none", "--no-gate"]
+    a, b, c, d, e = (out(f"killed-{n}") for n in ("pass", "write", "replace", "live", "user"))
+    return [
+        Case("killed: rerun after SIGKILL in a pass (the same stalled build)",
+             ["build", ckpt, "--recipe", str(recipe), "--allow-custom-passes", "--no-gate", "-o", str(a)], 0,
+             setup=killed_in_a_pass(a), check=finished(a), env={"PYTHONPATH": str(ROOT)}),
+        Case("killed: rerun after SIGKILL mid-write (.NAME.tmp-* left, no --overwrite)",
+             ["build", ckpt, *quick, "-o", str(b)], 0, setup=killed_while_writing(b), check=finished(b)),
+        Case("killed: rerun after SIGKILL mid-replace (old output in .NAME.old-*, dead pid)",
+             ["build", ckpt, *quick, "-o", str(c)], 0, setup=lambda: temporary(c, "old", dead_pid()),
+             check=finished(c)),
+        Case("killed: a temporary whose build is still running is left alone",
+             ["build", ckpt, *quick, "-o", str(d)], 0, setup=live_temporary(d),
+             check=finished(d, kept=d.parent / f".{d.name}.tmp-bench")),
+        Case("killed: a .NAME.tmp-* folder without Kiln's marker is left alone",
+             ["build", ckpt, *quick, "-o", str(e)], 0, setup=lambda: temporary(e, "tmp", None),
+             check=finished(e, kept=e.parent / f".{e.name}.tmp-bench")),
+    ]
 
 
 def first_contact_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
-    """A newcomer's first hour: a GGUF folder, chat without a template, help at 80 columns."""
-    return []
+    """A newcomer's first hour: a GGUF folder, help at 80 columns, the runtime's start-up (no transformers), the
+    thread count a build says it uses, what loads an hf-modelopt export."""
+    a, f = str(w.a), str(w.f)
+    gguf, export = w.tmp / "gguf-folder", w.tmp / "export-modelopt"
+
+    def gguf_folder() -> None:  # the shared GGUF folder's shape: a .gguf and its to_hf.py, no config.json
+        gguf.mkdir(exist_ok=True)
+        (gguf / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
+        (gguf / "to_hf.py").write_text("# converts the GGUF beside it\n")
+
+    def says(*words: str) -> Check:
+        def check(r: Result) -> tuple[bool, str]:
+            last = r.lines[-1] if r.lines else ""
+            missing = [word for word in words if word not in last]
+            return not missing, f"missing {missing}" if missing else ""
+        return check
+
+    def rerun(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=w.work,
+                              env={**ENV, **(env or {})}, timeout=TIMEOUT, check=False)
+
+    def whole_at_80(command: str) -> Check:
+        def check(r: Result) -> tuple[bool, str]:
+            import re
+
+            import typer
+
+            from kiln.optimizer.cli import app
+
+            params = typer.main.get_command(app).commands[command].params
+            names = [n for p in params if p.param_type_name == "option" for n in (*p.opts, *p.secondary_opts)]
+            text = rerun(["-m", "kiln.optimizer.cli", command, "--help"], {"COLUMNS": "80"}).stdout
+            cut = [n for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)]
+            wide = [line for line in text.splitlines() if len(line) > 80]
+            return not cut and not wide, (f"{len(names)} option names whole, no line over 80 columns"
+                                          if not cut and not wide else f"cut: {cut}, {len(wide)} wide lines")
+        return check
+
+    def no_transformers(r: Result) -> tuple[bool, str]:
+        proc = rerun(["-X", "importtime", "-m", "kiln.optimizer.cli", "generate", a, "Once upon a time",
+                      "--max-new-tokens", "8"])
+        heavy = sorted({line.rsplit("|", 1)[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                        if line.startswith("import time:")} & {"transformers", "sklearn", "pandas"})
+        return proc.returncode == 0 and not heavy, (f"{r.seconds:.1f} s wall, imports none of transformers, "
+                                                    "sklearn, pandas" if not heavy else f"imports {heavy}")
+
+    def export_modelopt() -> None:
+        if not export.exists():
+            subprocess.run([OPTIMIZE, "export", f, "--format", "hf-modelopt", "-o", str(export)], env=ENV,
+                           cwd=w.work, capture_output=True, timeout=TIMEOUT, check=True)
+
+    def names_loaders(r: Result) -> tuple[bool, str]:
+        text = " ".join(rerun(["-m", "kiln.optimizer.cli", "inspect", str(export)]).stdout.split())
+        missing = [n for n in ("vLLM", "SGLang", "TensorRT-LLM", "ModelOpt", "does NOT read it") if n not in text]
+        readme = (export / "README.md").read_text() if (export / "README.md").is_file() else ""
+        missing += [f"README: {n}" for n in ("TensorRT-LLM", "does NOT read it") if n not in readme]
+        return not missing, f"missing {missing}" if missing else "inspect and README.md name vLLM, SGLang, TRT-LLM, ModelOpt"
+
+    return [
+        Case("first contact: build a folder holding a .gguf and to_hf.py", ["build", str(gguf), "-o",
+             str(out("fc-gguf"))], 2, setup=gguf_folder, check=says("GGUF", "to_hf.py OUT")),
+        Case("first contact: build --help at 80 columns", ["build", "--help"], 0, env={"COLUMNS": "80"},
+             check=whole_at_80("build")),
+        Case("first contact: serve --help at 80 columns", ["serve", "--help"], 0, env={"COLUMNS": "80"},
+             check=whole_at_80("serve")),
+        Case("first contact: generate imports no transformers", ["generate", a, "Once upon a time",
+             "--max-new-tokens", "64"], 0, check=no_transformers),
+        Case("first contact: a build says its thread count", ["build", str(w.ckpt), "--recipe", "none",
+             "--no-gate", "-o", str(out("fc-threads"))], 0, show="threads: 1 (OMP_NUM_THREADS)"),
+        Case("first contact: inspect an hf-modelopt export names its loaders", ["inspect", str(export)], 0,
+             setup=export_modelopt, check=names_loaders),
+    ]
 
 
 # --- running ----------------------------------------------------------------------------------------------

@@ -101,3 +101,37 @@ def test_exports_name_their_writer_and_their_loaders(stories_plain, tmp_path, cl
         assert "does NOT read it" in readme and "does NOT read it" in " ".join(text.split())
     code, text, _ = cli("inspect", str(out), "--json")
     assert json.loads(text)["format"] == fmt and json.loads(text)["transformers_version"] == written
+
+
+# -- the Python API computes as the CLI does -------------------------------------------------------------------
+
+def test_python_api_builds_the_cli_bytes(tmp_path):
+    """`kiln.optimizer.build` in a fresh interpreter stores the bytes `optimize build` stores: importing
+    kiln.optimizer pins MKL's and OpenBLAS's code paths (optimizer.numerics) as the CLI's main does."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from kiln.optimizer.numerics import CPU_NUMERICS
+    from tests.conftest import ROOT, STORIES
+
+    if not (STORIES / "config.json").is_file():
+        pytest.skip("../shared/models absent")
+    env = {k: v for k, v in os.environ.items() if k not in CPU_NUMERICS}  # fresh processes, nothing pinned
+    env["OMP_NUM_THREADS"] = "1"
+    common = {"cwd": ROOT, "env": env, "capture_output": True, "text": True, "timeout": 900}
+    cli_out, api_out = tmp_path / "cli", tmp_path / "api"
+    proc = subprocess.run([sys.executable, "-m", "kiln.optimizer.cli", "build", str(STORIES), "--recipe",
+                           "fp8-weights", "-o", str(cli_out), "--no-gate", "--reproducible", "--calib-tokens", "600"],
+                          check=False, **common)
+    assert proc.returncode == 0, proc.stderr
+    code = ("import sys; from kiln.optimizer.build import build; "
+            "build(sys.argv[1], 'hopper', 'fp8-weights', sys.argv[2], gate=False, reproducible=True, "
+            "calib_tokens=600)")
+    proc = subprocess.run([sys.executable, "-c", code, str(STORIES), str(api_out)], check=False, **common)
+    assert proc.returncode == 0, proc.stderr
+
+    def digest(path):
+        return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+    assert digest(api_out) == digest(cli_out)
