@@ -147,8 +147,8 @@ def test_runs_after_mla_and_validates_its_config(tiny_checkpoints):
     for kwargs, message in [({"format": "int4"}, "format='int4' is not allowed; choose one of fp8, nvfp4"),
                             ({"scaling": "per_block"}, ("scaling='per_block' is not allowed; choose one of "
                                                         "per_tensor, per_head, dynamic")),
-                            ({"keep": ("layer0",)}, "keep takes layer indices"),
-                            ({"max_back_offs": -1}, "max_back_offs must be a non-negative integer")]:
+                            ({"keep": ("layer0",)}, r"keep entry \(a layer index\) must be an integer >= 0"),
+                            ({"max_back_offs": -1}, r"max_back_offs must be an integer in \[0, 64\]")]:
         with pytest.raises(KilnError, match=message):
             KvCacheQuantization(**kwargs)
     graph = load_checkpoint(tiny_checkpoints["llama"])
