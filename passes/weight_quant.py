@@ -35,6 +35,12 @@ What it does not handle: routers and norms (always kept: tiny and sensitive); em
 lm_head (tied to the embedding in many models) and blocks other than GQA/MHA attention with a dense MLP,
 and says so in the result.
 Back-off: keep the linears with the largest relative weight error in source precision, 1, 2, 4, ... of them.
+A back-off attempt reuses the calibration of the attempt before it (CalibrationCache, carried by the config
+`back_offs` yields): the blocks before the first one a newly kept linear is in get their calibrated product back
+(their inputs are unchanged), and calibration resumes at that block's kept inputs; every block from there on is
+recalibrated, since its inputs now differ (sequential). The stored tensors are bit for bit a full calibration's
+with the same keep list. End-to-end tuning fits every block at once: it is redone whole on each attempt (from the
+same calibrated product, so it too equals the full rebuild's). The log says what each step cost.
 """
 
 from __future__ import annotations
