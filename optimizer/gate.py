@@ -195,6 +195,9 @@ def score(engine: Engine, token_lists: Sequence[Sequence[int]], progress=None) -
 
 
 BOOTSTRAP_RESAMPLES = 2000
+MAX_RESAMPLES = 100_000
+"""Most bootstrap resamples: time grows with resamples x documents, and one statistic per resample is kept
+(10^11 asked for 745 GiB); the CLI's --resamples holds the same bound."""
 BOOTSTRAP_SEED = 0
 CONFIDENCE = 0.95
 
@@ -206,8 +209,8 @@ def recovery_interval(baseline_nll: Sequence[float], candidate_nll: Sequence[flo
     over documents: each resample draws len(tokens) documents with replacement and keeps each one's baseline
     and candidate NLL together, so what the two models share (a hard document is hard for both) cancels.
     Deterministic for a given seed (numpy's PCG64)."""
-    if resamples < 1:
-        raise KilnError(f"--resamples must be >= 1, got {resamples}")
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or not 1 <= resamples <= MAX_RESAMPLES:
+        raise KilnError(f"--resamples must be an integer in [1, {MAX_RESAMPLES}], got {resamples!r}")
     diff = np.asarray(candidate_nll, dtype=np.float64) - np.asarray(baseline_nll, dtype=np.float64)
     counts = np.asarray(tokens, dtype=np.float64)
     if diff.shape != counts.shape or diff.ndim != 1 or len(diff) == 0:

@@ -21,8 +21,7 @@ SENTENCE = "Once upon a time there was a little cat who liked to play in the sun
 def _no_newline_text(path, megabytes: int):
     block = SENTENCE * ((1 << 20) // len(SENTENCE))  # about 1 MB
     with open(path, "w", encoding="utf-8") as f:
-        for _ in range(megabytes):
-            f.write(block)
+        f.writelines(block for _ in range(megabytes))
     return path
 
 
@@ -47,8 +46,7 @@ def test_a_huge_text_without_newlines_is_read_in_bounded_memory(tmp_path):
 def test_only_the_paragraphs_asked_for_are_read(tmp_path):
     path = tmp_path / "many.txt"
     with open(path, "w", encoding="utf-8") as f:
-        for i in range(200_000):  # about 15 MB of short paragraphs
-            f.write(f"{SENTENCE}{i}\n\n")
+        f.writelines(f"{SENTENCE}{i}\n\n" for i in range(200_000))  # about 15 MB of short paragraphs
     paragraphs, peak = _peak(read_paragraphs, path, 10)
     assert paragraphs == [f"{SENTENCE}{i}" for i in range(10)]
     assert peak < 6 * 2**20, peak

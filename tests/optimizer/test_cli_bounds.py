@@ -99,3 +99,12 @@ def test_a_conflicting_recipe_is_refused_before_the_checkpoint_is_read(cli, tmp_
         assert code == 2 and lines[-1].startswith("error: ") and message in lines[-1], stderr
         assert sum(line.startswith("error:") for line in lines) == 1 and "load checkpoint" not in stderr
         assert time.perf_counter() - start < 5 and not (tmp_path / "out").exists()
+
+
+def test_the_bootstrap_refuses_an_unbounded_resample_count_from_python_too():
+    from kiln.optimizer.gate import MAX_RESAMPLES, recovery_interval
+    from tests.conftest import refused
+
+    refused(recovery_interval, [1.0], [1.0], [3], 10**11, match=f"--resamples must be an integer in [1, {MAX_RESAMPLES}]")
+    low, high = recovery_interval([1.0, 2.0], [1.1, 2.0], [3, 4], MAX_RESAMPLES)
+    assert 0 < low <= high <= 1.0
