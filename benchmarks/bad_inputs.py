@@ -415,8 +415,74 @@ def make_cases(w: Workspace) -> list[Case]:
 
 # --- the classes of issue #18 (a second hostile run), at least three cases each ----------------------------
 def artifact_structure_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
-    """An artifact whose manifest lies about its own structure (checksums recomputed): exit 2, one line."""
-    return []
+    """An artifact whose manifest lies about its own structure (checksums recomputed): exit 2, one line.
+
+    Copies of the fp8-weights artifact, each edited as a hostile writer would: the manifest and/or the tensors,
+    then model.safetensors' sha256, the manifest's tensors table and weight bytes recomputed, so that every
+    checksum matches and only the check of the architecture against the tensors can refuse it."""
+    prompt = ["Once upon a time", "--max-new-tokens", "4"]
+
+    def lie(name: str, edit_manifest: Callable[[dict], object] | None = None,
+            edit_tensors: Callable[[dict, dict], object] | None = None) -> tuple[str, Callable[[], None]]:
+        root = w.hostile / f"structure-{name}"
+
+        def setup() -> None:
+            if root.exists():
+                return
+            shutil.copytree(w.f, root)
+            manifest = json.loads((root / "manifest.json").read_text())
+            if edit_tensors is not None:
+                from safetensors.torch import load_file, save_file
+
+                tensors = load_file(root / "model.safetensors")
+                edit_tensors(tensors, manifest)
+                save_file(tensors, root / "model.safetensors")
+                manifest["files"]["model.safetensors"] = hashlib.sha256(
+                    (root / "model.safetensors").read_bytes()).hexdigest()
+                manifest["tensors"] = {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                                       for k, t in tensors.items()}
+                manifest["sizes"]["weight_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+            if edit_manifest is not None:
+                edit_manifest(manifest)
+            (root / "manifest.json").write_text(json.dumps(manifest))
+        return str(root), setup
+
+    def layer0(m: dict) -> dict:
+        return m["architecture"]["layers"][0]["attention"]
+
+    q = "model.layers.0.self_attn.q_proj"
+
+    def dense_label_on_fp8(tensors: dict, m: dict) -> None:
+        # the fp8-weights artifact stores q_proj as FP8 codes + scale; the entry now says they are plain weights
+        m["formats"][q] = {"format": "dense", "activation": "none", "role": "q"}
+
+    def sliced_q(tensors: dict, m: dict) -> None:
+        tensors[f"{q}.weight"] = tensors[f"{q}.weight"][:, :32].contiguous()
+
+    def rotary_strings(m: dict) -> None:
+        layer0(m)["rotary"]["inv_freq"] = [str(f) for f in layer0(m)["rotary"]["inv_freq"]]
+
+    cases = []
+    for label, command, (art, setup) in [
+        ("num_heads 0 in a layer", "generate", lie("heads0", lambda m: layer0(m).update(num_heads=0))),
+        ("no layers", "generate", lie("nolayers", lambda m: m["architecture"].update(layers=[]))),
+        ("rotary inv_freq as strings", "generate", lie("rotary-strings", rotary_strings)),
+        ("head_dim 16 where the tensors hold 8", "eval", lie("headdim16", lambda m: layer0(m).update(head_dim=16))),
+        ("formats says dense for an FP8 linear", "generate", lie("dense-fp8", None, dense_label_on_fp8)),
+        ("a weight sliced to (64, 32)", "inspect", lie("sliced", None, sliced_q)),
+        ("a weight sliced to (64, 32)", "generate", lie("sliced", None, sliced_q)),
+        ("num_kv_heads 3 (does not divide 8 heads)", "inspect",
+         lie("kvheads3", lambda m: layer0(m).update(num_kv_heads=3))),
+        ("tensors table says (64, 32) for a (64, 64) weight", "inspect",
+         lie("table", lambda m: m["tensors"][f"{q}.weight"].update(shape=[64, 32]))),
+        ("intermediate_size 100 where down_proj takes 172", "generate",
+         lie("inter100", lambda m: m["architecture"]["layers"][1]["mlp"].update(intermediate_size=100))),
+        ("rms_norm_eps -1", "eval", lie("eps", lambda m: m["architecture"].update(rms_norm_eps=-1))),
+    ]:
+        args = {"generate": ["generate", art, *prompt], "inspect": ["inspect", art],
+                "eval": ["eval", art, "--data", str(w.text)]}[command]
+        cases.append(Case(f"structure: {command}: {label}", args, 2, setup=setup))
+    return cases
 
 
 def output_policy_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
