@@ -509,7 +509,7 @@ def killed_build_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
 def first_contact_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
     """A newcomer's first hour: a GGUF folder, help at 80 columns, the runtime's start-up (no transformers), the
     thread count a build says it uses, what loads an hf-modelopt export."""
-    a, f = str(w.a), str(w.f)
+    a = str(w.a)
     gguf, export = w.tmp / "gguf-folder", w.tmp / "export-modelopt"
 
     def gguf_folder() -> None:  # the shared GGUF folder's shape: a .gguf and its to_hf.py, no config.json
@@ -555,7 +555,8 @@ def first_contact_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
 
     def export_modelopt() -> None:
         if not export.exists():
-            subprocess.run([OPTIMIZE, "export", f, "--format", "hf-modelopt", "-o", str(export)], env=ENV,
+            # the unquantized artifact: ModelOpt's layout has no FP8 weight-only algorithm (export refuses $F)
+            subprocess.run([OPTIMIZE, "export", a, "--format", "hf-modelopt", "-o", str(export)], env=ENV,
                            cwd=w.work, capture_output=True, timeout=TIMEOUT, check=True)
 
     def names_loaders(r: Result) -> tuple[bool, str]:
