@@ -488,7 +488,61 @@ def artifact_structure_cases(w: Workspace, out: Callable[[str], Path]) -> list[C
 def output_policy_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
     """Outputs other than build's and export's -o (gate --junit, report -o) and --overwrite onto a Kiln
     directory the user added to: refused before any work, never an input, nothing of the user's lost."""
-    return []
+    ckpt, a, f = str(w.ckpt), str(w.a), str(w.f)
+    root = w.tmp / "output-policy"
+    text_copy = root / "eval.txt"  # the cases aim at a copy of the evaluation text, never at ../shared
+    user_xml, user_report = root / "mine.xml", root / "user-report"
+    kiln_art, kiln_export = root / "kiln-art", root / "kiln-export"
+    text = w.text.read_text()
+
+    def prepare() -> None:
+        root.mkdir(exist_ok=True)
+        text_copy.write_text(text)
+        user_xml.write_text("<mine/>\n")
+        user_report.mkdir(exist_ok=True)
+        (user_report / "report.md").write_text("my own report")
+
+    def art_with_user_file() -> None:
+        prepare()
+        shutil.rmtree(kiln_art, ignore_errors=True)
+        shutil.copytree(w.a, kiln_art)
+        (kiln_art / "notes.md").write_text("my notes")
+
+    def export_with_user_file() -> None:
+        prepare()
+        if not (kiln_export / "kiln_export.json").is_file():
+            subprocess.run([OPTIMIZE, "export", f, "-o", str(kiln_export)], capture_output=True, env=ENV, cwd=w.work,
+                           timeout=TIMEOUT, check=True)
+        (kiln_export / "notes.md").write_text("my notes")
+
+    gate = ["gate", a, "--baseline", ckpt, "--data", str(text_copy), "--min-recovery", "0.5", "--paragraphs", "20",
+            "--generate", "0"]
+
+    def made_nothing(path: Path) -> Check:
+        def check(_: Result) -> tuple[bool, str]:
+            return (False, f"CREATED {path.name}") if path.exists() else (True, "nothing created")
+        return check
+
+    return [
+        Case("output: gate --junit into a missing directory", [*gate, "--junit", str(root / "nodir" / "g.xml")], 2,
+             setup=prepare, check=made_nothing(root / "nodir")),
+        Case("output: gate --junit onto a directory", [*gate, "--junit", str(user_report)], 2, setup=prepare,
+             check=file_kept(user_report / "report.md", "my own report")),
+        Case("output: gate --junit /proc/x", [*gate, "--junit", "/proc/x"], 2, setup=prepare),
+        Case("output: gate --junit FILE, FILE is the --data text", [*gate, "--junit", str(text_copy)], 2,
+             setup=prepare, check=file_kept(text_copy, text)),
+        Case("output: gate --junit onto the user's own XML", [*gate, "--junit", str(user_xml)], 2, setup=prepare,
+             check=file_kept(user_xml, "<mine/>\n")),
+        Case("output: report -o DIR, DIR holds the user's report.md", ["report", a, "-o", str(user_report)], 2,
+             setup=prepare, check=file_kept(user_report / "report.md", "my own report")),
+        Case("output: report -o /proc/x", ["report", a, "-o", "/proc/x"], 2, setup=prepare),
+        Case("output: build --overwrite onto a Kiln artifact the user added a file to",
+             ["build", ckpt, "--recipe", "none", "--no-gate", "-o", str(kiln_art), "--overwrite"], 2,
+             setup=art_with_user_file, check=file_kept(kiln_art / "notes.md", "my notes")),
+        Case("output: export --overwrite onto a Kiln export the user added a file to",
+             ["export", f, "-o", str(kiln_export), "--overwrite"], 2, setup=export_with_user_file,
+             check=file_kept(kiln_export / "notes.md", "my notes")),
+    ]
 
 
 def bounds_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
@@ -503,7 +557,108 @@ def baseline_identity_cases(w: Workspace, out: Callable[[str], Path]) -> list[Ca
 
 def killed_build_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
     """A build killed with SIGKILL, then run again: nothing at -o looks finished, the rerun works."""
-    return []
+    ckpt = str(w.ckpt)
+    root = w.tmp / "killed"
+    calibrated = ["--recipe", "fp8-weights", "--no-gate"]  # calibration runs; the gate is not the point here
+    sleepers: list[subprocess.Popen] = []
+
+    def kill_at(cmd: list[str], ready: Callable[[subprocess.Popen], bool], env: dict | None = None) -> None:
+        """Run `cmd`, SIGKILL it once `ready`, wait: what a crash or the OOM killer leaves."""
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=w.work,
+                                env={**ENV, **(env or {})})
+        start = time.perf_counter()
+        while not ready(proc) and proc.poll() is None and time.perf_counter() - start < TIMEOUT:
+            time.sleep(0.02)
+        proc.kill()
+        proc.wait()
+
+    def killed_in_calibration(target: Path) -> Callable[[], None]:
+        """The issue's reproduction: the same build, SIGKILLed once its log shows calibration started."""
+        def setup() -> None:
+            root.mkdir(exist_ok=True)
+            log = root / f"{target.name}.log"
+            with open(log, "w") as err:
+                proc = subprocess.Popen([OPTIMIZE, "build", ckpt, *calibrated, "-o", str(target)],
+                                        stdout=subprocess.DEVNULL, stderr=err, cwd=w.work, env=ENV)
+                start = time.perf_counter()
+                while "calibration data" not in log.read_text() and proc.poll() is None \
+                        and time.perf_counter() - start < TIMEOUT:
+                    time.sleep(0.02)
+                proc.kill()
+                proc.wait()
+        return setup
+
+    def killed_while_writing(target: Path) -> Callable[[], None]:
+        """A process of Kiln's own writer (atomic_directory) killed with the output half written: its
+        `.NAME.tmp-*` stays behind, with Kiln's owner marker naming a process that is gone."""
+        def setup() -> None:
+            root.mkdir(exist_ok=True)
+            script = ("import time\nfrom kiln.optimizer.output_dir import atomic_directory\n"
+                      f"with atomic_directory({str(target)!r}) as d:\n"
+                      "    (d / 'manifest.json').write_text('{}')\n    print('ready', flush=True)\n    time.sleep(60)\n")
+            kill_at([sys.executable, "-c", script], lambda proc: proc.stdout.readline().strip() == "ready")
+            if not list(target.parent.glob(f".{target.name}.tmp-*")):
+                raise SystemExit(f"setup: no temporary left beside {target}")
+        return setup
+
+    def temporary(target: Path, kind: str, pid: int | None) -> Path:
+        """A `.NAME.KIND-*` sibling of `target` with a half output in it and, when `pid`, Kiln's owner marker."""
+        import socket
+
+        from kiln.optimizer.output_dir import OWNER_MARKER
+
+        path = target.parent / f".{target.name}.{kind}-bench"
+        shutil.rmtree(path, ignore_errors=True)
+        (path / target.name).mkdir(parents=True)
+        (path / target.name / "model.safetensors").write_bytes(b"half")
+        if pid is not None:
+            (path / OWNER_MARKER).write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
+        return path
+
+    def dead_pid() -> int:
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        return proc.pid
+
+    def finished(target: Path, kept: Path | None = None) -> Check:
+        """The rerun wrote a whole artifact, and of the temporaries beside it only `kept` remains."""
+        def check(_: Result) -> tuple[bool, str]:
+            for proc in sleepers:
+                proc.kill()
+                proc.wait()
+            debris = sorted(p.name for p in target.parent.glob(f".{target.name}.*") if p != kept)
+            whole = (target / "manifest.json").is_file()
+            if kept is not None and not kept.is_dir():
+                return False, f"REMOVED {kept.name}, which was not a stale Kiln temporary"
+            if not whole or debris:
+                return False, f"{'' if whole else 'NO ARTIFACT; '}LEFT BEHIND: {', '.join(debris) or '-'}"
+            return True, "artifact written, stale temporaries gone" + (f", {kept.name} kept" if kept else "")
+        return check
+
+    def live_temporary(target: Path) -> Callable[[], None]:
+        def setup() -> None:
+            sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            sleepers.append(sleeper)
+            temporary(target, "tmp", sleeper.pid)
+        return setup
+
+    quick = ["--recipe", "none", "--no-gate"]
+    a, b, c, d, e = (out(f"killed-{n}") for n in ("calibration", "write", "replace", "live", "user"))
+    return [
+        Case("killed: the same build again after SIGKILL during calibration",
+             ["build", ckpt, *calibrated, "-o", str(a)], 0, setup=killed_in_calibration(a), check=finished(a)),
+        Case("killed: rerun after SIGKILL mid-write (.NAME.tmp-* left, no --overwrite)",
+             ["build", ckpt, *quick, "-o", str(b)], 0, setup=killed_while_writing(b), check=finished(b)),
+        Case("killed: rerun after SIGKILL mid-replace (old output in .NAME.old-*, dead pid)",
+             ["build", ckpt, *quick, "-o", str(c)], 0, setup=lambda: temporary(c, "old", dead_pid()),
+             check=finished(c)),
+        Case("killed: a temporary whose build is still running is left alone",
+             ["build", ckpt, *quick, "-o", str(d)], 0, setup=live_temporary(d),
+             check=finished(d, kept=d.parent / f".{d.name}.tmp-bench")),
+        Case("killed: a .NAME.tmp-* folder without Kiln's marker is left alone",
+             ["build", ckpt, *quick, "-o", str(e)], 0, setup=lambda: temporary(e, "tmp", None),
+             check=finished(e, kept=e.parent / f".{e.name}.tmp-bench")),
+    ]
 
 
 def first_contact_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:

@@ -636,6 +636,12 @@ def gate(
     gen_floors = GenerationFloors(**{name: value for name, value in given.items() if value is not None})
     if tasks is not None and not tasks.is_file():
         raise KilnError(f"--tasks {tasks}: no such file")
+    junit_inputs = [artifact, baseline, data, tasks]
+    if junit is not None:  # before the gate runs, not after: never an input, a directory or the user's own file
+        from kiln.optimizer.gate_report import is_kiln_junit
+        from kiln.optimizer.output_dir import check_output_file
+
+        check_output_file(junit, junit_inputs, is_kiln_junit, "--junit")
     import time
 
     started = time.perf_counter()
@@ -703,9 +709,11 @@ def gate(
                   passed=passed, checks=[c.as_json() for c in checks])
     seconds = time.perf_counter() - started
     if junit is not None:
-        from kiln.optimizer.gate_report import junit_xml
+        from kiln.optimizer.gate_report import is_kiln_junit, junit_xml
+        from kiln.optimizer.output_dir import atomic_file
 
-        junit.write_text(junit_xml(checks, f"gate {artifact.name}", seconds, result.suspect))
+        atomic_file(junit, junit_xml(checks, f"gate {artifact.name}", seconds, result.suspect), junit_inputs,
+                    is_kiln_junit, "--junit")
     if fmt == "json":
         print(json.dumps(fields, indent=2))
     elif fmt == "junit":
@@ -783,13 +791,15 @@ def report_(
     buys against its honest baseline."""
     from kiln.optimizer import economics as econ
 
+    if output is not None:  # before any work: never an artifact, the input, or a directory of the user's
+        econ.check_report_output(output, target)
     gpus = econ.parse_gpus(gpu)
     prices = econ.parse_prices(price_per_hour, gpus)
     speculation = econ.Speculation(tau, draft_tokens) if tau is not None else None
     scenario = econ.load_scenario(target, weights, kv, speculation)
     report = econ.economics_report(scenario, gpus, prices, context, gpus_per_replica)
     if output is not None:
-        paths = econ.write_report(report, output)
+        paths = econ.write_report(report, output, target)
         console.print(f"wrote {', '.join(map(str, paths))}")
     if as_json:
         print(json.dumps(report, indent=2))

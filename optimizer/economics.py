@@ -788,21 +788,47 @@ def waterfall_png(report: dict) -> bytes:
     return buffer.getvalue()
 
 
-def write_report(report: dict, directory: Path) -> list[Path]:
-    """`-o DIR`: report.md (the economics section) and the waterfall PNG; never into an artifact (its checksums)."""
+def check_report_output(directory: Path | str, target: Path | str | None = None) -> Path:
+    """`report -o DIR`, checked before the report is computed (optimizer.output_dir's policy): never an artifact or
+    an export (their checksums and tables), never the input or inside it, and a directory that exists must be
+    empty or Kiln's own earlier report (its kiln_report.json lists every file), which a report replaces without
+    --overwrite: it is regenerated from its inputs. Anything else there (the user's own report.md) is refused."""
+    from kiln.optimizer.output_dir import EXPORT_MARKER, check_output
     from kiln.runtime.artifact import MANIFEST, clip
 
     directory = Path(directory)
     if (directory / MANIFEST).exists():
         raise KilnError(f"{clip(directory)} is a Kiln artifact; writing there would break its checksums (the build "
                         "writes the economics into the artifact's report.md)")
+    if (directory / EXPORT_MARKER).exists():
+        raise KilnError(f"{clip(directory)} is a Kiln export; write the report to a directory of its own")
     if directory.exists() and not directory.is_dir():
         raise KilnError(f"{clip(directory)} exists and is not a directory")
-    directory.mkdir(parents=True, exist_ok=True)
-    md, png = directory / "report.md", directory / WATERFALL_PNG
-    md.write_text("\n".join(economics_markdown(report)) + "\n")
-    png.write_bytes(waterfall_png(report))
-    return [md, png]
+    inputs = []
+    if target is not None:
+        target = Path(target)
+        # a config directory's input is its config.json: a report beside it (DIR/out) is fine
+        inputs.append(target / "config.json" if target.is_dir() and not (target / MANIFEST).exists() else target)
+    return check_output(directory, True, inputs)
+
+
+def write_report(report: dict, directory: Path, target: Path | str | None = None) -> list[Path]:
+    """`-o DIR`: report.md (the economics section), the waterfall PNG and kiln_report.json (what Kiln wrote), into
+    DIR atomically; never into an artifact, an export or a directory holding anything else
+    (check_report_output)."""
+    import json
+
+    from kiln.optimizer import __version__
+    from kiln.optimizer.output_dir import REPORT_MARKER, atomic_directory
+
+    out = check_report_output(directory, target)
+    markdown, png = "\n".join(economics_markdown(report)) + "\n", waterfall_png(report)
+    check_report_output(directory, target)  # again: rendering took a while
+    with atomic_directory(out, overwrite=True) as tmp:
+        (tmp / "report.md").write_text(markdown)
+        (tmp / WATERFALL_PNG).write_bytes(png)
+        (tmp / REPORT_MARKER).write_text(json.dumps({"kiln_version": __version__, "source": str(target)}) + "\n")
+    return [Path(directory) / "report.md", Path(directory) / WATERFALL_PNG]
 
 
 def build_economics(manifest: Mapping, spec: ModelSpec, source_spec: ModelSpec) -> tuple[list[str], dict[str, bytes]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
+from pathlib import Path
 
 from kiln.optimizer.gate import Check
 
@@ -41,6 +42,17 @@ def junit_xml(checks: Sequence[Check], suite: str, seconds: float, failure: str 
         ET.SubElement(case, "failure", message=failure, type="Implausible").text = failure
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def is_kiln_junit(path: Path) -> bool:
+    """Whether the file is a JUnit report `gate --junit` wrote (its root `<testsuites name="kiln"`), which a later
+    gate may replace; any other file at --junit is the user's and is refused (optimizer.output_dir)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return False
+    return head.startswith(b"<?xml") and b'<testsuites name="kiln"' in head
 
 
 def markdown(fields: dict, checks: Sequence[Check], title: str) -> str:
