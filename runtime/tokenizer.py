@@ -51,7 +51,7 @@ def _read_json(path: Path) -> dict:
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(data, dict):
-        raise ValueError(f"{path.name} must hold a JSON object")
+        raise TypeError(f"{path.name} must hold a JSON object")
     return data
 
 
@@ -70,7 +70,7 @@ def readable(path: Path | str) -> bool:
         return False
     try:
         config = _read_json(root / "tokenizer_config.json")
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):
         return False  # transformers reports a malformed file in its own words
     return config.get("tokenizer_class") in GENERIC_CLASSES and "auto_map" not in config
 
@@ -79,9 +79,8 @@ class Tokenizer:
     """A tokenizer.json (the `tokenizers` library) with tokenizer_config.json's special tokens and chat template."""
 
     def __init__(self, path: Path | str):
-        from tokenizers import AddedToken
+        from tokenizers import AddedToken, processors
         from tokenizers import Tokenizer as Backend
-        from tokenizers import processors
 
         root = Path(path)
         self.name_or_path = str(root)
@@ -275,7 +274,7 @@ def _compile(source: str):
 
     class _Generation(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag) renders its body."""
-        tags = {"generation"}
+        tags = frozenset({"generation"})
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno

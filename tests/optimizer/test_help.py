@@ -19,7 +19,8 @@ COMMANDS = sorted(GROUP.commands)
 
 def _help(*args: str) -> str:
     env = dict(os.environ, COLUMNS="80", TERM="dumb")
-    proc = subprocess.run([sys.executable, "-m", "kiln.optimizer.cli", *args, "--help"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "kiln.optimizer.cli", *args, "--help"], check=False,
+                          capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
