@@ -547,12 +547,108 @@ def output_policy_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
 
 def bounds_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
     """Numeric options and recipe fields out of range, conflicting recipes, unbounded input text."""
-    return []
+    import resource
+
+    ckpt, a, text = str(w.ckpt), str(w.a), str(w.text)
+    gate = ["gate", a, "--baseline", ckpt, "--data", text, "--min-recovery", "0.9", "--generate", "0"]
+    huge_config, one_line = w.tmp / "billion-layers" / "config.json", w.tmp / "no-newline-200MB.txt"
+    fields = {"tune-lr-inf": "{pass: weight-quant, tune_lr: .inf}",
+              "heal-lr-inf": "{pass: mla, kv_fraction: 0.5, heal_lr: .inf}",
+              "tree-width-2.5": "{pass: draft-head, tree_width: 2.5}",
+              "seed-x": "{pass: draft-head, seed: 'x'}"}
+
+    def write_recipes() -> None:
+        for name, entry in fields.items():
+            (w.recipes / f"{name}.yaml").write_text(f"passes:\n  - {entry}\n")
+
+    def write_huge_config() -> None:
+        huge_config.parent.mkdir(exist_ok=True)
+        config = json.loads((w.ckpt / "config.json").read_text())
+        huge_config.write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
+
+    def write_one_line() -> None:  # 200 MB, one paragraph, no newline: it grew to 8.2 GB before scoring a token
+        sentence = "Once upon a time there was a little cat who liked to play in the sun. "
+        block = sentence * ((1 << 20) // len(sentence))
+        with open(one_line, "w", encoding="utf-8") as f:
+            f.writelines(block for _ in range(200_000_000 // len(block) + 1))
+
+    def fast(limit: float) -> Check:
+        def check(result: Result) -> tuple[bool, str]:
+            return result.seconds < limit, f"{result.seconds:.1f} s (refused before any work: under {limit:g} s)"
+        return check
+
+    def bounded_rss(_: Result) -> tuple[bool, str]:
+        # the largest child so far (the two prepared builds included): well under the 8.2 GB it took
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
+        one_line.unlink(missing_ok=True)
+        return peak < 2.0, f"largest child RSS {peak:.2f} GiB"
+
+    cases = [
+        Case("bounds: generate --seed 2^70", ["generate", a, "Once upon a time", "--seed", str(2**70)], 2),
+        Case("bounds: gate --resamples 10^9", [*gate, "--resamples", str(10**9)], 2, check=fast(60)),
+        Case("bounds: gate --resamples 10^11", [*gate, "--resamples", str(10**11)], 2, check=fast(60)),
+        Case("bounds: generate --temperature nan", ["generate", a, "Once upon a time", "--temperature", "nan"], 2),
+        Case("bounds: serve --port 70000", ["serve", a, "--port", "70000"], 2),
+        Case("bounds: report on a config.json declaring 10^9 layers", ["report", str(huge_config)], 2,
+             setup=write_huge_config, check=fast(60)),
+    ]
+    cases += [Case(f"bounds: recipe YAML {entry}", ["build", ckpt, "--recipe", str(w.recipes / f"{name}.yaml"),
+                                                      "-o", str(out(f"bounds-{name}"))], 2, setup=write_recipes,
+                   check=nothing_left(out(f"bounds-{name}"))) for name, entry in fields.items()]
+    cases += [
+        Case("bounds: --recipe fp8-kv,nvfp4-kv (two KV passes)",
+             ["build", ckpt, "--recipe", "fp8-kv,nvfp4-kv", "-o", str(out("bounds-kv"))], 2, check=fast(60)),
+        Case("bounds: --recipe fp8-weights,nvfp4-w4a16 (refused before calibration)",
+             ["build", ckpt, "--recipe", "fp8-weights,nvfp4-w4a16", "-o", str(out("bounds-w"))], 2, check=fast(60)),
+        Case("bounds: --recipe mla,mla (refused before the MLA pass)",
+             ["build", ckpt, "--recipe", "mla,mla", "--kv-fraction", "0.5", "-o", str(out("bounds-mla"))], 2,
+             check=fast(60)),
+        Case("bounds: eval --data, 200 MB with no newline", ["eval", a, "--data", str(one_line)], 0,
+             setup=write_one_line, check=bounded_rss, show="warning"),
+    ]
+    return cases
 
 
 def baseline_identity_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
     """A baseline that is not the artifact's recorded source (weights or config.json differ)."""
-    return []
+    ckpt, text = str(w.ckpt), str(w.text)
+    rope, reformatted, old_art = w.tmp / "baseline-rope", w.tmp / "baseline-reformatted", w.tmp / "art-no-config-hash"
+    # another rotary base (transformers 5 reads rope_parameters, older versions the top-level key): another model
+    rope_500k = {"rope_theta": 500000.0, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}
+
+    def config_copy(dst: Path, **changes) -> Callable[[], None]:
+        def setup() -> None:  # the source's weights, its config.json edited (or only rewritten)
+            if dst.exists():
+                return
+            shutil.copytree(w.ckpt, dst)
+            config = json.loads((dst / "config.json").read_text())
+            (dst / "config.json").write_text(json.dumps({**config, **changes}, indent=4, sort_keys=not changes))
+        return setup
+
+    def old_artifact() -> None:  # an artifact built before the manifest recorded the config's hash
+        if old_art.exists():
+            return
+        shutil.copytree(w.a, old_art)
+        manifest = json.loads((old_art / "manifest.json").read_text())
+        manifest["source"].pop("config_sha256", None)
+        (old_art / "manifest.json").write_text(json.dumps(manifest))
+
+    def gate(artifact: Path, baseline: Path | str, *extra: str) -> list[str]:
+        return ["gate", str(artifact), "--baseline", str(baseline), "--data", text, "--paragraphs", "50",
+                "--min-recovery", "0.9", "--generate", "0", *extra]
+
+    return [
+        Case("baseline: the source's weights, rope_theta changed in config.json", gate(w.a, rope), 2,
+             setup=config_copy(rope, **rope_500k)),
+        Case("baseline: rope_theta changed, --any-baseline compares anyway", gate(w.a, rope, "--any-baseline"), 1,
+             setup=config_copy(rope, **rope_500k)),
+        Case("baseline: config.json rewritten (indent, key order), same content", gate(w.a, reformatted), 0,
+             setup=config_copy(reformatted)),
+        Case("baseline: artifact without a config hash (built before), real source", gate(old_art, ckpt), 0,
+             setup=old_artifact, show="checked on its weights only"),
+        Case("baseline: artifact without a config hash, another model's weights", gate(old_art, w.other), 2,
+             setup=old_artifact),
+    ]
 
 
 def killed_build_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
