@@ -826,8 +826,9 @@ def first_contact_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
              check=whole_at_80("serve")),
         Case("first contact: generate imports no transformers", ["generate", a, "Once upon a time",
              "--max-new-tokens", "64"], 0, check=no_transformers),
-        Case("first contact: a build says its thread count", ["build", str(w.ckpt), "--recipe", "none",
-             "--no-gate", "-o", str(out("fc-threads"))], 0, show="threads: 1 (OMP_NUM_THREADS)"),
+        Case("first contact: a build says its thread count", ["build", str(w.ckpt), "--recipe", "fp8-kv",
+             "--no-gate", "--calib-tokens", "500", "-o", str(out("fc-threads"))], 0,
+             show="threads: 1 (OMP_NUM_THREADS)"),
         Case("first contact: inspect an hf-modelopt export names its loaders", ["inspect", str(export)], 0,
              setup=export_modelopt, check=names_loaders),
     ]

@@ -277,7 +277,13 @@ def build(
     from kiln.optimizer.report import human_bytes
 
     count, why = THREADS or use_threads()
-    _log(f"threads: {count} ({why})")
+    said = []
+
+    def log(message: str) -> None:  # the build's first log line comes after the thread count
+        if not said:  # (not before: a build refused at once still fails in one line)
+            said.append(_log(f"threads: {count} ({why})"))
+        _log(message)
+
     if checkpoint is None:
         path, message = default_checkpoint()
         console.print(f"[bold]{message}[/bold]")
@@ -288,7 +294,7 @@ def build(
                        calib_tokens=calib_tokens,
                        paragraphs=paragraphs, min_recovery=min_recovery, strict=strict, gate=gate,
                        reproducible=reproducible, overwrite=overwrite, trust_remote_code=trust_remote_code,
-                       allow_custom_passes=allow_custom_passes, log=_log,
+                       allow_custom_passes=allow_custom_passes, log=log,
                        weight_bits=weight_bits,
                        weight_bytes=weight_bytes, max_kl=max_kl, min_top1=min_top1, force=force,
                        kv_fraction=kv_fraction, kv_bytes_per_token=kv_bytes_per_token, device=device)
