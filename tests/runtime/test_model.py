@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.engine import Engine, load_tokenizer
-from kiln.runtime.kv_cache import ContiguousKVCache
+from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 from tests.conftest import STORIES, needs_stories
 from tests.tiny_models import TINY_CONFIGS
 
