@@ -29,8 +29,8 @@ LOADERS: dict[str, tuple[tuple[str, ...], str]] = {
          "transformers does NOT read it: it loads the packed weights as plain ones and gives wrong logits with "
          "only a warning")),
     "hf": (("transformers (DeepseekV3ForCausalLM; verified on every export)",
-            "vLLM and SGLang only for a theta-regular conversion (passes/mla.py layout: deepseek): their DeepSeek "
-            "code derives the rotary frequencies from rope_theta"),
+            ("vLLM and SGLang only for a theta-regular conversion (passes/mla.py layout: deepseek): their DeepSeek "
+             "code derives the rotary frequencies from rope_theta")),
            "an unquantized checkpoint in DeepSeek-V3's layout (the MLA conversion's latent attention)"),
     "eagle3": (("vLLM (speculative method 'eagle3', beside its target)", "SGLang (speculative algorithm EAGLE3)"),
                "an EAGLE-3 draft head only: it is served beside its target model, never alone"),
