@@ -356,6 +356,10 @@ def _architecture_summary(arch: dict) -> dict:
         if a["kind"] == "mla":
             out.update(kv_lora_rank=a["kv_lora_rank"], q_lora_rank=a["q_lora_rank"],
                        qk_rope_head_dim=a["qk_rope_head_dim"], qk_nope_head_dim=a["qk_nope_head_dim"])
+            if a["q_lora_rank"] is None:  # an MLA conversion: which engines' kernels take its cache width
+                from kiln.optimizer.export_deepseek import serving_engines
+
+                out["mla_kernels"] = serving_engines(a["kv_lora_rank"], a["qk_rope_head_dim"])
         if m["kind"] == "moe":
             out.update(experts=len(m["experts"]), top_k=m["top_k"], shared_experts=m["num_shared_experts"])
         return out
@@ -442,6 +446,8 @@ def inspect(
         out.print(_gate_table(manifest["passes"]))
     w, s = summary["weight_bytes"], summary["source_weight_bytes"]
     out.print(f"weights: {human_bytes(w)} ({w} B) vs source {human_bytes(s)} ({s} B), ratio {w / s:.3f}")
+    for line in sorted({e["mla_kernels"] for e in summary["architecture"]["layers"] if "mla_kernels" in e}):
+        out.print(f"MLA cache, {line}")
     for kv_table in kv_tables(kv):
         out.print(kv_table)
 

@@ -1,10 +1,13 @@
 """Engine artifact of an MLA-converted model -> a DeepSeek-V3-layout Hugging Face checkpoint ("hf"), which
 transformers' DeepseekV3ForCausalLM loads with the runtime's logits (verified on every export).
 
-vLLM's and SGLang's DeepSeek code paths are not verified and would not read this export as written: they
-rotate interleaved pairs, derive the frequencies from rope_theta (with YaRN when scaled) rather than LongRoPE
-factors, and build the latent norm with the config's epsilon. Serving there needs a conversion whose rotary
-frequencies are theta-regular (one component per frequency, every layer alike) written interleaved: not yet.
+vLLM's and SGLang's DeepSeek code paths rotate interleaved pairs, derive the frequencies from rope_theta (with
+YaRN when scaled) rather than LongRoPE factors, and build the latent norm with the config's epsilon. So a
+conversion whose rotary frequencies are theta-regular (every layer the same standard theta^(-2j/w), each once:
+`layout: deepseek` of passes/mla.py) is written for them: rope_type default with the source's theta, the
+rotary rows interleaved (`rope_interleave` true). Which engines' MLA kernels take the exported latent + rotary
+width: `serving_engines` (MLA_KERNELS, read from vLLM 0.32's backends), written in the export's README.md and
+shown by `optimize inspect`. vLLM's run of such an export: benchmarks/results/vllm.md.
 
     DIR/model.safetensors   unquantized weights (fp32; quantized linears dequantized), DeepSeek-V3 names
     DIR/config.json         model_type deepseek_v3: kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim,
@@ -23,6 +26,7 @@ model computes:
     to slots of their own frequency, the rest of its query and key slots are zero;
   - the frequencies, in the order of the slots, are written as LongRoPE factors (`short_factor` =
     `long_factor`, factor 1: no attention scaling), the one standard RoPE type that takes any frequencies;
+    theta-regular ones (`standard_theta`) as plain rope_theta, interleaved (what vLLM reads);
   - DeepSeek's softmax scale is (nope + rope width)^-1/2; each layer's own scale is folded into its query.
 After writing, transformers loads the export and its logits must equal Kiln's runtime within 1e-4
 (`verify_deepseek_export`).
@@ -91,6 +95,44 @@ def check_unquantized_numerics(manifest: dict) -> None:
                         "unquantized DeepSeek-V3 export cannot express: export an artifact with a BF16 cache")
 
 
+# latent + rotary width (kv_lora_rank + qk_rope_head_dim) -> the engines whose MLA kernels take it, from
+# vLLM 0.32's backends' get_supported_head_sizes: cpu_mla/amx_mla [576]; flashattn_mla [576]; cutlass_mla
+# asserts latent 512 + rotary 64; MLACommonBackend (FlashMLA, FlashInfer MLA) declares [320, 512, 576];
+# triton_mla and rocm_aiter_mla [] (any).
+MLA_KERNELS: dict[int, tuple[str, ...]] = {
+    576: ("vLLM CPU (cpu_mla, amx_mla)", "vLLM FlashAttn MLA", "vLLM CUTLASS MLA (512 + 64 only)",
+          "vLLM FlashMLA", "vLLM FlashInfer MLA"),
+    512: ("vLLM FlashMLA", "vLLM FlashInfer MLA"),
+    320: ("vLLM FlashMLA", "vLLM FlashInfer MLA"),
+}
+MLA_ANY_SIZE = ("vLLM Triton MLA", "vLLM ROCm AITER MLA")
+
+
+def serving_engines(latent: int, rope: int) -> str:
+    """One line: which serving engines' MLA kernels take a cache of `latent` + `rope` values a token."""
+    takes = [*MLA_KERNELS.get(latent + rope, ()), *MLA_ANY_SIZE]
+    if latent + rope == 576 and (latent, rope) != (512, 64):
+        takes.remove("vLLM CUTLASS MLA (512 + 64 only)")
+    return (f"latent {latent} + rotary {rope} = {latent + rope}: taken by " + ", ".join(takes)
+            + ("" if latent + rope in MLA_KERNELS else " only (vLLM's CPU build takes 576 only)"))
+
+
+def standard_theta(spec: ModelSpec) -> float | None:
+    """The rope_theta whose standard frequencies theta^(-2j/w) every layer's rotary key has, each once, in
+    order (what serving engines derive from the config); None when the frequencies are any other set."""
+    freqs = {layer.attention.rotary.inv_freq for layer in spec.layers}
+    if len(freqs) != 1:
+        return None
+    (inv,) = freqs
+    width = 2 * len(inv)
+    if len(inv) < 2 or inv[0] != 1.0 or any(layer.attention.rotary.attention_scaling != 1.0 for layer in spec.layers):
+        return None
+    theta = float(round(inv[1] ** (-width / 2)))
+    expected = 1.0 / (theta ** (torch.arange(0, width, 2, dtype=torch.int64).float() / width))
+    got = torch.tensor(inv, dtype=torch.float64)
+    return theta if torch.allclose(expected.double(), got, rtol=1e-6, atol=0) else None
+
+
 def rotary_slots(spec: ModelSpec) -> list[float]:
     """The export's rotary frequencies, one per slot: each frequency as often as the layer using it most."""
     need: Counter = Counter()
@@ -127,13 +169,15 @@ def deepseek_layouts(spec: ModelSpec) -> tuple[dict[str, RowLayout], dict[str, f
     exactly in its own per-tensor scale."""
     slots = rotary_slots(spec)
     f_all, rank = len(slots), max(layer.attention.kv_lora_rank for layer in spec.layers)
+    interleave = standard_theta(spec) is not None
     layouts: dict[str, RowLayout] = {}
     norms: dict[str, float] = {}
     for layer in spec.layers:
         a = layer.attention
         H, nope, f, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim // 2, a.kv_lora_rank
         place = torch.tensor(_slot_map(a.rotary.inv_freq, slots), dtype=torch.long)
-        rope_index = torch.cat([place, place + f_all])  # our [first halves, second halves] -> their slots
+        # our [first halves, second halves] -> their slots: [first, second] halves, or interleaved pairs
+        rope_index = torch.cat([2 * place, 2 * place + 1] if interleave else [place, place + f_all])
         q, kv_a, kv_b, o = (a.linears[k] for k in ("q", "kv_a", "kv_b", "o"))
         # α on kv_a makes transformers' fixed-epsilon latent norm compute the model's (it also scales the
         # rotary key); α on kv_b and 1/α on q restore the scores, 1/α on o_proj the output
@@ -220,8 +264,15 @@ def deepseek_config(spec: ModelSpec, source: dict) -> dict:
     a, mlp = first.attention, first.mlp
     slots = rotary_slots(spec)
     width = 2 * len(slots)
+    standard = standard_theta(spec)
     theta = 10000.0
-    factors = longrope_factors(slots, theta, width)
+    factors = longrope_factors(slots, theta, width) if standard is None else None
+    rope = ({"rope_parameters": {"rope_type": "default", "rope_theta": standard}, "rope_interleave": True}
+            if standard is not None else
+            {"rope_interleave": False,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": theta, "factor": 1.0,
+                                 "short_factor": factors, "long_factor": factors,
+                                 "original_max_position_embeddings": spec.max_position_embeddings}})
     keep = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in source}
     return {
         **keep,
@@ -235,10 +286,7 @@ def deepseek_config(spec: ModelSpec, source: dict) -> dict:
         "qk_rope_head_dim": width, "qk_nope_head_dim": a.qk_nope_head_dim, "v_head_dim": a.v_head_dim,
         "hidden_act": "silu", "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": spec.rms_norm_eps, "tie_word_embeddings": spec.tie_word_embeddings,
-        "attention_bias": False, "rope_interleave": False,
-        "rope_parameters": {"rope_type": "longrope", "rope_theta": theta, "factor": 1.0,
-                            "short_factor": factors, "long_factor": factors,
-                            "original_max_position_embeddings": spec.max_position_embeddings},
+        "attention_bias": False, **rope,
         "torch_dtype": "float32",
     }
 
@@ -257,6 +305,10 @@ def export_deepseek(artifact: Path | str, output: Path | str, overwrite: bool = 
     with atomic_directory(output, overwrite, [artifact]) as tmp:
         mark_export(tmp, artifact, "hf")
         write_readme(tmp, "hf", artifact)
+        with (tmp / "README.md").open("a") as readme:
+            readme.write(f"\nMLA kernels: {serving_engines(config['kv_lora_rank'], config['qk_rope_head_dim'])}"
+                         + ("" if config["rope_interleave"] else "; its rotary is LongRoPE, which vLLM's and "
+                            "SGLang's DeepSeek code does not read (convert with `layout: deepseek`)") + ".\n")
         save_file(exported, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(stamp(config), indent=2) + "\n")
         copy_tokenizer_files(artifact, tmp)

@@ -39,6 +39,13 @@ KL(source || converted) on the calibration text (`session.distillation`), cosine
 does a model over `heal_budget` (the note says so).
 
 Cache per converted layer: r + 2f values per token (the latent and κ), against 2·G·D before.
+
+`layout: deepseek` targets DeepSeek-V3's own shape instead of the knapsack: every layer converted at latent
+rank 512 + rotary key 64 (576 values a token, the one size every vLLM MLA kernel takes: docs/mla.md), the
+rotary key one component per frequency at every (D/64)th frequency, so its 32 frequencies are the standard
+theta^(-2j/64) a serving engine derives from rope_theta. No probes; refused in one line before any work when a
+layer cannot be converted, caches fewer than 576 values a token, has a head dim that is not a multiple of 64,
+or the budget is below 576 a layer.
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, RotarySpec
 
 BF16_BYTES = 2
 PROBE_EIGHTHS = (1, 2, 3, 4, 5, 6, 7)  # KV values per token probed per layer: these eighths of its source's
+LAYOUTS = ("kiln", "deepseek")
+DEEPSEEK_RANK, DEEPSEEK_ROPE = 512, 64  # DeepSeek-V3's kv_lora_rank and qk_rope_head_dim
 NORM_SAMPLE_ROWS = 4096  # calibration tokens per layer kept to fit the latent norm
 # the projections the conversion wrote: what healing trains (o_proj too was not better:
 # benchmarks/results/mla.md)
@@ -132,8 +141,10 @@ class LayerFactors:
 
 
 def factorize(layer: LayerSpec, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, cov: torch.Tensor,
-              sample: torch.Tensor, rope_dim: int, context: int = 256) -> LayerFactors:
-    """The RoRoPE head mixes, the kept rotary components and the latent's PCA basis of one layer (fp64)."""
+              sample: torch.Tensor, rope_dim: int, context: int = 256,
+              frequencies: list[int] | None = None) -> LayerFactors:
+    """The RoRoPE head mixes, the kept rotary components and the latent's PCA basis of one layer (fp64).
+    `frequencies`: keep exactly these (one component each, the one of most mass) instead of the f of most mass."""
     a = layer.attention
     H, G, D = a.num_heads, a.num_kv_heads, a.head_dim
     half = D // 2
@@ -156,8 +167,12 @@ def factorize(layer: LayerSpec, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Te
     turn = (2 * (theta[:, None] * distance / 2).sin().abs()).mean(-1)  # [D/2]
     mass = torch.einsum("hi,ihm->im", q_rms, mix[:, group].abs()) * evals.sqrt() * turn[:, None]  # [D/2, G]
     f = min(rope_dim // 2, half * G)
-    order = torch.argsort(mass.flatten(), descending=True)[:f].tolist()
-    kept = sorted((j // G, j % G) for j in order)
+    if frequencies is None:
+        order = torch.argsort(mass.flatten(), descending=True)[:f].tolist()
+        kept = sorted((j // G, j % G) for j in order)
+    else:
+        kept = [(i, int(mass[i].argmax())) for i in sorted(frequencies)]
+        f = len(kept)
     rows = [mix[i, :, m] @ k3[:, i] for i, m in kept] + [mix[i, :, m] @ k3[:, i + half] for i, m in kept]
     w_rope = torch.stack(rows) if rows else k3.new_zeros(0, k3.shape[-1])  # [2f, C]
     resid = k3.clone()
@@ -296,6 +311,8 @@ class MlaConversion(Pass):
                             and the student whole in fp32
         sensitivity_paragraphs  calibration paragraphs each rank probe's KL is measured on
         layers              layer indices to consider (None: all)
+        layout              kiln: per-layer rotary width and rank from the probes and the budget; deepseek:
+                            DeepSeek-V3's rank 512 + rotary 64 in every layer (module docstring)
     """
 
     kv_fraction: float | None = None
@@ -308,6 +325,7 @@ class MlaConversion(Pass):
     heal_budget: float | None = None
     sensitivity_paragraphs: int = 32
     layers: tuple[int, ...] | None = None
+    layout: str = "kiln"
 
     name: ClassVar[str] = "mla"
     exclusive: ClassVar[str | None] = "attention's structure (MLA)"  # a second one finds no GQA/MHA layer left
@@ -335,6 +353,11 @@ class MlaConversion(Pass):
             for layer in self.layers:
                 check_range("layers entry (a layer index)", layer, 0, integer=True)
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+        if self.layout not in LAYOUTS:
+            raise KilnError(f"mla: layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.layout == "deepseek" and (self.layers is not None or self.rope_dim not in (None, DEEPSEEK_ROPE)):
+            raise KilnError(f"mla: layout deepseek converts every layer at rotary width {DEEPSEEK_ROPE}: "
+                            "drop layers and rope_dim")
 
     def check(self, graph: ModelGraph, target: Target) -> None:
         known = {b.index for b in graph.blocks}
@@ -346,6 +369,29 @@ class MlaConversion(Pass):
             if unconvertible(a) is None and self.rope_dim is not None and self.rope_dim > a.num_kv_heads * a.head_dim:
                 raise KilnError(f"mla: rope_dim {self.rope_dim} exceeds layer {b.index}'s K dims "
                                 f"({a.num_kv_heads} heads x {a.head_dim})")
+        if self.layout == "deepseek":
+            self._check_deepseek(graph)
+
+    def _check_deepseek(self, graph: ModelGraph) -> None:
+        """Refuse, in one line and before any work, a model DeepSeek-V3's 512 + 64 layout cannot take."""
+        width = DEEPSEEK_RANK + DEEPSEEK_ROPE
+        for b in graph.blocks:
+            a = b.attention
+            why = unconvertible(a)
+            if why is not None:
+                raise KilnError(f"mla layout deepseek: layer {b.index} cannot be converted ({why}), and DeepSeek-V3's "
+                                "layout has every layer MLA")
+            if _cached_values(a) < width:
+                raise KilnError(f"mla layout deepseek: layer {b.index} caches {_cached_values(a)} KV values a token "
+                                f"({a.num_kv_heads} KV heads x {a.head_dim} x 2), fewer than DeepSeek's {width} "
+                                f"({DEEPSEEK_RANK} latent + {DEEPSEEK_ROPE} rotary): nothing to cut")
+            if a.head_dim % DEEPSEEK_ROPE:
+                raise KilnError(f"mla layout deepseek: layer {b.index}'s head dim {a.head_dim} is not a multiple of "
+                                f"{DEEPSEEK_ROPE}, so no {DEEPSEEK_ROPE}-wide rotary key has the standard frequencies")
+        need, stated = width * len(graph.blocks), self.budget(graph)
+        if stated < need:
+            raise KilnError(f"mla layout deepseek: KV budget of {stated} values per token is below {need} "
+                            f"({DEEPSEEK_RANK} latent + {DEEPSEEK_ROPE} rotary in each of {len(graph.blocks)} layers)")
 
     def budget(self, graph: ModelGraph) -> int:
         """KV values per token the converted model may cache, all layers."""
@@ -371,6 +417,8 @@ class MlaConversion(Pass):
             return result
         session = ctx.runner.session(graph)  # opened on the source: the healing teacher
         factors = self._factorize(graph, session, candidates)
+        if self.layout == "deepseek":
+            return self._apply_deepseek(graph, session, factors, ctx, result)
         options = self._probe(graph, ctx, factors)
         for b in candidates:
             if b.index not in options:
@@ -409,8 +457,31 @@ class MlaConversion(Pass):
             result.notes.append(self._heal(graph, session, converted, ctx))
         return result
 
+    def _apply_deepseek(self, graph: ModelGraph, session, factors: dict[tuple[int, int], LayerFactors],
+                        ctx: PassContext, result: PassResult) -> PassResult:
+        """Every layer at rank 512 + rotary 64 (checked to fit by `check`)."""
+        eps = graph.spec.rms_norm_eps
+        converted, record = [], {}
+        for (i, rope_dim), f in sorted(factors.items()):
+            layer = graph.spec.layers[i]
+            wq = graph.tensors[f"{layer.attention.linears['q'].name}.weight"]
+            install(graph, *converted_layer(f, wq, DEEPSEEK_RANK, eps, wq.dtype))
+            converted.append(i)
+            result.changed[f"{layer.prefix}.self_attn"] = (
+                f"mla (layout deepseek): latent rank {DEEPSEEK_RANK} + rotary key {rope_dim}: KV values/token "
+                f"{f.source_values} -> {DEEPSEEK_RANK + rope_dim}")
+            record[str(i)] = {"source_values": f.source_values, "rope_dim": rope_dim, "rank": DEEPSEEK_RANK,
+                              "layout": "deepseek", "rope_components": [list(k) for k in f.kept]}
+        graph.metadata["mla"] = record
+        if converted and self.heal_steps:
+            result.notes.append(self._heal(graph, session, converted, ctx))
+        return result
+
     def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
-        """A larger budget, an eighth of the source's KV at a time, up to the source's."""
+        """A larger budget, an eighth of the source's KV at a time, up to the source's (layout deepseek has
+        one shape: nothing to back off to)."""
+        if self.layout == "deepseek":
+            return
         source = sum(_cached_values(b.attention) for b in graph.blocks)
         fraction = self.kv_fraction if self.kv_fraction is not None else self.budget(graph) / max(source, 1)
         while fraction + 0.125 < 1:
@@ -453,6 +524,13 @@ class MlaConversion(Pass):
                     raise KilnError(f"mla: no calibration tokens reached layer {b.index}")
                 cov /= count[0]
                 weights = [graph.tensors[f"{a.linears[r].name}.weight"] for r in ("q", "k", "v")]
+                if self.layout == "deepseek":  # every (D/64)th frequency: theta^(-2j/64), j < 32
+                    stride = a.head_dim // DEEPSEEK_ROPE
+                    out[(b.index, DEEPSEEK_ROPE)] = factorize(
+                        b, *weights, cov, torch.cat(kept), DEEPSEEK_ROPE, context,
+                        frequencies=list(range(0, a.head_dim // 2, stride)))
+                    task.advance()
+                    continue
                 for rope_dim in self._rope_dims(a):
                     out[(b.index, rope_dim)] = factorize(b, *weights, cov, torch.cat(kept), rope_dim, context)
                 task.advance()

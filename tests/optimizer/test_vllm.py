@@ -50,10 +50,42 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def check(vllm_python: Path, artifact: Path, tmp: Path, fmt: str, dtype: str = "float32") -> dict:
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory) -> Path:
+    """16 heads of 64 and 8 KV heads: 1024 KV values a token per layer, which DeepSeek's 512 + 64 cuts."""
+    if shared_dir() is None:
+        pytest.skip("needs ../shared for stories260K's tokenizer")
+    path = tmp_path_factory.mktemp("llama-wide") / "ckpt"
+    make_tiny_checkpoint("llama", path, overrides={
+        "hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 512, "initializer_range": 0.1, "bos_token_id": 1,
+        "eos_token_id": 2})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES260K / name, path / name)
+    return path
+
+
+VLLM_LLM_CALL = 'enforce_eager=request["enforce_eager"], seed=0)'
+
+
+def without_cpu_rotary_op(tmp: Path) -> Path:
+    """benchmarks/vllm_check.py with vLLM's rotary custom op off (its PyTorch forward instead). vLLM 0.32's CPU
+    `rotary_embedding` op rotates a [tokens, heads, 64] query wrongly when heads > 1 (right only flattened, as
+    Llama passes it), and its DeepSeek MLA layer passes q_pe that way: every position past the first differs by
+    nats. With the op off, vLLM's logprobs equal transformers' on the export (benchmarks/results/vllm.md)."""
+    text = (ROOT / "benchmarks" / "vllm_check.py").read_text()
+    assert text.count(VLLM_LLM_CALL) == 1, "vllm_check.py's LLM(...) call changed: update without_cpu_rotary_op"
+    script = tmp / "vllm_check_no_rotary_op.py"
+    script.write_text(text.replace(VLLM_LLM_CALL, VLLM_LLM_CALL[:-1]
+                                   + ', compilation_config={"custom_ops": ["all", "-rotary_embedding"]})'))
+    return script
+
+
+def check(vllm_python: Path, artifact: Path, tmp: Path, fmt: str, dtype: str = "float32",
+          script: Path = ROOT / "benchmarks" / "vllm_check.py") -> dict:
     out = tmp / f"{fmt}-{dtype}.json"
     text = EVALUATION_TEXT if EVALUATION_TEXT.is_file() else SAMPLE_TEXT
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_check.py"), str(artifact), "--format", fmt,
+    proc = subprocess.run([sys.executable, str(script), str(artifact), "--format", fmt,
                            "--dtype", dtype, "--vllm-python", str(vllm_python), "--data", str(text),
                            "--paragraphs", "20", "--prompts", "4", "--new-tokens", "16", "--json", str(out)],
                           capture_output=True, text=True, env=ENV, check=False, timeout=900)
@@ -77,3 +109,20 @@ def test_vllm_runs_the_export_with_kilns_figures(vllm_python, checkpoint, tmp_pa
     # rounding at a different point); bf16 in vLLM against fp32 in Kiln: within bf16's rounding
     assert abs(result["relative"]) < (0.005 if dtype == "float32" else 0.02), result
     assert all(p["near_tie"] for p in result["partings"]) or dtype != "float32", result["partings"]
+
+
+def test_vllm_runs_a_deepseek_layout_mla_conversion_with_kilns_figures(vllm_python, wide_checkpoint, tmp_path):
+    """`mla` with `layout: deepseek` (rank 512 + rotary 64 in both layers, 2048 -> 1152 KV values a token)
+    exported --format hf: vLLM's CPU build serves it with its CPU_MLA backend (576 only)."""
+    recipe = tmp_path / "mla.yaml"
+    recipe.write_text("passes:\n  - {pass: mla, kv_fraction: 0.5625, layout: deepseek, heal_steps: 0}\n")
+    artifact = tmp_path / "artifact"
+    build = subprocess.run([OPTIMIZE, "build", str(wide_checkpoint), "--recipe", str(recipe), "--no-gate",
+                            "--calib-tokens", "2048", "-o", str(artifact)], capture_output=True, text=True, env=ENV,
+                           check=False)
+    assert build.returncode == 0, build.stderr[-2000:]
+    arch = json.loads((artifact / "manifest.json").read_text())["architecture"]
+    assert {(a["attention"]["kv_lora_rank"], a["attention"]["qk_rope_head_dim"]) for a in arch["layers"]} == {(512, 64)}
+    result = check(vllm_python, artifact, tmp_path, "hf", script=without_cpu_rotary_op(tmp_path))
+    assert abs(result["relative"]) < 0.005, result
+    assert all(p["near_tie"] for p in result["partings"]), result["partings"]

@@ -375,3 +375,58 @@ def test_stored_relayout_equals_the_dense_relayout(fmt):
     if fmt == "mxfp4":
         with pytest.raises(KilnError, match="MXFP4 scales are powers of two"):
             relayout_stored("m", name, stored, layout._replace(factor=0.37))
+
+
+# --- layout: deepseek (DeepSeek-V3's 512 + 64 in every layer, what vLLM's MLA kernels take) ----------------------
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """8 KV heads of 64: 1024 KV values a token per layer, enough for DeepSeek's 576."""
+    from tests.tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("wide") / "ckpt", overrides={
+        "hidden_size": 128, "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "head_dim": 64})
+
+
+def test_deepseek_layout_is_rank_512_and_rotary_64_in_every_layer(wide_llama, tmp_path, cli):
+    from kiln.optimizer.export_deepseek import deepseek_config, serving_engines, standard_theta
+
+    graph = load_checkpoint(wide_llama)
+    source = [layer.attention.rotary.inv_freq for layer in graph.spec.layers]
+    layers = len(graph.spec.layers)
+    tokens = _tokens(graph.spec.vocab_size)
+    (record,) = Pipeline([MlaConversion(kv_bytes_per_token=2 * 576 * layers, layout="deepseek", heal_steps=0)]).run(
+        graph, _ctx(graph, tokens))
+    assert len(record.result.changed) == layers and not record.result.skipped
+    for layer, freqs in zip(graph.spec.layers, source, strict=True):
+        a = layer.attention
+        assert (a.kind, a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim) == ("mla", 512, 64, 64)
+        # one component per frequency: the rotary key keeps the standard theta^(-2j/64), which engines derive
+        assert a.rotary.inv_freq == freqs
+        assert graph.metadata["mla"][str(layer.index)]["layout"] == "deepseek"
+    assert sum(kv_bytes_per_token(graph.spec).values()) == 2 * 576 * layers
+    config = deepseek_config(graph.spec, {})
+    assert standard_theta(graph.spec) == 10000.0
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0} and config["rope_interleave"]
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (512, 64)
+    assert "vLLM CPU" in serving_engines(512, 64) and "vLLM CPU" not in serving_engines(24, 18)
+    # the export (interleaved rotary rows, rope_theta) gives the runtime's logits in transformers (checked on write)
+    art = write_artifact(graph, tmp_path / "art", MANIFEST, "report")
+    code, _, err = cli("export", str(art), "--format", "hf", "-o", str(tmp_path / "hf"))
+    assert code == 0, err
+    assert "576: taken by vLLM CPU" in (tmp_path / "hf" / "README.md").read_text()
+
+
+def test_deepseek_layout_refuses_what_cannot_hold_it_before_any_work(wide_llama, tiny_checkpoints):
+    target = get_target("hopper")
+    wide = load_checkpoint(wide_llama)
+    with pytest.raises(KilnError, match=r"budget of 1024 values per token is below 1152 \(512 latent \+ 64 rotary"):
+        MlaConversion(kv_fraction=0.5, layout="deepseek").check(wide, target)
+    MlaConversion(kv_fraction=0.5625, layout="deepseek").check(wide, target)  # 1152: fits
+    small = load_checkpoint(tiny_checkpoints["llama"])  # 2 KV heads of 16
+    with pytest.raises(KilnError, match="fewer than DeepSeek's 576"):
+        MlaConversion(kv_fraction=0.5, layout="deepseek").check(small, target)
+    with pytest.raises(KilnError, match="layout must be one of kiln, deepseek"):
+        MlaConversion(kv_fraction=0.5, layout="vllm")
+    with pytest.raises(KilnError, match="drop layers and rope_dim"):
+        MlaConversion(kv_fraction=0.5, layout="deepseek", rope_dim=32)
