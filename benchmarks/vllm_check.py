@@ -42,8 +42,12 @@ def vllm_side(request_path: Path, result_path: Path) -> None:
 
     request = json.loads(request_path.read_text())
     started = time.perf_counter()
+    extra = {}
+    if request.get("disable_ops"):
+        # vLLM's own PyTorch forward for these ops instead of its custom (C++/CPU) kernels
+        extra["compilation_config"] = {"custom_ops": ["all", *(f"-{op}" for op in request["disable_ops"])]}
     llm = LLM(model=request["model"], dtype=request["dtype"], max_model_len=request["max_model_len"],
-              enforce_eager=request["enforce_eager"], seed=0)
+              enforce_eager=request["enforce_eager"], seed=0, **extra)
     load_seconds = time.perf_counter() - started
     config = llm.llm_engine.model_config
     quantization = getattr(config, "quantization", None)
@@ -159,6 +163,10 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--near-tie", type=float, default=NEAR_TIE)
     parser.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
+    parser.add_argument("--disable-vllm-op", action="append", default=[], metavar="OP",
+                        help="run vLLM's PyTorch forward for this custom op (repeatable). vLLM 0.32's CPU "
+                             "rotary_embedding op rotates a [tokens, heads, 64] query wrongly when heads > 1, "
+                             "as its DeepSeek MLA layer passes it: check an MLA export with rotary_embedding")
     parser.add_argument("--out", type=Path, help="also append the table row to this Markdown file")
     parser.add_argument("--json", type=Path, help="also write the whole comparison as JSON")
     parser.add_argument("--vllm-side", nargs=2, type=Path, help=argparse.SUPPRESS)
@@ -177,7 +185,7 @@ def main() -> int:
         kiln = kiln_side(artifact, opts.data, opts.paragraphs, opts.prompts, opts.new_tokens)
         request = {"model": str(exported), "dtype": opts.dtype, "max_model_len": kiln["max_model_len"],
                    "enforce_eager": not opts.compile, "paragraphs": kiln["paragraphs"], "prompts": kiln["prompts"],
-                   "new_tokens": opts.new_tokens}
+                   "new_tokens": opts.new_tokens, "disable_ops": opts.disable_vllm_op}
         (work / "request.json").write_text(json.dumps(request))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         # vLLM's CPU backend otherwise reserves 92% of the machine's memory for its KV cache, and refuses to
@@ -193,6 +201,7 @@ def main() -> int:
             return 3
         vllm = json.loads((work / "result.json").read_text())
     result = compare(kiln, vllm, opts.near_tie)
+    result.update(disabled_vllm_ops=opts.disable_vllm_op)
     result.update(quantization=vllm["quantization"], vllm_load_seconds=vllm["load_seconds"],
                   kiln_load_seconds=kiln["load_seconds"], format=opts.format, dtype=opts.dtype,
                   artifact=str(artifact))
@@ -200,7 +209,8 @@ def main() -> int:
                          f"{', near-tie' if p['near_tie'] else ', NOT a near-tie'})" for p in result["partings"])
     header = ("| artifact | export | dtype | vLLM method | ppl vLLM | ppl Kiln | vLLM/Kiln - 1 | greedy identical | "
               "where they part | load vLLM s | load Kiln s |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    row = (f"| {Path(artifact).name} | {opts.format} | {opts.dtype} | {result['quantization'] or 'none'} | "
+    ops = "".join(f" (vLLM op {op} off)" for op in opts.disable_vllm_op)
+    row = (f"| {Path(artifact).name} | {opts.format}{ops} | {opts.dtype} | {result['quantization'] or 'none'} | "
            f"{result['vllm_perplexity']:.4f} | {result['kiln_perplexity']:.4f} | {result['relative']:+.3%} | "
            f"{result['identical']}/{result['prompts']} × {opts.new_tokens} | {partings or '-'} | "
            f"{result['vllm_load_seconds']:.1f} | {result['kiln_load_seconds']:.1f} |")

@@ -65,27 +65,13 @@ def wide_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-VLLM_LLM_CALL = 'enforce_eager=request["enforce_eager"], seed=0)'
-
-
-def without_cpu_rotary_op(tmp: Path) -> Path:
-    """benchmarks/vllm_check.py with vLLM's rotary custom op off (its PyTorch forward instead). vLLM 0.32's CPU
-    `rotary_embedding` op rotates a [tokens, heads, 64] query wrongly when heads > 1 (right only flattened, as
-    Llama passes it), and its DeepSeek MLA layer passes q_pe that way: every position past the first differs by
-    nats. With the op off, vLLM's logprobs equal transformers' on the export (benchmarks/results/vllm.md)."""
-    text = (ROOT / "benchmarks" / "vllm_check.py").read_text()
-    assert text.count(VLLM_LLM_CALL) == 1, "vllm_check.py's LLM(...) call changed: update without_cpu_rotary_op"
-    script = tmp / "vllm_check_no_rotary_op.py"
-    script.write_text(text.replace(VLLM_LLM_CALL, VLLM_LLM_CALL[:-1]
-                                   + ', compilation_config={"custom_ops": ["all", "-rotary_embedding"]})'))
-    return script
-
-
 def check(vllm_python: Path, artifact: Path, tmp: Path, fmt: str, dtype: str = "float32",
-          script: Path = ROOT / "benchmarks" / "vllm_check.py") -> dict:
+          disable_ops: tuple[str, ...] = ()) -> dict:
     out = tmp / f"{fmt}-{dtype}.json"
     text = EVALUATION_TEXT if EVALUATION_TEXT.is_file() else SAMPLE_TEXT
-    proc = subprocess.run([sys.executable, str(script), str(artifact), "--format", fmt,
+    ops = [arg for op in disable_ops for arg in ("--disable-vllm-op", op)]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_check.py"), str(artifact), "--format", fmt,
+                           *ops,
                            "--dtype", dtype, "--vllm-python", str(vllm_python), "--data", str(text),
                            "--paragraphs", "20", "--prompts", "4", "--new-tokens", "16", "--json", str(out)],
                           capture_output=True, text=True, env=ENV, check=False, timeout=900)
@@ -123,6 +109,9 @@ def test_vllm_runs_a_deepseek_layout_mla_conversion_with_kilns_figures(vllm_pyth
     assert build.returncode == 0, build.stderr[-2000:]
     arch = json.loads((artifact / "manifest.json").read_text())["architecture"]
     assert {(a["attention"]["kv_lora_rank"], a["attention"]["qk_rope_head_dim"]) for a in arch["layers"]} == {(512, 64)}
-    result = check(vllm_python, artifact, tmp_path, "hf", script=without_cpu_rotary_op(tmp_path))
+    # vLLM 0.32's CPU rotary_embedding op rotates a [tokens, heads, 64] query wrongly when heads > 1 (right only
+    # flattened, as Llama passes it), and its DeepSeek MLA layer passes q_pe that way; with vLLM's PyTorch
+    # rotary instead, its logprobs equal transformers' on the export (benchmarks/results/vllm.md)
+    result = check(vllm_python, artifact, tmp_path, "hf", disable_ops=("rotary_embedding",))
     assert abs(result["relative"]) < 0.005, result
     assert all(p["near_tie"] for p in result["partings"]), result["partings"]
