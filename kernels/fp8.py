@@ -176,6 +176,17 @@ class Fp8E4M3Format(WeightCodec):
                   if out is not None else StoredTensor("weight", "an fp8_e4m3 weight", (FP8_DTYPE,), ndim=2))
         return weight, StoredTensor("weight_scale", "an FP8 weight scale", (), ((), (1,), (rows, 1)))
 
+    def stored_granularity(self, tensors):
+        return "per_tensor" if tensors["weight_scale"].ndim == 0 else "per_channel"
+
+    def activation_fake_quantizer(self, mode):
+        if mode == "dynamic":
+            return fp8_fake_quantize_per_token
+        return lambda x: fp8_fake_quantize_per_tensor(x, _positive_0dim(x.abs().amax() / E4M3_MAX))
+
+    def static_input_scale(self, absmax):
+        return _positive_0dim(absmax.float() / E4M3_MAX)
+
     def packed_weight(self, tensors, in_features):
         scale = tensors["weight_scale"].float()
         return Fp8Weight(tensors["weight"], scale.reshape(()) if scale.numel() == 1 else scale)
@@ -207,6 +218,10 @@ class Fp8E4M3Format(WeightCodec):
     def grid_pack(self, values, stored_scales):
         scale = stored_scales["weight_scale"]
         return {"weight": (values / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE), "weight_scale": scale}
+
+
+def _positive_0dim(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())
 
 
 FP8_E4M3_FORMAT = Fp8E4M3Format()

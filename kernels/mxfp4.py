@@ -239,6 +239,9 @@ class Mxfp4Format(WeightCodec):
                 StoredTensor("weight_scale", "its block scales", (torch.uint8,), ((out, padded // MXFP4_BLOCK_SIZE),),
                              shape_first=True))
 
+    def activation_fake_quantizer(self, mode):
+        return mxfp4_fake_quantize
+
     def packed_weight(self, tensors, in_features):
         return self.weight_class.from_tensors(tensors, in_features)
 

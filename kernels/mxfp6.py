@@ -49,6 +49,7 @@ from kiln.kernels.mxfp4 import (
     e8m0_to_float32,
     mx_padded_weight_and_scales,
 )
+from kiln.kernels.weight_codec import WeightCodec
 
 MXFP6_BLOCK_SIZE = MXFP4_BLOCK_SIZE
 """Values per E8M0 block scale, along the last (K) dimension (32, as every MX format)."""
@@ -201,6 +202,8 @@ class Mxfp6Format(Mxfp4Format):
     weight_class = Mxfp6Weight
     _quantize = staticmethod(mxfp6_quantize)
     _dequantize = staticmethod(mxfp6_dequantize)
+
+    activation_fake_quantizer = WeightCodec.activation_fake_quantizer  # weight-only: not MXFP4's
 
     def linear(self, x, weight, activation, input_scale):
         from kiln.kernels import gpu

@@ -272,6 +272,7 @@ class Nvfp4Format(WeightCodec):
     blocked = True
     bits_per_weight = 4.5
     activations = (ActivationFormat.NONE, ActivationFormat.NVFP4)
+    takes_global_scale = True
 
     def quantize(self, w, granularity="per_channel", global_scale=None):
         return nvfp4_quantize(w, global_scale=global_scale).tensors()
@@ -288,6 +289,13 @@ class Nvfp4Format(WeightCodec):
                 StoredTensor("weight_scale", "its block scales", (torch.float8_e4m3fn,),
                              ((out, padded // NVFP4_BLOCK_SIZE),), shape_first=True),
                 StoredTensor("weight_scale_2", "its global scale", (torch.float32,), ((), (1,)), shape_first=True))
+
+    def activation_fake_quantizer(self, mode):
+        return nvfp4_fake_quantize
+
+    def static_input_scale(self, absmax):
+        scale = absmax.float() / (E2M1_MAX * E4M3_MAX)
+        return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())
 
     def packed_weight(self, tensors, in_features):
         return Nvfp4Weight.from_tensors(tensors, in_features)

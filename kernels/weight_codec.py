@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kiln.kernels.errors import KilnError
+
 
 @dataclass(frozen=True)
 class StoredTensor:
@@ -67,6 +69,8 @@ class WeightCodec:
     """False for a weight stored as its values (dense)."""
     weight_only: bool = False
     """True: activations stay as they are (no activation format of its own)."""
+    takes_global_scale: bool = False
+    """Whether quantize takes a per-tensor scale shared by fused siblings (NVFP4's weight_scale_2)."""
     export_names: Mapping[str, object] = {}
     """Its name in each export layout that takes it ("hf-modelopt": quant_algo, ...)."""
 
@@ -83,6 +87,20 @@ class WeightCodec:
         """What to check, in order: `out` and `in_features` from the architecture (None: unknown, then only
         what the stored weight's own shape implies is checked)."""
         raise NotImplementedError
+
+    def stored_granularity(self, tensors: Mapping[str, Tensor]) -> str:
+        """The scale granularity of stored tensors ("per_channel" or "per_tensor")."""
+        return "per_channel"
+
+    # --- activations -----------------------------------------------------------------------------------------------
+    def activation_fake_quantizer(self, mode: str):
+        """What the runtime applies to a linear's input for `mode` "dynamic" or "static" (static: from x's
+        maximum), for searches that must see it."""
+        raise KilnError(f"{self.recipe_name} is weight-only: its activations stay as they are (activations='none')")
+
+    def static_input_scale(self, absmax: Tensor) -> Tensor:
+        """The stored per-tensor activation scale for a calibrated input maximum."""
+        raise KilnError(f"{self.recipe_name} has no static activation scale")
 
     # --- GPU linear ----------------------------------------------------------------------------------------------
     def packed_weight(self, tensors: Mapping[str, Tensor], in_features: int | None) -> object:
