@@ -14,6 +14,9 @@ class DenseFormat(WeightCodec):
     bits_per_weight = 16.0
     dequantizes = False
 
+    def stored_bytes(self, out, in_features, recorded_in_features=None):
+        return 2 * out * in_features
+
     def quantize(self, w, granularity="per_channel", global_scale=None):
         return {"weight": w}
 

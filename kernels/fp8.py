@@ -159,6 +159,8 @@ class Fp8E4M3Format(WeightCodec):
     recipe_name = "fp8"
     tensor_names = ("weight", "weight_scale")
     bits_per_weight = 8.0
+    weight_only_targets = ("hopper", "blackwell")
+    weight_activation_targets = ("hopper", "blackwell")
     activations = (ActivationFormat.NONE, ActivationFormat.FP8_DYNAMIC_PER_TOKEN,
                    ActivationFormat.FP8_STATIC_PER_TENSOR)
 
@@ -175,6 +177,9 @@ class Fp8E4M3Format(WeightCodec):
         weight = (StoredTensor("weight", "an fp8_e4m3 weight", (FP8_DTYPE,), ((out, in_features),))
                   if out is not None else StoredTensor("weight", "an fp8_e4m3 weight", (FP8_DTYPE,), ndim=2))
         return weight, StoredTensor("weight_scale", "an FP8 weight scale", (), ((), (1,), (rows, 1)))
+
+    def stored_bytes(self, out, in_features, recorded_in_features=None):
+        return in_features * out + 4 * out  # E4M3 values + an fp32 scale per output channel
 
     def stored_granularity(self, tensors):
         return "per_tensor" if tensors["weight_scale"].ndim == 0 else "per_channel"
@@ -197,6 +202,8 @@ class Fp8E4M3Format(WeightCodec):
         if activation == ActivationFormat.NONE:  # W8A16: the weight dequantized for each product
             return torch.nn.functional.linear(x, fp8_dequantize(weight.qweight, weight.weight_scale).to(x.dtype))
         return gpu.fp8_linear(x, weight.qweight, weight.weight_scale, input_scale)
+
+    grid_max = E4M3_MAX
 
     def grid_round_(self, scaled):
         scaled.clamp_(-E4M3_MAX, E4M3_MAX)

@@ -217,6 +217,8 @@ class Mxfp4Format(WeightCodec):
     blocked = True
     bits_per_weight = 4.25
     activations = (ActivationFormat.NONE, ActivationFormat.MXFP4)
+    weight_only_targets = ("hopper", "blackwell")  # Hopper: no FP4 tensor cores, decoded in the GEMM
+    weight_activation_targets = ("blackwell",)
     element_bits = 4
     element_what = "packed FP4 codes"
     # the MX formats differ only in their elements: MXFP6 (kernels/mxfp6.py) subclasses this with its own
@@ -238,6 +240,10 @@ class Mxfp4Format(WeightCodec):
                              shape_first=True),
                 StoredTensor("weight_scale", "its block scales", (torch.uint8,), ((out, padded // MXFP4_BLOCK_SIZE),),
                              shape_first=True))
+
+    def stored_bytes(self, out, in_features, recorded_in_features=None):
+        padded = max(recorded_in_features or 0, padded_in_features(in_features))
+        return out * padded * self.element_bits // 8 + out * padded // MXFP4_BLOCK_SIZE  # codes, E8M0 per 32
 
     def activation_fake_quantizer(self, mode):
         return mxfp4_fake_quantize

@@ -197,6 +197,7 @@ class Mxfp6Format(Mxfp4Format):
     bits_per_weight = 6.25
     activations = (ActivationFormat.NONE,)
     weight_only = True
+    weight_activation_targets = ()
     element_bits = 6
     element_what = "packed FP6 codes"
     weight_class = Mxfp6Weight

@@ -273,6 +273,8 @@ class Nvfp4Format(WeightCodec):
     bits_per_weight = 4.5
     activations = (ActivationFormat.NONE, ActivationFormat.NVFP4)
     takes_global_scale = True
+    weight_only_targets = ("hopper", "blackwell")  # Hopper: no FP4 tensor cores, decoded in the GEMM
+    weight_activation_targets = ("blackwell",)
 
     def quantize(self, w, granularity="per_channel", global_scale=None):
         return nvfp4_quantize(w, global_scale=global_scale).tensors()
@@ -289,6 +291,10 @@ class Nvfp4Format(WeightCodec):
                 StoredTensor("weight_scale", "its block scales", (torch.float8_e4m3fn,),
                              ((out, padded // NVFP4_BLOCK_SIZE),), shape_first=True),
                 StoredTensor("weight_scale_2", "its global scale", (torch.float32,), ((), (1,)), shape_first=True))
+
+    def stored_bytes(self, out, in_features, recorded_in_features=None):
+        padded = max(recorded_in_features or 0, padded_in_features(in_features))
+        return out * padded // 2 + out * padded // NVFP4_BLOCK_SIZE + 4  # codes, E4M3 per 16, fp32 global scale
 
     def activation_fake_quantizer(self, mode):
         return nvfp4_fake_quantize

@@ -69,6 +69,10 @@ class WeightCodec:
     """False for a weight stored as its values (dense)."""
     weight_only: bool = False
     """True: activations stay as they are (no activation format of its own)."""
+    weight_only_targets: tuple[str, ...] = ()
+    """The targets (kernels/targets.py) that run it weight-only (decoded to BF16 inside the GEMM)."""
+    weight_activation_targets: tuple[str, ...] = ()
+    """The targets whose tensor cores run it with activations in the same format."""
     takes_global_scale: bool = False
     """Whether quantize takes a per-tensor scale shared by fused siblings (NVFP4's weight_scale_2)."""
     export_names: Mapping[str, object] = {}
@@ -86,6 +90,11 @@ class WeightCodec:
                        weight_shape: tuple[int, ...]) -> tuple[StoredTensor, ...]:
         """What to check, in order: `out` and `in_features` from the architecture (None: unknown, then only
         what the stored weight's own shape implies is checked)."""
+        raise NotImplementedError
+
+    def stored_bytes(self, out: int, in_features: int, recorded_in_features: int | None = None) -> int:
+        """Bytes of one [out, in_features] weight with its scales, as a deployment stores it (bias not included);
+        `recorded_in_features`: the padded width an artifact recorded, when wider than the format's own padding."""
         raise NotImplementedError
 
     def stored_granularity(self, tensors: Mapping[str, Tensor]) -> str:
@@ -110,6 +119,10 @@ class WeightCodec:
         raise NotImplementedError(f"{self.name} has no packed kernel")
 
     # --- calibration grid ------------------------------------------------------------------------------------------
+    grid_max: float = 0.0
+    """The grid's largest magnitude (FP8 E4M3: 448): a per-channel scale search's candidates are amax / grid_max
+    times a ratio."""
+
     def grid_block_size(self, in_features: int) -> int:
         """Values per scale along K (K itself: one scale per row)."""
         return in_features
