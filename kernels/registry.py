@@ -13,6 +13,7 @@ from __future__ import annotations
 from kiln.kernels.dense import DENSE_FORMAT
 from kiln.kernels.errors import KilnError
 from kiln.kernels.fp8 import FP8_E4M3_FORMAT
+from kiln.kernels.fp8_e5m2 import FP8_E5M2_FORMAT
 from kiln.kernels.mxfp4 import MXFP4_FORMAT
 from kiln.kernels.mxfp6 import MXFP6_FORMAT
 from kiln.kernels.nvfp4 import NVFP4_FORMAT
@@ -24,6 +25,7 @@ WEIGHT_FORMATS: dict[str, WeightCodec] = {codec.name: codec for codec in (
     NVFP4_FORMAT,
     MXFP4_FORMAT,
     MXFP6_FORMAT,
+    FP8_E5M2_FORMAT,
 )}
 
 WEIGHT_SPELLINGS: dict[str, WeightCodec] = {s: codec for codec in WEIGHT_FORMATS.values() for s in codec.spellings}
