@@ -184,6 +184,11 @@ class Fp8E4M3Format(WeightCodec):
     def stored_granularity(self, tensors):
         return "per_tensor" if tensors["weight_scale"].ndim == 0 else "per_channel"
 
+    def activation_format(self, mode):
+        if mode == "none":
+            return ActivationFormat.NONE
+        return ActivationFormat.FP8_DYNAMIC_PER_TOKEN if mode == "dynamic" else ActivationFormat.FP8_STATIC_PER_TENSOR
+
     def activation_fake_quantizer(self, mode):
         if mode == "dynamic":
             return fp8_fake_quantize_per_token

@@ -245,6 +245,9 @@ class Mxfp4Format(WeightCodec):
         padded = max(recorded_in_features or 0, padded_in_features(in_features))
         return out * padded * self.element_bits // 8 + out * padded // MXFP4_BLOCK_SIZE  # codes, E8M0 per 32
 
+    def activation_format(self, mode):
+        return ActivationFormat.NONE if mode == "none" else ActivationFormat.MXFP4
+
     def activation_fake_quantizer(self, mode):
         return mxfp4_fake_quantize
 

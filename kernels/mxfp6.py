@@ -204,7 +204,9 @@ class Mxfp6Format(Mxfp4Format):
     _quantize = staticmethod(mxfp6_quantize)
     _dequantize = staticmethod(mxfp6_dequantize)
 
-    activation_fake_quantizer = WeightCodec.activation_fake_quantizer  # weight-only: not MXFP4's
+    # weight-only: not MXFP4's
+    activation_format = WeightCodec.activation_format
+    activation_fake_quantizer = WeightCodec.activation_fake_quantizer
 
     def linear(self, x, weight, activation, input_scale):
         from kiln.kernels import gpu

@@ -296,6 +296,10 @@ class Nvfp4Format(WeightCodec):
         padded = max(recorded_in_features or 0, padded_in_features(in_features))
         return out * padded // 2 + out * padded // NVFP4_BLOCK_SIZE + 4  # codes, E4M3 per 16, fp32 global scale
 
+    def activation_format(self, mode):
+        # block scales are always dynamic; "static" calibrates the per-tensor activation scale
+        return ActivationFormat.NONE if mode == "none" else ActivationFormat.NVFP4
+
     def activation_fake_quantizer(self, mode):
         return nvfp4_fake_quantize
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from kiln.kernels.errors import KilnError
+from kiln.kernels.formats import ActivationFormat
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,13 @@ class WeightCodec:
     def activation_fake_quantizer(self, mode: str):
         """What the runtime applies to a linear's input for `mode` "dynamic" or "static" (static: from x's
         maximum), for searches that must see it."""
+        raise KilnError(f"{self.recipe_name} is weight-only: its activations stay as they are (activations='none')")
+
+    def activation_format(self, mode: str) -> str:
+        """The artifact's activation entry (kernels.formats.ActivationFormat) for a recipe's activations mode
+        ("none", "dynamic", "static")."""
+        if mode == "none":
+            return ActivationFormat.NONE
         raise KilnError(f"{self.recipe_name} is weight-only: its activations stay as they are (activations='none')")
 
     def static_input_scale(self, absmax: Tensor) -> Tensor:

@@ -380,11 +380,7 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
 def activation_format(fmt: str, mode: str) -> ActivationFormat:
     if mode == "none":
         return ActivationFormat.NONE
-    stored = parse_weight_format(fmt, WEIGHT_FORMATS)
-    if stored == WeightFormat.FP8_E4M3:
-        return (ActivationFormat.FP8_DYNAMIC_PER_TOKEN if mode == "dynamic"
-                else ActivationFormat.FP8_STATIC_PER_TENSOR)
-    return ActivationFormat(stored)  # nvfp4 / mxfp4 activations: dynamic block scales (NVFP4 static: a calibrated per-tensor scale)
+    return format_object(parse_weight_format(fmt, WEIGHT_FORMATS)).activation_format(mode)
 
 
 def stage_of(lin: Linear) -> int:
