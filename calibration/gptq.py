@@ -29,7 +29,6 @@ from torch import Tensor
 
 from kiln.calibration.grids import Scales, WeightLayout
 from kiln.calibration.scale_search import mse_scales
-from kiln.kernels.formats import WeightFormat
 
 SCALE_METHODS = ("absmax", "mse")
 UPDATE_ROWS = 2048  # GPTQ's lazy-batch update runs over this many later columns at a time
@@ -101,14 +100,14 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
     dead = diag <= 0
     diag[dead] = 1.0  # an input that is never active: nothing to compensate
     importance = diag
-    if layout.format == WeightFormat.NVFP4 and global_scale is None:  # one per-tensor scale, from the source
+    if layout.codec.takes_global_scale and global_scale is None:  # one per-tensor scale, from the source
         global_scale = choose_scales(layout, w, scales, importance).stored["weight_scale_2"]
-    elif layout.format == WeightFormat.NVFP4:
+    elif layout.codec.takes_global_scale:
         global_scale = global_scale.float().reshape(())
     else:
         global_scale = None
     # fp8: one block spans the row, so dynamic == static
-    dynamic = not static and layout.format != WeightFormat.FP8_E4M3
+    dynamic = not static and layout.codec.blocked
     if not dynamic:
         fixed = choose_scales(layout, w, scales, importance, global_scale)
         multiplier = fixed.multiplier.clone()
@@ -291,7 +290,7 @@ def _reverse_in_place(a: Tensor, chunk: int = 1 << 22) -> None:
 
 
 def _concat_block_scales(layout: WeightLayout, parts: list[dict[str, Tensor]], global_scale: Tensor | None) -> Scales:
-    if layout.format == WeightFormat.NVFP4:
-        block = torch.cat([p["weight_scale"] for p in parts], dim=1)
-        return layout.nvfp4_scales(block, global_scale)
-    return layout.mxfp4_scales(torch.cat([p["weight_scale"] for p in parts], dim=1))
+    stored = {"weight_scale": torch.cat([p["weight_scale"] for p in parts], dim=1)}
+    if global_scale is not None:  # NVFP4's per-tensor scale
+        stored["weight_scale_2"] = global_scale
+    return Scales(*layout.codec.grid_scales(stored, layout.granularity, None))

@@ -25,19 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kiln.kernels import fp8
-from kiln.kernels.formats import WeightFormat, parse_weight_format
-from kiln.kernels.fp4 import e2m1_decode, e2m1_encode
-from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, e8m0_to_float32, mxfp4_block_scales, mxfp4_quantize
-from kiln.kernels.mxfp6 import e2m3_decode, e2m3_encode, mxfp6_quantize
-from kiln.kernels.nvfp4 import (
-    NVFP4_BLOCK_SIZE,
-    nvfp4_block_scales,
-    nvfp4_global_scale,
-    nvfp4_quantize,
-)
+from kiln.kernels.formats import WeightFormat
+from kiln.kernels.mxfp4 import e8m0_to_float32
+from kiln.kernels.registry import WEIGHT_FORMATS, WEIGHT_SPELLINGS, quantized_spellings
+from kiln.kernels.weight_codec import WeightCodec
 
-FORMATS = ("fp8", "nvfp4", "mxfp4", "mxfp6")
+FORMATS = quantized_spellings()
 E8M0_FORMATS = (WeightFormat.MXFP4, WeightFormat.MXFP6)  # power-of-two block scales, one per 32
 FP8_GRANULARITIES = ("per_channel", "per_tensor")
 
@@ -64,19 +57,21 @@ class WeightLayout:
     granularity: str = "per_channel"  # fp8 only
 
     def __post_init__(self) -> None:
-        if self.format not in (*FORMATS, WeightFormat.FP8_E4M3):
+        codec = WEIGHT_SPELLINGS.get(self.format) if isinstance(self.format, str) else None
+        if codec is None or codec.recipe_name is None:
             raise ValueError(f"format={self.format!r} is not one of {FORMATS}")
-        object.__setattr__(self, "format", parse_weight_format(self.format))
+        object.__setattr__(self, "format", codec.name)
         if self.granularity not in FP8_GRANULARITIES:
             raise ValueError(f"granularity={self.granularity!r} is not one of {FP8_GRANULARITIES}")
 
+    @property
+    def codec(self) -> WeightCodec:
+        """The format's object (kernels/registry.py): its grid, scales and storage."""
+        return WEIGHT_FORMATS[self.format]
+
     # --- shapes --------------------------------------------------------------------------------------------
     def block_size(self, in_features: int) -> int:
-        if self.format == WeightFormat.NVFP4:
-            return NVFP4_BLOCK_SIZE
-        if self.format in E8M0_FORMATS:
-            return MXFP4_BLOCK_SIZE
-        return in_features
+        return self.codec.grid_block_size(in_features)
 
     def num_blocks(self, in_features: int) -> int:
         return -(-in_features // self.block_size(in_features))
@@ -96,12 +91,7 @@ class WeightLayout:
         """Nearest grid value (saturating) of fp32 values already divided by their multiplier, in place (the
         tensor is returned): no fp32 temporaries, which at an 8B model's sizes cost more in page faults than the
         rounding itself."""
-        if self.format == WeightFormat.FP8_E4M3:
-            scaled.clamp_(-fp8.E4M3_MAX, fp8.E4M3_MAX)
-            return scaled.copy_(scaled.to(fp8.FP8_DTYPE))
-        if self.format == WeightFormat.MXFP6:
-            return scaled.copy_(e2m3_decode(e2m3_encode(scaled)))
-        return scaled.copy_(e2m1_decode(e2m1_encode(scaled)))
+        return self.codec.grid_round_(scaled)
 
     def quantize(self, w: Tensor, scales: Scales) -> Tensor:
         """Fake-quantized fp32 values of w [N, K] with the given scales (the kernels' arithmetic)."""
@@ -113,15 +103,7 @@ class WeightLayout:
     def absmax_scales(self, w: Tensor, global_scale: Tensor | None = None) -> Scales:
         """The kernels' default scales (block maximum onto the grid maximum)."""
         w = w.float()
-        if self.format == WeightFormat.FP8_E4M3:  # the kernel's scales, without quantizing
-            if self.granularity == "per_channel":
-                scale = fp8.fp8_scale_per_channel(w)
-                return Scales(scale.reshape(-1, 1), {"weight_scale": scale})
-            return self.fp8_scales(fp8.fp8_scale_per_tensor(w), rows=w.shape[0])
-        if self.format == WeightFormat.NVFP4:
-            g = nvfp4_global_scale(w) if global_scale is None else global_scale.float().reshape(())
-            return self.nvfp4_scales(nvfp4_block_scales(self.padded(w), g), g)
-        return self.mxfp4_scales(mxfp4_block_scales(self.padded(w)))
+        return Scales(*self.codec.grid_absmax_scales(w, self.padded(w), self.granularity, global_scale))
 
     def fp8_scales(self, scale: Tensor, rows: int | None = None) -> Scales:
         """From fp32 scales: [N, 1] per channel, or 0-dim per tensor (then `rows` gives N)."""
@@ -143,11 +125,7 @@ class WeightLayout:
 
     def scales_from_stored(self, tensors: dict[str, Tensor], rows: int) -> Scales:
         """The Scales of an already stored weight (its ModelOpt-named tensors; extra keys are ignored)."""
-        if self.format == WeightFormat.FP8_E4M3:
-            return self.fp8_scales(tensors["weight_scale"], rows=rows)
-        if self.format == WeightFormat.NVFP4:
-            return self.nvfp4_scales(tensors["weight_scale"], tensors["weight_scale_2"])
-        return self.mxfp4_scales(tensors["weight_scale"])
+        return Scales(*self.codec.grid_scales(tensors, self.granularity, rows))
 
     # --- storage -------------------------------------------------------------------------------------------
     def pack(self, values: Tensor, scales: Scales) -> dict[str, Tensor]:
@@ -156,14 +134,4 @@ class WeightLayout:
         The kernel references re-encode the values with the given scales; values on the grid come back
         unchanged, so dequantizing the result gives `values` again.
         """
-        values = values.float()
-        if self.format == WeightFormat.FP8_E4M3:
-            scale = scales.stored["weight_scale"]
-            q = (values / scale).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.FP8_DTYPE)
-            return {"weight": q, "weight_scale": scale}
-        if self.format == WeightFormat.NVFP4:
-            q = nvfp4_quantize(values, global_scale=scales.stored["weight_scale_2"],
-                               block_scale=scales.stored["weight_scale"])
-            return q.tensors()
-        quantize = mxfp6_quantize if self.format == WeightFormat.MXFP6 else mxfp4_quantize
-        return quantize(values, scale_e8m0=scales.stored["weight_scale"]).tensors()
+        return self.codec.grid_pack(values.float(), scales.stored)

@@ -20,11 +20,11 @@ import torch
 from kiln.calibration.gptq import gptq_quantize
 from kiln.calibration.grids import WeightLayout
 from kiln.calibration.scale_search import mse_scales
-from kiln.kernels import fp8
 from kiln.kernels.errors import KilnError, check_choice
-from kiln.kernels.formats import WeightFormat, parse_weight_format
+from kiln.kernels.formats import parse_weight_format
+from kiln.kernels.registry import quantized_spellings, weight_format
 
-WEIGHT_FORMATS = ("fp8", "nvfp4", "mxfp4", "mxfp6")
+WEIGHT_FORMATS = quantized_spellings()
 METHODS = ("rtn", "mse", "gptq")
 
 
@@ -40,34 +40,21 @@ def quantize_weight(w: torch.Tensor, fmt: str, granularity: str = "per_channel",
     check_choice("method", method, METHODS)
     fmt = parse_weight_format(fmt, WEIGHT_FORMATS)
     w = w.float()
+    codec = weight_format(fmt)
+    if not codec.takes_global_scale:
+        global_scale = None
     if method == "rtn":
-        if fmt == WeightFormat.FP8_E4M3:
-            if granularity == "per_channel":
-                q, scale = fp8.fp8_quantize_per_channel(w)
-            else:
-                q, scale = fp8.fp8_quantize_per_tensor(w)
-            return {"weight": q, "weight_scale": scale}
-        if fmt == WeightFormat.NVFP4:
-            from kiln.kernels.nvfp4 import nvfp4_quantize
-
-            return nvfp4_quantize(w, global_scale=global_scale).tensors()
-        if fmt == WeightFormat.MXFP6:
-            from kiln.kernels.mxfp6 import mxfp6_quantize
-
-            return mxfp6_quantize(w).tensors()
-        from kiln.kernels.mxfp4 import mxfp4_quantize
-
-        return mxfp4_quantize(w).tensors()
+        return codec.quantize(w, granularity, global_scale)
     layout = WeightLayout(fmt, granularity)
     if method == "mse":
         importance = torch.diagonal(hessian).float() if hessian is not None else None
-        scales = mse_scales(layout, w, importance, global_scale if fmt == WeightFormat.NVFP4 else None)
+        scales = mse_scales(layout, w, importance, global_scale)
         values = layout.quantize(w, scales)
     else:
         if hessian is None:
             raise KilnError("method='gptq' needs the layer's input Hessian (calibration data)")
         result = gptq_quantize(w, hessian, layout, damping=damping, act_order=act_order, scales="mse",
-                               global_scale=global_scale if fmt == WeightFormat.NVFP4 else None,
+                               global_scale=global_scale,
                                consume_hessian=consume_hessian)
         values, scales = result.values, result.scales
     return layout.pack(values, scales)
@@ -81,11 +68,8 @@ def calibrated_weight(w: torch.Tensor, fmt: str, method: str, hessian: torch.Ten
     statistics."""
     layout = WeightLayout(fmt)
     if method == "rtn":
-        if layout.format == WeightFormat.NVFP4:
-            from kiln.kernels.nvfp4 import nvfp4_quantize
-
-            return dict(nvfp4_quantize(w, global_scale=global_scale).tensors()), "rtn"
-        return dict(quantize_weight(w, fmt, "per_channel")), "rtn"
+        return dict(layout.codec.quantize(w if layout.codec.takes_global_scale else w.float(), "per_channel",
+                                          global_scale)), "rtn"
     if method == "gptq" and hessian is not None:
         result = gptq_quantize(w, hessian, layout, scales="mse", global_scale=global_scale, act_order=act_order)
         return dict(layout.pack(result.values, result.scales)), "gptq"
@@ -98,42 +82,19 @@ def calibrated_weight(w: torch.Tensor, fmt: str, method: str, hessian: torch.Ten
 def stored_layout(fmt: str, tensors: Mapping[str, torch.Tensor]) -> WeightLayout:
     """The calibration layout of stored tensors in stored format `fmt` (FP8 per tensor when its scale is
     0-dim)."""
-    if fmt == WeightFormat.FP8_E4M3:
-        return WeightLayout(WeightFormat.FP8_E4M3, "per_tensor" if tensors["weight_scale"].ndim == 0 else "per_channel")
-    return WeightLayout(fmt)
+    return WeightLayout(fmt, weight_format(fmt).stored_granularity(tensors))
 
 
 def activation_fake_quantizer(fmt: str, mode: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """What the runtime applies to a linear's input, for searches that must see it (static: from x's maximum)."""
     if mode == "none":
         return None
-    fmt = parse_weight_format(fmt, WEIGHT_FORMATS)
-    if fmt == WeightFormat.FP8_E4M3:
-        if mode == "dynamic":
-            return fp8.fp8_fake_quantize_per_token
-        return lambda x: fp8.fp8_fake_quantize_per_tensor(x, _safe(x.abs().amax() / fp8.E4M3_MAX))
-    if fmt == WeightFormat.NVFP4:
-        from kiln.kernels.nvfp4 import nvfp4_fake_quantize
-
-        return nvfp4_fake_quantize
-    if fmt == WeightFormat.MXFP6:
-        raise KilnError("mxfp6 is weight-only: its activations stay as they are (activations='none')")
-    from kiln.kernels.mxfp4 import mxfp4_fake_quantize
-
-    return mxfp4_fake_quantize
+    return weight_format(parse_weight_format(fmt, WEIGHT_FORMATS)).activation_fake_quantizer(mode)
 
 
 def static_input_scale(fmt: str, absmax: torch.Tensor) -> torch.Tensor:
     """The stored per-tensor activation scale for a calibrated input maximum."""
-    if parse_weight_format(fmt, WEIGHT_FORMATS) == WeightFormat.FP8_E4M3:
-        return _safe(absmax.float() / fp8.E4M3_MAX)
-    from kiln.kernels.nvfp4 import E2M1_MAX, E4M3_MAX
-
-    return _safe(absmax.float() / (E2M1_MAX * E4M3_MAX))
-
-
-def _safe(scale: torch.Tensor) -> torch.Tensor:
-    return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())
+    return weight_format(parse_weight_format(fmt, WEIGHT_FORMATS)).static_input_scale(absmax)
 
 
 def shared_global_scales(weights: dict[str, torch.Tensor], keys: dict[str, str]) -> dict[str, torch.Tensor]:

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from kiln.calibration.grids import E8M0_FORMATS, Scales, WeightLayout
-from kiln.kernels import fp8
 from kiln.kernels.formats import WeightFormat
 from kiln.kernels.fp4 import E2M1_MAX
 
@@ -81,12 +80,12 @@ def mse_scales(layout: WeightLayout, w: Tensor, importance: Tensor | None = None
     ratios = torch.tensor(FP8_RATIOS, dtype=torch.float32)
     if layout.granularity == "per_channel":
         amax = w.abs().amax(dim=1)  # [N]
-        cand = _safe(amax.unsqueeze(-1) * ratios / fp8.E4M3_MAX)  # [N, C]
+        cand = _safe(amax.unsqueeze(-1) * ratios / layout.codec.grid_max)  # [N, C]
         cand[:, 0] = base.multiplier[:, 0]  # exactly the kernel's absmax scale
         best = _argmin(block_errors(layout, w, cand.unsqueeze(1), importance))[:, 0]
         return layout.fp8_scales(cand.gather(-1, best.view(-1, 1)))
     amax = w.abs().amax()
-    cand = _safe(amax * ratios / fp8.E4M3_MAX)
+    cand = _safe(amax * ratios / layout.codec.grid_max)
     cand[0] = base.stored["weight_scale"]
     err = block_errors(layout, w, cand.expand(w.shape[0], 1, -1), importance).sum(dim=(0, 1))  # [C]
     return layout.fp8_scales(cand[_argmin(err)], rows=w.shape[0])

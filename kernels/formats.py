@@ -53,8 +53,12 @@ KV_SPELLINGS: dict[str, KvFormat] = {
 
 def parse_weight_format(value, allowed: Iterable[str] | None = None) -> WeightFormat:
     """The WeightFormat a spelling names ("fp8" and "fp8_e4m3" are one); `allowed`: the spellings this
-    caller takes (default: all)."""
-    return _parse("weight format", value, WEIGHT_SPELLINGS, allowed)
+    caller takes (default: all). A format registered beyond the enum (kernels/registry.py) parses to its name."""
+    # imported here: the registry imports the formats' modules, which import this one
+    from kiln.kernels.registry import WEIGHT_SPELLINGS as REGISTERED
+
+    spellings = {**{s: codec.name for s, codec in REGISTERED.items()}, **WEIGHT_SPELLINGS}
+    return _parse("weight format", value, spellings, allowed)
 
 
 def parse_kv_format(value, allowed: Iterable[str] | None = None) -> KvFormat:

@@ -11,7 +11,12 @@ of the flattened input) or statically with a calibrated per-tensor scale; both a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from kiln.kernels.formats import ActivationFormat, WeightFormat
+from kiln.kernels.weight_codec import StoredTensor, WeightCodec
 
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -132,3 +137,103 @@ def fp8_block_dequantize(q: torch.Tensor, scale: torch.Tensor, block_size) -> to
         rows = slice(i * bm, min((i + 1) * bm, n))
         torch.mul(q[rows].float(), per_column[i], out=out[rows])
     return out
+
+
+# --- the format object ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An FP8 E4M3 linear weight as the GEMM takes it: qweight float8_e4m3fn [N, K], weight_scale fp32 [N, 1] or
+    0-dim."""
+
+    qweight: torch.Tensor
+    weight_scale: torch.Tensor
+
+
+class Fp8E4M3Format(WeightCodec):
+    """FP8 E4M3 weights with an fp32 scale per output channel ([N, 1]) or per tensor (0-dim); W8A16, or W8A8 with
+    activations quantized per token (dynamic) or with a calibrated per-tensor scale (static)."""
+
+    name = WeightFormat.FP8_E4M3
+    spellings = ("fp8", "fp8_e4m3")
+    recipe_name = "fp8"
+    tensor_names = ("weight", "weight_scale")
+    bits_per_weight = 8.0
+    weight_only_targets = ("hopper", "blackwell")
+    weight_activation_targets = ("hopper", "blackwell")
+    activations = (ActivationFormat.NONE, ActivationFormat.FP8_DYNAMIC_PER_TOKEN,
+                   ActivationFormat.FP8_STATIC_PER_TENSOR)
+
+    def quantize(self, w: torch.Tensor, granularity: str = "per_channel",
+                 global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        q, scale = fp8_quantize_per_channel(w) if granularity == "per_channel" else fp8_quantize_per_tensor(w)
+        return {"weight": q, "weight_scale": scale}
+
+    def dequantize(self, tensors, in_features=None) -> torch.Tensor:
+        return fp8_dequantize(tensors["weight"], tensors["weight_scale"])
+
+    def stored_tensors(self, out, in_features, weight_shape):
+        rows = out if out is not None else weight_shape[0]
+        weight = (StoredTensor("weight", "an fp8_e4m3 weight", (FP8_DTYPE,), ((out, in_features),))
+                  if out is not None else StoredTensor("weight", "an fp8_e4m3 weight", (FP8_DTYPE,), ndim=2))
+        return weight, StoredTensor("weight_scale", "an FP8 weight scale", (), ((), (1,), (rows, 1)))
+
+    def stored_bytes(self, out, in_features, recorded_in_features=None):
+        return in_features * out + 4 * out  # E4M3 values + an fp32 scale per output channel
+
+    def stored_granularity(self, tensors):
+        return "per_tensor" if tensors["weight_scale"].ndim == 0 else "per_channel"
+
+    def activation_format(self, mode):
+        if mode == "none":
+            return ActivationFormat.NONE
+        return ActivationFormat.FP8_DYNAMIC_PER_TOKEN if mode == "dynamic" else ActivationFormat.FP8_STATIC_PER_TENSOR
+
+    def activation_fake_quantizer(self, mode):
+        if mode == "dynamic":
+            return fp8_fake_quantize_per_token
+        return lambda x: fp8_fake_quantize_per_tensor(x, _positive_0dim(x.abs().amax() / E4M3_MAX))
+
+    def static_input_scale(self, absmax):
+        return _positive_0dim(absmax.float() / E4M3_MAX)
+
+    def packed_weight(self, tensors, in_features):
+        scale = tensors["weight_scale"].float()
+        return Fp8Weight(tensors["weight"], scale.reshape(()) if scale.numel() == 1 else scale)
+
+    def linear(self, x, weight, activation, input_scale):
+        from kiln.kernels import gpu
+
+        if activation == ActivationFormat.NONE:  # W8A16: the weight dequantized for each product
+            return torch.nn.functional.linear(x, fp8_dequantize(weight.qweight, weight.weight_scale).to(x.dtype))
+        return gpu.fp8_linear(x, weight.qweight, weight.weight_scale, input_scale)
+
+    grid_max = E4M3_MAX
+
+    def grid_round_(self, scaled):
+        scaled.clamp_(-E4M3_MAX, E4M3_MAX)
+        return scaled.copy_(scaled.to(FP8_DTYPE))
+
+    def grid_absmax_scales(self, w, w_padded, granularity, global_scale):
+        if granularity == "per_channel":
+            scale = fp8_scale_per_channel(w)
+            return scale.reshape(-1, 1), {"weight_scale": scale}
+        return self.grid_scales({"weight_scale": fp8_scale_per_tensor(w)}, granularity, w.shape[0])
+
+    def grid_scales(self, stored, granularity, rows):
+        scale = stored["weight_scale"].float()
+        if granularity == "per_tensor":
+            scale = scale.reshape(())
+            return scale.expand(rows if rows is not None else 1, 1).clone(), {"weight_scale": scale}
+        return scale.reshape(-1, 1), {"weight_scale": scale.reshape(-1, 1)}
+
+    def grid_pack(self, values, stored_scales):
+        scale = stored_scales["weight_scale"]
+        return {"weight": (values / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE), "weight_scale": scale}
+
+
+def _positive_0dim(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())
+
+
+FP8_E4M3_FORMAT = Fp8E4M3Format()

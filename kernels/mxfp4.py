@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.kernels.fp4 import (
     abs_max,
     blocks_of,
@@ -47,6 +48,7 @@ from kiln.kernels.fp4 import (
     round_up,
     unpack_fp4,
 )
+from kiln.kernels.weight_codec import StoredTensor, WeightCodec
 
 MXFP4_BLOCK_SIZE = 32
 """Values per E8M0 block scale, along the last (K) dimension."""
@@ -201,3 +203,76 @@ def _scale_blocks(values: Tensor, scale_e8m0: Tensor) -> Tensor:
 def check_e8m0_codes(scale_e8m0: Tensor) -> None:
     if scale_e8m0.numel() and int(scale_e8m0.max()) == E8M0_NAN:
         raise ValueError(f"scale_e8m0 must hold exponents 0..254; {E8M0_NAN} is the E8M0 NaN")
+
+
+# --- the format object ---------------------------------------------------------------------------------------------
+
+class Mxfp4Format(WeightCodec):
+    """MXFP4 weights (E2M1 codes, E8M0 scale per 32); W4A16, or W4A4 with MXFP4 activations."""
+
+    name = WeightFormat.MXFP4
+    spellings = ("mxfp4",)
+    recipe_name = "mxfp4"
+    tensor_names = MXFP4_TENSOR_NAMES
+    blocked = True
+    bits_per_weight = 4.25
+    activations = (ActivationFormat.NONE, ActivationFormat.MXFP4)
+    weight_only_targets = ("hopper", "blackwell")  # Hopper: no FP4 tensor cores, decoded in the GEMM
+    weight_activation_targets = ("blackwell",)
+    element_bits = 4
+    element_what = "packed FP4 codes"
+    # the MX formats differ only in their elements: MXFP6 (kernels/mxfp6.py) subclasses this with its own
+    weight_class = Mxfp4Weight
+    _quantize = staticmethod(mxfp4_quantize)
+    _dequantize = staticmethod(mxfp4_dequantize)
+
+    def quantize(self, w, granularity="per_channel", global_scale=None):
+        return self.grid_pack(w, {})
+
+    def dequantize(self, tensors, in_features=None):
+        return self._dequantize(self.packed_weight({k: tensors[k] for k in self.tensor_names}, in_features))
+
+    def stored_tensors(self, out, in_features, weight_shape):
+        if out is None:
+            return tuple(StoredTensor(k) for k in self.tensor_names)
+        padded = padded_in_features(in_features)
+        return (StoredTensor("weight", self.element_what, (torch.uint8,), ((out, padded * self.element_bits // 8),),
+                             shape_first=True),
+                StoredTensor("weight_scale", "its block scales", (torch.uint8,), ((out, padded // MXFP4_BLOCK_SIZE),),
+                             shape_first=True))
+
+    def stored_bytes(self, out, in_features, recorded_in_features=None):
+        padded = max(recorded_in_features or 0, padded_in_features(in_features))
+        return out * padded * self.element_bits // 8 + out * padded // MXFP4_BLOCK_SIZE  # codes, E8M0 per 32
+
+    def activation_format(self, mode):
+        return ActivationFormat.NONE if mode == "none" else ActivationFormat.MXFP4
+
+    def activation_fake_quantizer(self, mode):
+        return mxfp4_fake_quantize
+
+    def packed_weight(self, tensors, in_features):
+        return self.weight_class.from_tensors(tensors, in_features)
+
+    def linear(self, x, weight, activation, input_scale):
+        from kiln.kernels import gpu
+
+        return gpu.fp4_linear(x, weight, activation, input_scale)
+
+    def grid_block_size(self, in_features):
+        return MXFP4_BLOCK_SIZE
+
+    def grid_round_(self, scaled):
+        return scaled.copy_(e2m1_decode(e2m1_encode(scaled)))
+
+    def grid_absmax_scales(self, w, w_padded, granularity, global_scale):
+        return self.grid_scales({"weight_scale": mxfp4_block_scales(w_padded)}, granularity, None)
+
+    def grid_scales(self, stored, granularity, rows):
+        return e8m0_to_float32(stored["weight_scale"]), {"weight_scale": stored["weight_scale"]}
+
+    def grid_pack(self, values, stored_scales):
+        return self._quantize(values, scale_e8m0=stored_scales.get("weight_scale")).tensors()
+
+
+MXFP4_FORMAT = Mxfp4Format()

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.kernels.fp4 import (
     blocks_of,
     check_packed_layout,
@@ -43,10 +44,12 @@ from kiln.kernels.fp4 import (
 )
 from kiln.kernels.mxfp4 import (
     MXFP4_BLOCK_SIZE,
+    Mxfp4Format,
     check_e8m0_codes,
     e8m0_to_float32,
     mx_padded_weight_and_scales,
 )
+from kiln.kernels.weight_codec import WeightCodec
 
 MXFP6_BLOCK_SIZE = MXFP4_BLOCK_SIZE
 """Values per E8M0 block scale, along the last (K) dimension (32, as every MX format)."""
@@ -180,3 +183,38 @@ def _check_codes(name: str, codes: object) -> None:
     check_tensor(name, codes, torch.uint8)
     if codes.numel() and int(codes.max()) > 63:
         raise ValueError(f"{name} must hold 6-bit codes 0..63, got a maximum of {int(codes.max())}")
+
+
+# --- the format object ---------------------------------------------------------------------------------------------
+
+class Mxfp6Format(Mxfp4Format):
+    """MXFP6 weights (E2M3 codes, four in three bytes, E8M0 scale per 32); weight-only (W6A16)."""
+
+    name = WeightFormat.MXFP6
+    spellings = ("mxfp6",)
+    recipe_name = "mxfp6"
+    tensor_names = MXFP6_TENSOR_NAMES
+    bits_per_weight = 6.25
+    activations = (ActivationFormat.NONE,)
+    weight_only = True
+    weight_activation_targets = ()
+    element_bits = 6
+    element_what = "packed FP6 codes"
+    weight_class = Mxfp6Weight
+    _quantize = staticmethod(mxfp6_quantize)
+    _dequantize = staticmethod(mxfp6_dequantize)
+
+    # weight-only: not MXFP4's
+    activation_format = WeightCodec.activation_format
+    activation_fake_quantizer = WeightCodec.activation_fake_quantizer
+
+    def linear(self, x, weight, activation, input_scale):
+        from kiln.kernels import gpu
+
+        return gpu.fp6_linear(x, weight)
+
+    def grid_round_(self, scaled):
+        return scaled.copy_(e2m3_decode(e2m3_encode(scaled)))
+
+
+MXFP6_FORMAT = Mxfp6Format()

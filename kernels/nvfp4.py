@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.kernels.fp4 import (
     E2M1_MAX,
     abs_max,
@@ -56,6 +57,7 @@ from kiln.kernels.fp4 import (
     round_up,
     unpack_fp4,
 )
+from kiln.kernels.weight_codec import StoredTensor, WeightCodec
 
 NVFP4_BLOCK_SIZE = 16
 """Values per E4M3 block scale, along the last (K) dimension."""
@@ -256,3 +258,81 @@ def _check_block_scale_values(block_scale: Tensor, strictly_positive: bool = Fal
     if smallest < 0 or (strictly_positive and smallest == 0):
         allowed = "positive" if strictly_positive else "non-negative"
         raise ValueError(f"block_scale must be {allowed}, got a minimum of {smallest}")
+
+
+# --- the format object ---------------------------------------------------------------------------------------------
+
+class Nvfp4Format(WeightCodec):
+    """NVFP4 weights (E2M1 codes, E4M3 scale per 16, fp32 per tensor); W4A16, or W4A4 with NVFP4 activations."""
+
+    name = WeightFormat.NVFP4
+    spellings = ("nvfp4",)
+    recipe_name = "nvfp4"
+    tensor_names = NVFP4_TENSOR_NAMES
+    blocked = True
+    bits_per_weight = 4.5
+    activations = (ActivationFormat.NONE, ActivationFormat.NVFP4)
+    takes_global_scale = True
+    weight_only_targets = ("hopper", "blackwell")  # Hopper: no FP4 tensor cores, decoded in the GEMM
+    weight_activation_targets = ("blackwell",)
+
+    def quantize(self, w, granularity="per_channel", global_scale=None):
+        return nvfp4_quantize(w, global_scale=global_scale).tensors()
+
+    def dequantize(self, tensors, in_features=None):
+        return nvfp4_dequantize(Nvfp4Weight.from_tensors({k: tensors[k] for k in NVFP4_TENSOR_NAMES},
+                                                         in_features=in_features))
+
+    def stored_tensors(self, out, in_features, weight_shape):
+        if out is None:
+            return tuple(StoredTensor(k) for k in NVFP4_TENSOR_NAMES)
+        padded = padded_in_features(in_features)
+        return (StoredTensor("weight", "packed FP4 codes", (torch.uint8,), ((out, padded // 2),), shape_first=True),
+                StoredTensor("weight_scale", "its block scales", (torch.float8_e4m3fn,),
+                             ((out, padded // NVFP4_BLOCK_SIZE),), shape_first=True),
+                StoredTensor("weight_scale_2", "its global scale", (torch.float32,), ((), (1,)), shape_first=True))
+
+    def stored_bytes(self, out, in_features, recorded_in_features=None):
+        padded = max(recorded_in_features or 0, padded_in_features(in_features))
+        return out * padded // 2 + out * padded // NVFP4_BLOCK_SIZE + 4  # codes, E4M3 per 16, fp32 global scale
+
+    def activation_format(self, mode):
+        # block scales are always dynamic; "static" calibrates the per-tensor activation scale
+        return ActivationFormat.NONE if mode == "none" else ActivationFormat.NVFP4
+
+    def activation_fake_quantizer(self, mode):
+        return nvfp4_fake_quantize
+
+    def static_input_scale(self, absmax):
+        scale = absmax.float() / (E2M1_MAX * E4M3_MAX)
+        return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())
+
+    def packed_weight(self, tensors, in_features):
+        return Nvfp4Weight.from_tensors(tensors, in_features)
+
+    def linear(self, x, weight, activation, input_scale):
+        from kiln.kernels import gpu
+
+        return gpu.fp4_linear(x, weight, activation, input_scale)
+
+    def grid_block_size(self, in_features):
+        return NVFP4_BLOCK_SIZE
+
+    def grid_round_(self, scaled):
+        return scaled.copy_(e2m1_decode(e2m1_encode(scaled)))
+
+    def grid_absmax_scales(self, w, w_padded, granularity, global_scale):
+        g = nvfp4_global_scale(w) if global_scale is None else global_scale.float().reshape(())
+        return self.grid_scales({"weight_scale": nvfp4_block_scales(w_padded, g), "weight_scale_2": g},
+                                granularity, None)
+
+    def grid_scales(self, stored, granularity, rows):
+        g = stored["weight_scale_2"].float().reshape(())
+        return stored["weight_scale"].float() * g, {"weight_scale": stored["weight_scale"], "weight_scale_2": g}
+
+    def grid_pack(self, values, stored_scales):
+        return nvfp4_quantize(values, global_scale=stored_scales["weight_scale_2"],
+                              block_scale=stored_scales["weight_scale"]).tensors()
+
+
+NVFP4_FORMAT = Nvfp4Format()

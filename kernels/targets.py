@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.kernels.errors import KilnError
+from kiln.kernels.registry import WEIGHT_FORMATS
 
 
 @dataclass(frozen=True)
@@ -52,20 +53,20 @@ H100 = Device("H100-80GB", 80 * 10**9, 3.35e12, 989e12, 1979e12, 0.0)
 H200 = Device("H200-141GB", 141 * 10**9, 4.8e12, 989e12, 1979e12, 0.0)
 B200 = Device("B200-192GB", 192 * 10**9, 8.0e12, 2250e12, 4500e12, 9000e12)
 
+def _target(name: str, devices: tuple[Device, ...]) -> Target:
+    """A target's modes as the formats' objects state them (WeightCodec.weight_only_targets, ...): Hopper runs FP4
+    and FP6 weight-only, decoded to BF16 in the GEMM's kernel (no FP4/FP6 tensor cores)."""
+    quantized = [c for c in WEIGHT_FORMATS.values() if c.recipe_name is not None]
+    return Target(name=name,
+                  weight_only_formats=frozenset(c.recipe_name for c in quantized if name in c.weight_only_targets),
+                  weight_activation_formats=frozenset(c.recipe_name for c in quantized
+                                                      if name in c.weight_activation_targets),
+                  devices=devices)
+
+
 TARGETS: dict[str, Target] = {
-    "hopper": Target(
-        name="hopper",
-        # FP4 and FP6 weight-only: decoded to BF16 in the GEMM's kernel (no FP4/FP6 tensor cores)
-        weight_only_formats=frozenset({"fp8", "nvfp4", "mxfp4", "mxfp6"}),
-        weight_activation_formats=frozenset({"fp8"}),
-        devices=(H100, H200),
-    ),
-    "blackwell": Target(
-        name="blackwell",
-        weight_only_formats=frozenset({"fp8", "nvfp4", "mxfp4", "mxfp6"}),
-        weight_activation_formats=frozenset({"fp8", "nvfp4", "mxfp4"}),
-        devices=(B200,),
-    ),
+    "hopper": _target("hopper", (H100, H200)),
+    "blackwell": _target("blackwell", (B200,)),
 }
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, KvFormat, WeightFormat
+from kiln.kernels.registry import WEIGHT_FORMATS
 from kiln.kernels.targets import B200, H100, H200, Device
 from kiln.runtime.kv_budget import ACTIVATION_RESERVE_FRACTION, max_concurrent_sequences
 from kiln.runtime.kv_format import kv_bytes_per_token
@@ -109,20 +110,9 @@ def linear_cost(lin: LinearSpec, fmt: str = WeightFormat.DENSE, activation: str 
     out = lin.out_features
     bias = out if lin.bias else 0
     params = lin.in_features * out + bias
-    if fmt == WeightFormat.DENSE:
-        nbytes = 2 * params
-    elif fmt == WeightFormat.FP8_E4M3:
-        nbytes = lin.in_features * out + 4 * out + 2 * bias  # E4M3 values + an fp32 scale per output channel
-    elif fmt in FP4_FORMATS:
-        block = 16 if fmt == WeightFormat.NVFP4 else 32
-        padded = max(in_features or 0, math.ceil(lin.in_features / block) * block)
-        scales = out * padded // block  # NVFP4: E4M3 per 16 (+ an fp32 global scale); MXFP4: E8M0 per 32
-        nbytes = out * padded // 2 + scales + (4 if fmt == WeightFormat.NVFP4 else 0) + 2 * bias
-    elif fmt == WeightFormat.MXFP6:  # four E2M3 codes in three bytes, an E8M0 scale per 32
-        padded = max(in_features or 0, math.ceil(lin.in_features / 32) * 32)
-        nbytes = out * padded * 3 // 4 + out * padded // 32 + 2 * bias
-    else:
-        raise KilnError(f"economics: unknown weight format {fmt!r}; known: {', '.join(WeightFormat)}")
+    if fmt not in WEIGHT_FORMATS:
+        raise KilnError(f"economics: unknown weight format {fmt!r}; known: {', '.join(WEIGHT_FORMATS)}")
+    nbytes = WEIGHT_FORMATS[fmt].stored_bytes(out, lin.in_features, in_features) + 2 * bias
     if activation == ActivationFormat.NONE:
         compute = BF16
     elif str(activation).startswith("fp8"):

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, WeightFormat, parse_weight_format
-from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE
-from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from kiln.kernels.registry import weight_format
 from kiln.kernels.targets import Target
 
 BF16 = "bf16"
@@ -42,18 +41,14 @@ class PrecisionOption:
     @property
     def runtime_activation(self) -> ActivationFormat:
         """The activation entry of the artifact's format table (runtime.weights)."""
-        if self.activations == "none":
-            return ActivationFormat.NONE
-        if self.weight_format == WeightFormat.FP8_E4M3:
-            return ActivationFormat.FP8_DYNAMIC_PER_TOKEN
-        return ActivationFormat(self.weight_format)
+        return weight_format(self.weight).activation_format(self.activations)
 
     @property
     def quantizes_activations(self) -> bool:
         return self.activations != "none"
 
     def check(self, target: Target) -> None:
-        if self.weight_format == WeightFormat.DENSE:
+        if weight_format(self.weight).recipe_name is None:  # dense: every target runs it
             return
         if self.quantizes_activations:
             target.check_weight_activation(self.weight)
@@ -62,20 +57,9 @@ class PrecisionOption:
 
     def stored_bytes(self, out_features: int, in_features: int) -> int:
         """Bytes of one [out, in] linear in this option, scales and block padding included."""
-        n, k = out_features, in_features
-        fmt = self.weight_format
-        if fmt == WeightFormat.DENSE:
-            return 2 * n * k
-        if fmt == WeightFormat.FP8_E4M3:
-            return n * k + 4 * n
-        if fmt == WeightFormat.MXFP6:
-            padded = -(-k // MXFP4_BLOCK_SIZE) * MXFP4_BLOCK_SIZE
-            return n * padded * 3 // 4 + n * padded // MXFP4_BLOCK_SIZE
-        block = NVFP4_BLOCK_SIZE if fmt == WeightFormat.NVFP4 else MXFP4_BLOCK_SIZE
-        padded = -(-k // block) * block
-        if fmt == WeightFormat.NVFP4:
-            return n * padded // 2 + n * padded // NVFP4_BLOCK_SIZE + 4 + (4 if self.activations == "static" else 0)
-        return n * padded // 2 + n * padded // MXFP4_BLOCK_SIZE
+        # a static activation scale (NVFP4 W4A4's calibrated per-tensor scale) is one fp32 more
+        return (weight_format(self.weight).stored_bytes(out_features, in_features)
+                + (4 if self.activations == "static" else 0))
 
 
 # fmt: off

@@ -73,6 +73,7 @@ from kiln.calibration.tuning import FakeQuantWeight, tune
 from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import ActivationFormat, WeightFormat, parse_weight_format
+from kiln.kernels.registry import weight_format as format_object
 from kiln.kernels.rotation import block_hadamard
 from kiln.kernels.targets import Target
 from kiln.passes.base import (
@@ -132,7 +133,7 @@ def quantize_linear_weight(w: torch.Tensor, fmt: str, granularity: str = "per_ch
         tensors = {**tensors, "input_scale": input_scale.float().reshape(()).clone()}  # its own (siblings share a value)
     stored = parse_weight_format(fmt, WEIGHT_FORMATS)
     return QuantizedWeight(stored, tensors, activation,
-                           in_features=w.shape[1] if stored != WeightFormat.FP8_E4M3 else None, method=method)
+                           in_features=w.shape[1] if format_object(stored).blocked else None, method=method)
 
 
 # End-to-end tuning runs only when steps x tokens per step x the model's linear weights fit this budget (the
@@ -392,11 +393,7 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
 def activation_format(fmt: str, mode: str) -> ActivationFormat:
     if mode == "none":
         return ActivationFormat.NONE
-    stored = parse_weight_format(fmt, WEIGHT_FORMATS)
-    if stored == WeightFormat.FP8_E4M3:
-        return (ActivationFormat.FP8_DYNAMIC_PER_TOKEN if mode == "dynamic"
-                else ActivationFormat.FP8_STATIC_PER_TENSOR)
-    return ActivationFormat(stored)  # nvfp4 / mxfp4 activations: dynamic block scales (NVFP4 static: a calibrated per-tensor scale)
+    return format_object(parse_weight_format(fmt, WEIGHT_FORMATS)).activation_format(mode)
 
 
 def stage_of(lin: Linear) -> int:
@@ -527,9 +524,10 @@ class WeightQuantization(Pass):
             check_choice("roles entry", role, QUANTIZABLE_ROLES)
         if not self.roles:
             raise KilnError("roles is empty: the pass would quantize nothing")
-        if self.activations != "none" and self.weight_format == WeightFormat.MXFP6:
-            raise KilnError(f"activations={self.activations!r} is not allowed for mxfp6: Kiln runs it weight-only "
-                            "(W6A16); use activations 'none'")
+        codec = format_object(self.format)
+        if self.activations != "none" and codec.weight_only:
+            raise KilnError(f"activations={self.activations!r} is not allowed for {self.format}: Kiln runs it "
+                            f"weight-only (W{codec.bits_per_weight:.0f}A16); use activations 'none'")
         if self.activations == "static" and self.weight_format == WeightFormat.MXFP4:
             raise KilnError("activations='static' is not allowed for mxfp4 (its E8M0 block scales are always "
                             "dynamic); use 'dynamic' or 'none', or format fp8 / nvfp4")
@@ -825,7 +823,7 @@ class WeightQuantization(Pass):
 
     def _global_scales(self, lins: list[Linear], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """NVFP4: one per-tensor scale per fused set of `lins` (q/k/v, gate/up); other formats: none."""
-        if self.weight_format != WeightFormat.NVFP4:
+        if not format_object(self.format).takes_global_scale:
             return {}
         return shared_global_scales(weights, {lin.name: fusion_key(lin) for lin in lins})
 

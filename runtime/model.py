@@ -19,11 +19,9 @@ from torch import nn
 
 from kiln.kernels import gpu
 from kiln.kernels.errors import KilnError
-from kiln.kernels.formats import ActivationFormat, WeightFormat
-from kiln.kernels.fp8 import fp8_dequantize
-from kiln.kernels.mxfp4 import Mxfp4Weight
-from kiln.kernels.mxfp6 import Mxfp6Weight
-from kiln.kernels.nvfp4 import Nvfp4Weight
+from kiln.kernels.formats import ActivationFormat
+from kiln.kernels.registry import WEIGHT_FORMATS
+from kiln.kernels.registry import weight_format as weight_format_object
 from kiln.runtime.artifact import clip
 from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, MlpSpec, ModelSpec, RotarySpec
 from kiln.runtime.weights import (
@@ -118,30 +116,23 @@ class PackedLinear(nn.Module):
                  rotation: InputTransform | None):
         super().__init__()
         self.weight_format, self.activation, self.rotation = weight_format, activation, rotation
+        self.codec = weight_format_object(weight_format)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(()))
-        if weight_format == WeightFormat.FP8_E4M3:
-            self.register_buffer("qweight", tensors["weight"])
-            scale = tensors["weight_scale"].float()
-            self.register_buffer("weight_scale", scale.reshape(()) if scale.numel() == 1 else scale)
-            self.fp4 = None
-        else:
-            # self.fp4: the block-scaled weight (MXFP6's too, though its elements are 6 bits)
-            cls = {WeightFormat.NVFP4: Nvfp4Weight, WeightFormat.MXFP4: Mxfp4Weight,
-                   WeightFormat.MXFP6: Mxfp6Weight}[weight_format]
-            self.fp4 = cls.from_tensors(tensors, in_features)
-            for name, value in vars(self.fp4).items():
-                if isinstance(value, torch.Tensor):
-                    self.register_buffer(f"fp4_{name}", value)
+        # the weight as the format's kernel takes it (Fp8Weight, Nvfp4Weight, ...); its tensors are buffers
+        self.packed_weight = self.codec.packed_weight(tensors, in_features)
+        for name, value in vars(self.packed_weight).items():
+            if isinstance(value, torch.Tensor):
+                self.register_buffer(f"packed_{name}", value)
 
-    def _apply(self, fn, recurse=True):  # .to(device) moves the FP4 weight's tensors with the buffers
+    def _apply(self, fn, recurse=True):  # .to(device) moves the packed weight's tensors with the buffers
         super()._apply(fn, recurse)
-        if self.fp4 is not None:
+        if getattr(self, "packed_weight", None) is not None:
             # the same checked values, moved (re-checking them would read every block scale back to the host)
-            fields = {f.name: getattr(self.fp4, f.name) for f in dataclasses.fields(self.fp4)}
-            fields.update({name[len("fp4_"):]: buffer for name, buffer in self.named_buffers(recurse=False)
-                           if name.startswith("fp4_")})
-            self.fp4 = gpu.unchecked_weight(type(self.fp4), **fields)
+            fields = {f.name: getattr(self.packed_weight, f.name) for f in dataclasses.fields(self.packed_weight)}
+            fields.update({name[len("packed_"):]: buffer for name, buffer in self.named_buffers(recurse=False)
+                           if name.startswith("packed_")})
+            self.packed_weight = gpu.unchecked_weight(type(self.packed_weight), **fields)
         return self
 
     @property
@@ -152,25 +143,11 @@ class PackedLinear(nn.Module):
         dtype = x.dtype  # the output's: the rotation computes in fp32
         if self.rotation is not None:
             x = self.rotation.rotate(x).to(dtype)
-        if isinstance(self.fp4, Mxfp6Weight):
-            out = gpu.fp6_linear(x, self.fp4)
-        elif self.fp4 is not None:
-            out = gpu.fp4_linear(x, self.fp4, self.activation, self.input_scale)
-        elif self.activation == ActivationFormat.NONE:
-            out = F.linear(x, fp8_dequantize(self.qweight, self.weight_scale).to(x.dtype))
-        else:
-            out = gpu.fp8_linear(x, self.qweight, self.weight_scale, self.input_scale)
-        out = out.to(dtype)
+        out = self.codec.linear(x, self.packed_weight, self.activation, self.input_scale).to(dtype)
         return out if self.bias is None else out + self.bias.to(dtype)
 
 
-PACKED_ACTIVATIONS = {
-    WeightFormat.FP8_E4M3: (ActivationFormat.NONE, ActivationFormat.FP8_DYNAMIC_PER_TOKEN,
-                            ActivationFormat.FP8_STATIC_PER_TENSOR),
-    WeightFormat.NVFP4: (ActivationFormat.NONE, ActivationFormat.NVFP4),
-    WeightFormat.MXFP4: (ActivationFormat.NONE, ActivationFormat.MXFP4),
-    WeightFormat.MXFP6: (ActivationFormat.NONE,),
-}
+PACKED_ACTIVATIONS = {name: codec.activations for name, codec in WEIGHT_FORMATS.items() if codec.activations}
 """The activation formats PackedLinear runs with each stored weight format (the kernels' combinations)."""
 
 

@@ -26,10 +26,12 @@ import torch
 from kiln.kernels import fp8
 from kiln.kernels.dequantize import dequantize
 from kiln.kernels.errors import KilnError
-from kiln.kernels.formats import ActivationFormat, WeightFormat
+from kiln.kernels.formats import ActivationFormat
+from kiln.kernels.registry import WEIGHT_FORMATS as REGISTERED_FORMATS
+from kiln.kernels.registry import weight_format
 from kiln.runtime.artifact import clip
 
-WEIGHT_FORMATS = tuple(WeightFormat)
+WEIGHT_FORMATS = tuple(REGISTERED_FORMATS)
 ACTIVATION_FORMATS = tuple(ActivationFormat)
 
 
@@ -92,15 +94,20 @@ def _in_features(module: str, entry: Mapping, fmt: str, shape: tuple[int, int] |
     return stored
 
 
-def _check_block_layout(module: str, tensors: Mapping[str, torch.Tensor], out: int, padded: int, block: int,
-                        scale_dtype: torch.dtype, element_bits: int = 4) -> None:
-    """Packed codes uint8 [out, padded * element_bits / 8] (E2M1, or MXFP6's E2M3) and block scales
-    [out, padded / block]."""
-    w, scale = need_tensor(tensors, f"{module}.weight"), need_tensor(tensors, f"{module}.weight_scale")
-    check_shape(f"{module}.weight", w, (out, padded * element_bits // 8))
-    check_dtype(f"{module}.weight", w, f"packed FP{element_bits} codes", torch.uint8)
-    check_shape(f"{module}.weight_scale", scale, (out, padded // block))
-    check_dtype(f"{module}.weight_scale", scale, "its block scales", scale_dtype)
+def _check_stored(module: str, tensors: Mapping[str, torch.Tensor], layout) -> None:
+    """Every tensor the format's layout (`WeightCodec.stored_tensors`) names: present, then its dtype and shape."""
+    for expected in layout:
+        name = f"{module}.{expected.key}"
+        tensor = need_tensor(tensors, name)
+        if expected.shapes is not None and expected.shape_first:
+            check_shape(name, tensor, *expected.shapes)
+        if expected.dtypes is not None:
+            check_dtype(name, tensor, expected.what, *expected.dtypes)
+        if expected.shapes is not None and not expected.shape_first:
+            check_shape(name, tensor, *expected.shapes)
+        if expected.ndim is not None and tensor.ndim != expected.ndim:
+            raise KilnError(f"artifact tensor {clip(name)} has shape {_shape(tensor.shape)}; "
+                            f"a linear weight is {expected.ndim}-D")
 
 
 def dequantize_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor],
@@ -113,10 +120,11 @@ def dequantize_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.T
     Whatever the shape, the dequantized weight must be finite."""
     fmt, stored, in_features = stored_weight(module, entry, tensors, shape)
     try:
-        result = stored["weight"].float() if fmt == WeightFormat.DENSE else dequantize(fmt, stored, in_features)
+        result = dequantize(fmt, stored, in_features)
     except (ValueError, TypeError) as exc:  # the kernels' own layout and value checks
         raise malformed(module, fmt, exc) from None
-    check_finite(f"{module}.weight" if fmt == WeightFormat.DENSE else f"{module}.weight ({fmt}, dequantized)", result)
+    check_finite(f"{module}.weight ({fmt}, dequantized)" if weight_format(fmt).dequantizes else f"{module}.weight",
+                 result)
     return result
 
 
@@ -125,43 +133,12 @@ def stored_weight(module: str, entry: Mapping, tensors: Mapping[str, torch.Tenso
     """The tensors `module`'s weight is stored as, checked as `dequantize_weight` checks them (it dequantizes
     these): (format, {name: tensor} with the format's own keys, in_features for the FP4 formats else None)."""
     fmt = check_format(module, entry)
+    codec = weight_format(fmt)
     w = need_tensor(tensors, f"{module}.weight")
-    out = shape[0] if shape is not None else None
-    if fmt == WeightFormat.DENSE:
-        check_dtype(f"{module}.weight", w, "a dense weight")
-        if shape is not None:
-            check_shape(f"{module}.weight", w, shape)
-        return fmt, {"weight": w}, None
-    if fmt == WeightFormat.FP8_E4M3:
-        check_dtype(f"{module}.weight", w, "an fp8_e4m3 weight", fp8.FP8_DTYPE)
-        if shape is not None:
-            check_shape(f"{module}.weight", w, shape)
-        elif w.ndim != 2:
-            raise KilnError(f"artifact tensor {clip(module)}.weight has shape {_shape(w.shape)}; "
-                            "a linear weight is 2-D")
-        scale = need_tensor(tensors, f"{module}.weight_scale")
-        check_dtype(f"{module}.weight_scale", scale, "an FP8 weight scale")
-        check_shape(f"{module}.weight_scale", scale, (), (1,), (w.shape[0] if out is None else out, 1))
-        return fmt, {"weight": w, "weight_scale": scale}, None
-    if fmt == WeightFormat.NVFP4:
-        from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4_TENSOR_NAMES, padded_in_features
-
-        in_features = _in_features(module, entry, fmt, shape)
-        if shape is not None:
-            _check_block_layout(module, tensors, out, padded_in_features(in_features), NVFP4_BLOCK_SIZE,
-                                torch.float8_e4m3fn)
-            g = need_tensor(tensors, f"{module}.weight_scale_2")
-            check_shape(f"{module}.weight_scale_2", g, (), (1,))
-            check_dtype(f"{module}.weight_scale_2", g, "its global scale", torch.float32)
-        return fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in NVFP4_TENSOR_NAMES}, in_features
-    # the MX formats (MXFP4, MXFP6): packed codes and E8M0 scales per 32, the same names and padding
-    from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE, MXFP4_TENSOR_NAMES, padded_in_features
-
-    in_features = _in_features(module, entry, fmt, shape)
-    if shape is not None:
-        _check_block_layout(module, tensors, out, padded_in_features(in_features), MXFP4_BLOCK_SIZE, torch.uint8,
-                            element_bits=6 if fmt == WeightFormat.MXFP6 else 4)
-    return fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in MXFP4_TENSOR_NAMES}, in_features
+    in_features = _in_features(module, entry, fmt, shape) if codec.blocked else None
+    out, k = (None, in_features) if shape is None else shape
+    _check_stored(module, tensors, codec.stored_tensors(out, k, tuple(w.shape)))
+    return fmt, {k: need_tensor(tensors, f"{module}.{k}") for k in codec.tensor_names}, in_features
 
 
 def malformed(module: str, fmt: str, exc: Exception) -> KilnError:
