@@ -129,7 +129,7 @@ class HiddenCheckpoint:
     """A session's hidden states at the input of block `position` (one tensor per batch, on the session's
     device) and the fingerprints of the blocks they went through (RuntimeCalibrationSession.checkpoint)."""
 
-    __slots__ = ("position", "hidden", "ran", "tokens")
+    __slots__ = ("hidden", "position", "ran", "tokens")
 
     def __init__(self, position: int, hidden: list[torch.Tensor], ran: dict, tokens: list[torch.Tensor]):
         self.position, self.hidden, self.ran, self.tokens = position, hidden, ran, tokens

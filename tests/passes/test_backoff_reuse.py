@@ -49,8 +49,8 @@ def stored(graph) -> dict[str, torch.Tensor]:
 
 def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    for k, x in a.items():
+        assert x.dtype == b[k].dtype and torch.equal(x, b[k]), k
 
 
 def full_build(checkpoint, tokens, config: WeightQuantization):
@@ -61,13 +61,13 @@ def full_build(checkpoint, tokens, config: WeightQuantization):
 
 CONFIGS = {
     # the nvfp4-w4a16 recipe's calibration (its tuning is over the CPU budget on SmolLM2)
-    "nvfp4-gptq": dict(format="nvfp4", method="gptq", act_order=False),
+    "nvfp4-gptq": {"format": "nvfp4", "method": "gptq", "act_order": False},
     # fp8's: AWQ folds (replaced tensors), one observation per block
-    "fp8-awq": dict(format="fp8", activations="dynamic", method="gptq", awq=True, true_sequential=False),
+    "fp8-awq": {"format": "fp8", "activations": "dynamic", "method": "gptq", "awq": True, "true_sequential": False},
     # tuning after calibration depends on every block: redone whole, from the same calibrated product
-    "mxfp4-tuned": dict(format="mxfp4", method="gptq", awq=True, tune_steps=3, tune_lr=1e-3),
-    "lm-head-unsequential": dict(format="nvfp4", method="gptq", sequential=False,
-                                 roles=("q", "k", "v", "o", "gate", "up", "down", "lm_head")),
+    "mxfp4-tuned": {"format": "mxfp4", "method": "gptq", "awq": True, "tune_steps": 3, "tune_lr": 1e-3},
+    "lm-head-unsequential": {"format": "nvfp4", "method": "gptq", "sequential": False,
+                             "roles": ("q", "k", "v", "o", "gate", "up", "down", "lm_head")},
 }
 
 
