@@ -189,12 +189,13 @@ class RuntimeCalibrationSession:
 
     def checkpoint(self) -> HiddenCheckpoint | None:
         """The hidden states where the session stands (the input of block `position`; none yet: None), with what
-        every block before computed with. Held by reference: the session replaces hidden states, never changes
-        them, so this costs the memory they would otherwise free."""
+        every block before computed with. On the CPU held by reference (the session replaces hidden states, never
+        changes them: this costs the memory they would otherwise free); from another device copied to the CPU,
+        so kept checkpoints do not hold accelerator memory."""
         if self.position is None:
             return None
-        return HiddenCheckpoint(self.position, [b.hidden for b in self.batches], dict(self._ran),
-                                [b.tokens for b in self.batches])
+        hidden = [b.hidden if b.hidden.device.type == "cpu" else b.hidden.to("cpu") for b in self.batches]
+        return HiddenCheckpoint(self.position, hidden, dict(self._ran), [b.tokens for b in self.batches])
 
     def resume(self, checkpoint: HiddenCheckpoint) -> bool:
         """Stand at `checkpoint` (e.g. from an earlier session on the same text) instead of replaying the blocks
@@ -206,7 +207,7 @@ class RuntimeCalibrationSession:
         if any(self._fingerprint(i) != checkpoint.ran.get(i) for i in range(-1, checkpoint.position)):
             return False
         for b, hidden in zip(self.batches, checkpoint.hidden, strict=True):
-            b.hidden = hidden
+            b.hidden = hidden.to(self.device)  # (a copy back to the session's device; the same tensor on the CPU)
         self.position = checkpoint.position
         self._ran = dict(checkpoint.ran)
         return True
