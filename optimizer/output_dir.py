@@ -53,7 +53,10 @@ def _table_files(path: Path) -> set[str] | None:
             except (OSError, ValueError):
                 record = {}
             files = record.get("files") if isinstance(record, dict) else None
-            return {marker, *(files if isinstance(files, dict) else ())}
+            if not isinstance(files, dict):
+                # a marker from before the table (older Kiln): the marker alone made the folder Kiln's then
+                return {marker, *_entries(path)}
+            return {marker, *files}
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError):
@@ -137,9 +140,26 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+def _machine_id() -> str | None:
+    try:
+        return Path("/etc/machine-id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _pid_namespace() -> str | None:
+    """The pid namespace this process sees pids in: a pid from another (a container on the same host) means
+    nothing here."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def _owner() -> dict:
     pid = os.getpid()
-    return {"pid": pid, "start_time": _start_time(pid), "boot_id": _boot_id(), "host": socket.gethostname()}
+    return {"pid": pid, "start_time": _start_time(pid), "boot_id": _boot_id(), "host": socket.gethostname(),
+            "machine_id": _machine_id(), "pid_ns": _pid_namespace()}
 
 
 def write_owner_marker(directory: Path) -> None:
@@ -151,8 +171,11 @@ def _owner_is_gone(record: dict) -> bool:
     pid = record.get("pid")
     if not isinstance(pid, int) or pid <= 0 or record.get("host") != socket.gethostname():
         return False
+    same_machine = record.get("machine_id") is not None and record.get("machine_id") == _machine_id()
     if record.get("boot_id") and _boot_id() and record["boot_id"] != _boot_id():
-        return True  # rebooted since: every process of that boot is gone
+        return same_machine  # this machine rebooted since: every process of that boot is gone
+    if record.get("pid_ns") is None or record.get("pid_ns") != _pid_namespace():
+        return False  # written from another pid namespace (a container sharing this folder): its pid is not ours
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -163,14 +186,32 @@ def _owner_is_gone(record: dict) -> bool:
     return started is not None and _start_time(pid) not in (None, started)  # the pid now names another process
 
 
+def remove_temporary(path: Path) -> None:
+    """Remove a temporary directory, its owner marker last: a kill part-way leaves a marked (so removable)
+    remainder, never an unmarked one nothing would remove."""
+    for entry in list(path.iterdir()) if path.is_dir() else ():
+        if entry.name != OWNER_MARKER:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def remove_stale_temporaries(output: Path) -> list[Path]:
     """Remove `.NAME.tmp-*` and `.NAME.old-*` beside `output` that carry Kiln's OWNER_MARKER and whose process is
     gone (a build killed with SIGKILL, a crash). A temporary without the marker, or one whose process is alive (a
-    build still writing it), is left alone. Returns what was removed."""
+    build still writing it) or unknown, is left alone. A process killed between the two renames of an
+    --overwrite left the previous output only in `.NAME.old-*`: it is put back at `output` first. Returns what
+    was removed."""
+    import glob
+
     output = Path(output)
     removed = []
+    pattern = glob.escape(output.name)
     try:
-        siblings = [*output.parent.glob(f".{output.name}.tmp-*"), *output.parent.glob(f".{output.name}.old-*")]
+        siblings = [*output.parent.glob(f".{pattern}.old-*"), *output.parent.glob(f".{pattern}.tmp-*")]
     except OSError:
         return removed
     for path in siblings:
@@ -181,7 +222,13 @@ def remove_stale_temporaries(output: Path) -> list[Path]:
         except (OSError, ValueError):
             continue
         if isinstance(record, dict) and _owner_is_gone(record):
-            shutil.rmtree(path, ignore_errors=True)
+            previous = path / output.name
+            if path.name.startswith(f".{output.name}.old-") and previous.is_dir() and not os.path.lexists(output):
+                try:
+                    os.replace(previous, output)  # the output as it was before the killed --overwrite
+                except OSError:
+                    continue  # cannot put it back: keep it where it is
+            remove_temporary(path)
             removed.append(path)
     return removed
 
@@ -268,18 +315,23 @@ def atomic_directory(output: Path | str, overwrite: bool = False,
         if out.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             write_owner_marker(trash)
-            os.replace(out, trash / out.name)
+            try:
+                os.replace(out, trash / out.name)
+            except OSError as exc:  # a mount point, a busy directory: the old output stays where it was
+                remove_temporary(trash)
+                raise KilnError(f"cannot replace output {output}: {exc.strerror or exc}; name a new directory, "
+                                "or empty this one") from None
             try:
                 os.replace(payload, out)
             except BaseException:
                 os.replace(trash / out.name, out)  # put the old output back
                 raise
             finally:
-                shutil.rmtree(trash, ignore_errors=True)
+                remove_temporary(trash)
         else:
             os.replace(payload, out)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # the marker, and on failure the half-written output
+        remove_temporary(tmp)  # on failure the half-written output, then the marker
 
 
 # --- single files ----------------------------------------------------------------------------------------------

@@ -253,9 +253,9 @@ def stale(tmp_path, name, pid, marker=True):
     (path / "out").mkdir(parents=True)
     (path / "out" / "model.safetensors").write_bytes(b"half")
     if marker:
-        import socket
+        from kiln.optimizer.output_dir import _owner
 
-        (path / OWNER_MARKER).write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
+        (path / OWNER_MARKER).write_text(json.dumps({**_owner(), "pid": pid, "start_time": None}))
     return path
 
 
@@ -291,7 +291,69 @@ def test_only_kilns_stale_temporaries_are_removed(tmp_path):
     assert alive.is_dir() and unmarked.is_dir() and other.is_dir() and not dead.exists() and not trash.exists()
 
 
+def test_a_kill_between_the_renames_of_an_overwrite_puts_the_previous_output_back(tmp_path):
+    """Killed after the old output moved aside and before the new one moved in: the old one is restored."""
+    trash = stale(tmp_path, ".out.old-dead", dead_pid())
+    (trash / "out" / "model.safetensors").write_bytes(b"the user's previous artifact")
+    unfinished = stale(tmp_path, ".out.tmp-dead", dead_pid())
+    remove_stale_temporaries(tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"the user's previous artifact"
+    assert not trash.exists() and not unfinished.exists()
+
+
+def test_a_temporary_from_another_pid_namespace_is_kept(tmp_path):
+    """A build in a container sharing this folder: its pid names nothing here, so it may be alive."""
+    other = stale(tmp_path, ".out.tmp-container", dead_pid())
+    record = json.loads((other / OWNER_MARKER).read_text())
+    (other / OWNER_MARKER).write_text(json.dumps({**record, "pid_ns": "pid:[1]"}))
+    old_style = stale(tmp_path, ".out.tmp-oldstyle", dead_pid())  # a marker that names no namespace
+    (old_style / OWNER_MARKER).write_text(json.dumps({"pid": dead_pid(), "host": record["host"]}))
+    assert remove_stale_temporaries(tmp_path / "out") == []
+    assert other.is_dir() and old_style.is_dir()
+
+
+def test_glob_characters_in_the_output_name_match_only_its_own_temporaries(tmp_path):
+    own = stale(tmp_path, ".m[1].tmp-dead", dead_pid())
+    other = stale(tmp_path, ".m1.tmp-dead", dead_pid())
+    assert remove_stale_temporaries(tmp_path / "m[1]") == [own]
+    assert other.is_dir()
+
+
+def test_an_export_marker_without_a_file_table_still_owns_its_folder(tmp_path):
+    """An export from before the table: --overwrite replaces it, as it did then."""
+    old = tmp_path / "old-export"
+    old.mkdir()
+    (old / EXPORT_MARKER).write_text(json.dumps({"kiln_version": "0.1.0", "format": "compressed-tensors"}))
+    (old / "model.safetensors").write_bytes(b"x")
+    (old / "config.json").write_text("{}")
+    assert check_output(old, True) == old.resolve()
+
+
 def test_check_output_cleans_stale_temporaries_before_the_build(tmp_path):
     dead = stale(tmp_path, ".out.tmp-dead", dead_pid())
     check_output(tmp_path / "out", False)
     assert not dead.exists()
+
+
+def test_an_output_that_cannot_be_moved_aside_is_one_line_and_stays(tmp_path, monkeypatch):
+    """--overwrite onto a mount point (rename fails with EBUSY): a KilnError, the old output untouched, no
+    temporaries left."""
+    import errno
+
+    from kiln.optimizer import output_dir
+
+    out = tmp_path / "mounted"
+    out.mkdir()
+    real_replace = os.replace
+
+    def busy(src, dst):
+        if os.fspath(src) == os.fspath(out.resolve()):
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(output_dir.os, "replace", busy)
+    with (pytest.raises(KilnError, match="cannot replace output .*Device or resource busy"),
+          atomic_directory(out, overwrite=True) as payload):
+        (payload / "report.md").write_text("new")
+    assert out.is_dir() and not any(out.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ["mounted"]
