@@ -200,7 +200,9 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         "calibration": calib_info,
         "build_seconds": round(build_seconds, 3) if timings else None,
         "reproducible": reproducible,
-        "numerics": cpu_numerics(),
+        # the thread count follows the machine's load when OMP_NUM_THREADS is unset, and the stored weights do not
+        # depend on it: a reproducible build leaves it out, as it leaves out timings
+        "numerics": {k: v for k, v in cpu_numerics().items() if not (reproducible and k == "threads")},
     }
     # every pass's record (what it leaves in graph.metadata), not only the precision pass's
     manifest["records"] = {key: value for key, value in sorted(graph.metadata.items()) if key != "precision"}

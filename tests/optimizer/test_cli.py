@@ -65,8 +65,11 @@ def test_two_builds_are_byte_identical(cli, generated_checkpoint, tmp_path):
     assert {"manifest.json", "model.safetensors", "config.json", "report.md", "tokenizer.json"} <= set(names)
     for name in names:
         assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes(), name
-    (record,) = json.loads((dirs[0] / "manifest.json").read_text())["passes"]
+    manifest = json.loads((dirs[0] / "manifest.json").read_text())
+    (record,) = manifest["passes"]
     assert all(v.endswith("(awq+gptq+tuned)") for v in record["result"]["changed"].values())
+    # the thread count follows the machine's load unless OMP_NUM_THREADS is set: not part of a reproducible build
+    assert "threads" not in manifest["numerics"] and "torch" in manifest["numerics"]
 
 
 def built_on_one_and_two_threads(tmp_path, passes: list[dict], *args: str) -> None:
