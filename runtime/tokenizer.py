@@ -114,7 +114,10 @@ class Tokenizer:
             to_add.append(self._added_token(value, AddedToken))
         listed = config.get("extra_special_tokens", config.get("additional_special_tokens",
                                                                   special_map.get("additional_special_tokens")))
+        # transformers v5's named form ({"image_token": "<img>"}): the names are attributes and template variables
+        self._named_extra: dict[str, str] = {}
         if isinstance(listed, dict):
+            self._named_extra = {name: text for name, v in listed.items() if (text := _content(v)) is not None}
             listed = list(listed.values())
         self.extra_special_tokens = [t for t in (_content(v) for v in listed or ()) if t is not None]
         to_add += [self._added_token(v, AddedToken) for v in listed or () if _content(v) is not None]
@@ -153,7 +156,7 @@ class Tokenizer:
     # -- special tokens --
     @property
     def special_tokens_map(self) -> dict[str, str]:
-        return dict(self._special)
+        return {**self._named_extra, **self._special}
 
     def _token(self, attr: str) -> str | None:
         return self._special.get(attr)

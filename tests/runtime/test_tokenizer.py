@@ -146,3 +146,20 @@ def test_runtime_path_does_not_import_transformers(plain_artifact):
     out = subprocess.run([sys.executable, "-c", code, str(plain_artifact)], capture_output=True, text=True,
                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True).stdout
     assert out.strip() == "[]", out
+
+
+@needs_stories
+def test_named_extra_special_tokens_reach_the_chat_template(tmp_path):
+    """transformers v5's named extra_special_tokens ({"image_token": "<img>"}): a template may use the name."""
+    for name in ("tokenizer.json", "config.json"):
+        shutil.copy(STORIES / name, tmp_path / name)
+    config = json.loads((STORIES / "tokenizer_config.json").read_text())
+    template = "{{ bos_token }}[{{ image_token }}]{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "chat_template": template, "extra_special_tokens": {"image_token": "<img>"}}))
+    ours, theirs = Tokenizer(tmp_path), _hf(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    expected = theirs.apply_chat_template(messages, tokenize=False)
+    assert "<img>" in expected
+    assert ours.apply_chat_template(messages, tokenize=False) == expected
+    assert ours("a <img> b")["input_ids"] == theirs("a <img> b")["input_ids"]
