@@ -24,6 +24,7 @@ from kiln.optimizer.economics import build_economics
 from kiln.optimizer.gate import AccuracyGate, check_floors, check_native_text, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, write_artifact
+from kiln.optimizer.numerics import warn_if_unpinned
 from kiln.optimizer.output_dir import check_output
 from kiln.optimizer.recipes import Recipe, resolve_recipe
 from kiln.optimizer.report import calibration_summary, render_report
@@ -113,6 +114,7 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     probes, Fisher sweeps and end-to-end tuning run there in fp32; the weight searches (GPTQ, AWQ, scale
     search) stay on the CPU, on the Hessians the observers keep there.
     """
+    warn_if_unpinned()
     tgt = get_target(target)
     if isinstance(recipe, Recipe) and (weight_bits is not None or weight_bytes is not None):
         raise KilnError("weight_bits/weight_bytes configure the built-in 'auto' recipe; a Recipe object carries "

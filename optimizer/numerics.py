@@ -60,20 +60,33 @@ def has_avx2(confirmed: bool = False) -> bool:
         return not confirmed
 
 
+_UNPINNED_AT_IMPORT: list[tuple[list[str], list[str]]] = []
+"""(variables pinned, modules imported before them) when kiln.optimizer was imported after torch or numpy."""
+
+
 def pin_for_python() -> None:
-    """pin_cpu_numerics for a Python caller (kiln.optimizer's import), with a warning when torch or numpy was
-    imported before with other settings: their BLAS may already run unpinned, and a build's bytes may then
-    differ from the CLI's (import kiln.optimizer first, or set the variables in the environment)."""
+    """pin_cpu_numerics for a Python caller (kiln.optimizer's import). When torch or numpy was imported before
+    with other settings their BLAS may already run unpinned, and a build's bytes may then differ from the CLI's:
+    remembered here, and said when a build starts (warn_if_unpinned), not at import, where most importers (lm-eval,
+    a script that only loads an artifact) build nothing."""
     unset = [name for name in CPU_NUMERICS if name not in os.environ]
     pin_cpu_numerics()
     pinned = [name for name in unset if name in os.environ]
     early = [name for name in ("torch", "numpy") if name in sys.modules]
     if pinned and early:
-        import warnings
+        _UNPINNED_AT_IMPORT.append((pinned, early))
 
-        warnings.warn(f"{' and '.join(early)} {'were' if len(early) > 1 else 'was'} imported before kiln.optimizer, so "
-                      f"{', '.join(pinned)} (the CLI's "
-                      "CPU numerics, kiln.optimizer.numerics) may not apply to it: a build may store other bytes than "
-                      "`optimize build` does. Import kiln.optimizer first, or set "
-                      + ", ".join(f"{n}={CPU_NUMERICS[n]}" for n in pinned) + " in the environment.",
-                      RuntimeWarning, stacklevel=3)
+
+def warn_if_unpinned() -> None:
+    """A Python build whose process imported torch or numpy before kiln.optimizer: say once that its bytes may
+    differ from `optimize build`'s, and how to avoid it."""
+    if not _UNPINNED_AT_IMPORT:
+        return
+    pinned, early = _UNPINNED_AT_IMPORT.pop()
+    import warnings
+
+    warnings.warn(f"{' and '.join(early)} {'were' if len(early) > 1 else 'was'} imported before kiln.optimizer, so "
+                  f"{', '.join(pinned)} (the CLI's CPU numerics, kiln.optimizer.numerics) may not apply to it: this "
+                  "build may store other bytes than `optimize build` does. Import kiln.optimizer first, or set "
+                  + ", ".join(f"{n}={CPU_NUMERICS[n]}" for n in pinned) + " in the environment.",
+                  RuntimeWarning, stacklevel=3)

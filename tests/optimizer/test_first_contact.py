@@ -4,10 +4,13 @@ API's numerics equal to the CLI's."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from kiln.optimizer import cli
+from kiln.optimizer.numerics import has_avx2
 
 
 @pytest.fixture
@@ -135,3 +138,17 @@ def test_python_api_builds_the_cli_bytes(tmp_path):
         return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
 
     assert digest(api_out) == digest(cli_out)
+
+
+def test_importing_after_torch_warns_at_a_build_not_at_import():
+    """lm-eval and scripts that only load an artifact import torch first and build nothing: no warning then; a
+    Python build in such a process is told its bytes may differ from the CLI's."""
+    from kiln.optimizer.numerics import CPU_NUMERICS
+
+    env = {k: v for k, v in os.environ.items() if k not in CPU_NUMERICS}
+    code = ("import warnings, torch\nimport kiln.optimizer\nfrom kiln.optimizer.numerics import warn_if_unpinned\n"
+            "warnings.simplefilter('error')\nprint('imported')\nwarn_if_unpinned()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert proc.stdout.strip() == "imported", proc.stderr
+    if has_avx2():  # elsewhere nothing is pinned, so nothing is said
+        assert proc.returncode != 0 and "imported before kiln.optimizer" in proc.stderr
