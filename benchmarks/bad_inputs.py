@@ -698,18 +698,25 @@ def killed_build_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
         return setup
 
     def temporary(target: Path, kind: str, pid: int | None) -> Path:
-        """A `.NAME.KIND-*` sibling of `target` with a half output in it and, when `pid`, Kiln's owner marker."""
-        import socket
-
-        from kiln.optimizer.output_dir import OWNER_MARKER
+        """A `.NAME.KIND-*` sibling of `target` with a half output in it and, when `pid`, Kiln's owner marker
+        naming that process (on this machine, in this pid namespace)."""
+        from kiln.optimizer.output_dir import OWNER_MARKER, _owner
 
         path = target.parent / f".{target.name}.{kind}-bench"
         shutil.rmtree(path, ignore_errors=True)
         (path / target.name).mkdir(parents=True)
         (path / target.name / "model.safetensors").write_bytes(b"half")
         if pid is not None:
-            (path / OWNER_MARKER).write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
+            (path / OWNER_MARKER).write_text(json.dumps({**_owner(), "pid": pid, "start_time": None}))
         return path
+
+    def killed_mid_replace(target: Path) -> Callable[[], None]:
+        """An --overwrite killed between its two renames: the previous artifact only in `.NAME.old-*`."""
+        def setup() -> None:
+            path = temporary(target, "old", dead_pid())
+            shutil.rmtree(path / target.name)
+            shutil.copytree(w.a, path / target.name)
+        return setup
 
     def dead_pid() -> int:
         proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -745,9 +752,9 @@ def killed_build_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
              ["build", ckpt, *calibrated, "-o", str(a)], 0, setup=killed_in_calibration(a), check=finished(a)),
         Case("killed: rerun after SIGKILL mid-write (.NAME.tmp-* left, no --overwrite)",
              ["build", ckpt, *quick, "-o", str(b)], 0, setup=killed_while_writing(b), check=finished(b)),
-        Case("killed: rerun after SIGKILL mid-replace (old output in .NAME.old-*, dead pid)",
-             ["build", ckpt, *quick, "-o", str(c)], 0, setup=lambda: temporary(c, "old", dead_pid()),
-             check=finished(c)),
+        Case("killed: rerun --overwrite after SIGKILL mid-replace (the previous artifact only in .NAME.old-*: put "
+             "back, then replaced)",
+             ["build", ckpt, *quick, "-o", str(c), "--overwrite"], 0, setup=killed_mid_replace(c), check=finished(c)),
         Case("killed: a temporary whose build is still running is left alone",
              ["build", ckpt, *quick, "-o", str(d)], 0, setup=live_temporary(d),
              check=finished(d, kept=d.parent / f".{d.name}.tmp-bench")),
