@@ -197,19 +197,22 @@ class RuntimeCalibrationSession:
         hidden = [b.hidden if b.hidden.device.type == "cpu" else b.hidden.to("cpu") for b in self.batches]
         return HiddenCheckpoint(self.position, hidden, dict(self._ran), [b.tokens for b in self.batches])
 
-    def resume(self, checkpoint: HiddenCheckpoint) -> bool:
+    def resume(self, checkpoint: HiddenCheckpoint, exact: bool = True) -> bool:
         """Stand at `checkpoint` (e.g. from an earlier session on the same text) instead of replaying the blocks
-        before it, when this session's batches are its and the graph still holds exactly what those blocks
-        computed with (the fingerprints, by identity); False, and nothing changed, otherwise."""
+        before it, when this session's batches are its and (`exact`) the graph still holds exactly what those
+        blocks computed with (the fingerprints, by identity); False, and nothing changed, otherwise. Not `exact`:
+        whatever the blocks before hold now, the hidden states are taken as theirs (a back-off that
+        recalibrates a block on the inputs an earlier attempt gave it)."""
         if len(checkpoint.tokens) != len(self.batches) or any(
                 not torch.equal(t, b.tokens) for t, b in zip(checkpoint.tokens, self.batches, strict=True)):
             return False
-        if any(self._fingerprint(i) != checkpoint.ran.get(i) for i in range(-1, checkpoint.position)):
+        if exact and any(self._fingerprint(i) != checkpoint.ran.get(i) for i in range(-1, checkpoint.position)):
             return False
         for b, hidden in zip(self.batches, checkpoint.hidden, strict=True):
             b.hidden = hidden.to(self.device)  # (a copy back to the session's device; the same tensor on the CPU)
         self.position = checkpoint.position
-        self._ran = dict(checkpoint.ran)
+        self._ran = (dict(checkpoint.ran) if exact else
+                     {i: self._fingerprint(i) for i in range(-1, checkpoint.position)})
         return True
 
     # --- internals -----------------------------------------------------------------------------------------

@@ -36,11 +36,11 @@ lm_head (tied to the embedding in many models) and blocks other than GQA/MHA att
 and says so in the result.
 Back-off: keep the linears with the largest relative weight error in source precision, 1, 2, 4, ... of them.
 A back-off attempt reuses the calibration of the attempt before it (CalibrationCache, carried by the config
-`back_offs` yields): the blocks before the first one a newly kept linear is in get their calibrated product back
-(their inputs are unchanged), and calibration resumes at that block's kept inputs; every block from there on is
-recalibrated, since its inputs now differ (sequential). The stored tensors are bit for bit a full calibration's
-with the same keep list. End-to-end tuning fits every block at once: it is redone whole on each attempt (from the
-same calibrated product, so it too equals the full rebuild's). The log says what each step cost.
+`back_offs` yields) and recalibrates only the blocks that hold a newly kept linear, each from the inputs the
+attempt before gave it (back_off_scope "touched"), or those blocks and every one after them, whose inputs the
+kept linears changed (sequential), so that the stored tensors are bit for bit a full calibration's with the
+same keep list ("downstream"). End-to-end tuning fits every block at once: it is redone whole on each attempt.
+The log says what each step cost.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 from kiln.passes.tensor_store import release_freed_memory
 
 ACTIVATION_MODES = ("none", "dynamic", "static")
+BACK_OFF_SCOPES = ("touched", "downstream")
 GRANULARITIES = ("per_channel", "per_tensor")
 QUANTIZABLE_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "gate", "up", "down", "expert", "lm_head")
 DEFAULT_ROLES = tuple(r for r in QUANTIZABLE_ROLES if r != "lm_head")
@@ -204,14 +205,22 @@ class CalibrationCache:
 
     Calibration is sequential: block i is calibrated on the outputs of blocks 0..i-1 as quantized. Keeping a
     linear of block f back in source precision changes block f and so the inputs of every block after it, but
-    nothing before it. A back-off attempt therefore restores the stored product of the blocks before the first
-    block whose chosen linears differ (quant annotations, AWQ-folded tensors, result lines) and calibrates from
-    there on, exactly as a full calibration with the same keep list would (the session replays the restored
-    blocks' forwards to reach block f's inputs). End-to-end tuning (tune_steps) fits every block at once, so
-    it is redone whole, from the same untuned product: the tuned result is the full rebuild's too.
+    nothing before it. A back-off attempt restores the stored product (quant annotations, AWQ-folded tensors,
+    result lines) of every block it need not redo, and calibrates the others from the kept inputs of the
+    attempt before (the session's checkpoints):
+
+    - back_off_scope "downstream": the blocks from f on are redone. The step stores exactly what a full
+      calibration with the same keep list stores, and costs as much as the blocks from f on.
+    - "touched" (the default): only the blocks whose chosen linears differ are redone, each on the inputs the
+      attempt before gave it; the blocks after them keep their product. Their inputs moved by what the newly
+      kept linears' quantization error was, so a full calibration would round a few weights the other way
+      (benchmarks/results/backoff.md measures how many); the step costs its touched blocks only.
+
+    End-to-end tuning (tune_steps) fits every block at once, so it is redone whole, from the attempt's
+    untuned product.
 
     `blocks` is the latest attempt's product (each back-off only adds kept linears, so the latest shares the
-    longest prefix with the next); `start` the graph the first attempt started from (every attempt starts from
+    most blocks with the next); `start` the graph the first attempt started from (every attempt starts from
     the same snapshot: a cache for another graph is not used)."""
 
     def __init__(self, config_key: tuple, start: tuple, blocks: list[BlockProduct], seconds: float):
@@ -253,9 +262,18 @@ def _block_label(layer: int | None) -> str:
 
 
 def _block_span(layers: Sequence[int | None]) -> str:
+    """Blocks in calibration order as runs: "0..3", "0..1, 28..29, lm_head"."""
     if not layers:
         return "none"
-    return _block_label(layers[0]) if len(layers) == 1 else f"{_block_label(layers[0])}..{_block_label(layers[-1])}"
+    runs: list[list[int | None]] = []
+    for layer in layers:
+        last = runs[-1][-1] if runs else None
+        if runs and layer is not None and last is not None and layer == last + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(_block_label(r[0]) if len(r) == 1 else f"{_block_label(r[0])}..{_block_label(r[-1])}"
+                     for r in runs)
 
 
 @dataclass
@@ -470,6 +488,10 @@ class WeightQuantization(Pass):
         roles         which linear roles to quantize (routers are never quantized)
         keep          module names kept in source precision
         max_back_offs how many back-off steps to try before reverting
+        back_off_scope  what a back-off step recalibrates (CalibrationCache): "touched" (default) only the blocks
+                      holding a newly kept linear, each on the inputs the attempt before gave it, the rest
+                      restored; "downstream" those blocks and every block after them, so that the step stores
+                      exactly what a full calibration with its keep list stores
         method        "rtn", "mse" (scale search) or "gptq" (see the module docstring)
         awq           fold AWQ per-channel scales into the preceding norms / linears first
         act_order     GPTQ: quantize the most active input channels first (scales chosen up front)
@@ -493,6 +515,7 @@ class WeightQuantization(Pass):
     roles: tuple[str, ...] = DEFAULT_ROLES
     keep: tuple[str, ...] = ()
     max_back_offs: int = 4
+    back_off_scope: str = "touched"
     method: str = "rtn"
     awq: bool = False
     act_order: bool = True
@@ -518,6 +541,7 @@ class WeightQuantization(Pass):
         check_choice("activations", self.activations, ACTIVATION_MODES)
         check_choice("granularity", self.granularity, GRANULARITIES)
         check_choice("method", self.method, METHODS)
+        check_choice("back_off_scope", self.back_off_scope, BACK_OFF_SCOPES)
         object.__setattr__(self, "roles", tuple(self.roles))
         object.__setattr__(self, "keep", tuple(sorted(self.keep)))
         for role in self.roles:
@@ -613,7 +637,7 @@ class WeightQuantization(Pass):
     def _config_key(self) -> tuple:
         """Everything that decides a block's calibration except which linears are kept."""
         return (type(self), *((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
-                              if f.name not in ("keep", "max_back_offs")))
+                              if f.name not in ("keep", "max_back_offs", "back_off_scope")))
 
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
         start_state = _graph_state(graph)  # what a back-off's cache is checked against
@@ -658,12 +682,15 @@ class WeightQuantization(Pass):
         products: list[BlockProduct] = []
         stride = 0  # keep the block inputs of every stride-th block (CHECKPOINT_BYTES); 0: not known yet
         calibration_start = time.perf_counter()
+        redone: list[int | None] = []
         for layer in progress.track(order, f"{self.name}: calibrate {self.format}", unit="blocks"):
-            if len(products) < len(reused):  # as the attempt before calibrated it: restored, not recomputed
-                products.append(self._restore_block(graph, reused[len(products)], result, idle))
+            if layer in reused:  # as the attempt before calibrated it: restored, not recomputed
+                products.append(self._restore_block(graph, reused[layer], result, idle))
                 continue
-            if reused and len(products) == len(reused):  # the first block to redo: start from its inputs
-                self._resume(observe, len(graph.spec.layers) if layer is None else layer, ctx)
+            if reused and (self.back_off_scope == "touched" or not redone):  # start from the block's kept inputs
+                self._resume(observe, len(graph.spec.layers) if layer is None else layer, ctx,
+                             exact=self.back_off_scope == "downstream")
+            redone.append(layer)
             release_freed_memory()  # what the block before freed
             block_start = time.perf_counter()
             notes_before, idle_before, overlay_before = len(result.notes), len(idle), dict(graph.tensors.overlay)
@@ -731,7 +758,7 @@ class WeightQuantization(Pass):
                     products[-1].checkpoint = found
             del found
         seconds = time.perf_counter() - calibration_start
-        result.calibration = self._record_calibration(products, reused, order, seconds, start_state, result, ctx)
+        result.calibration = self._record_calibration(products, redone, order, seconds, start_state, result, ctx)
         if idle:
             result.notes.append(f"{len(idle)} linear(s) saw no calibration token (experts never routed to), "
                                 f"data-free MSE scales: {', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''}")
@@ -744,33 +771,41 @@ class WeightQuantization(Pass):
 
     # --- calibration reuse (back-off) --------------------------------------------------------------------------
     def _reused_blocks(self, order: list[int | None], by_layer: dict[int | None, list[Linear]],
-                       start_state: tuple, ctx: PassContext) -> list[BlockProduct]:
-        """The leading blocks of `order` whose calibration `self.reuse` holds for exactly these chosen linears
-        (their inputs are then the same too: every block before them is)."""
+                       start_state: tuple, ctx: PassContext) -> dict[int | None, BlockProduct]:
+        """The blocks whose calibration `self.reuse` holds for exactly these chosen linears, by layer: with
+        back_off_scope "downstream" only the leading ones (their inputs are then the same too: every block
+        before them is); with "touched" every one (a block after a recalibrated one keeps the product its
+        inputs of the attempt before gave)."""
         cache = self.reuse
         if cache is None:
-            return []
+            return {}
         why_not = cache.matches(self._config_key(), start_state)
         if why_not is not None:
             ctx.log(f"{self.name}: the calibration cache is not used ({why_not}); calibrating every block")
-            return []
-        prefix = []
-        for block, layer in zip(cache.blocks, order):
-            if block.layer != layer or block.chosen != frozenset(lin.name for lin in by_layer[layer]):
+            return {}
+        cached = {block.layer: block for block in cache.blocks}
+        reused = {}
+        for layer in order:
+            block = cached.get(layer)
+            if block is not None and block.chosen == frozenset(lin.name for lin in by_layer[layer]):
+                reused[layer] = block
+            elif self.back_off_scope == "downstream":
                 break
-            prefix.append(block)
-        return prefix
+        return reused
 
-    def _resume(self, session, position: int, ctx: PassContext) -> None:
-        """Have `session` stand at the latest kept block input at or before `position` (the first block to
-        recalibrate), rather than replay every restored block from the embedding. The session checks that the
-        graph holds what those blocks computed with, by identity (the restored objects are the same)."""
+    def _resume(self, session, position: int, ctx: PassContext, exact: bool) -> None:
+        """Have `session` stand at the latest kept block input at or before `position` (a block to
+        recalibrate), rather than replay every block before it from the embedding. `exact`: only where the
+        graph holds what those blocks computed with (the session checks by identity; the restored objects are
+        the same), else from the embedding; otherwise at the attempt before's inputs whatever changed since."""
         cache = self.reuse
         resume = getattr(session, "resume", None)
         found = [b.checkpoint for b in cache.blocks if b.checkpoint is not None and b.checkpoint.position <= position]
         for checkpoint in sorted(found, key=lambda c: -c.position) if resume is not None else ():
-            if resume(checkpoint):
-                ctx.log(f"{self.name}: calibration resumes from the kept inputs of block {checkpoint.position}")
+            if resume(checkpoint, exact=exact):
+                exactness = "" if exact else ", as the attempt before gave them"
+                ctx.log(f"{self.name}: calibration resumes from the kept inputs of block {checkpoint.position}"
+                        f"{exactness}")
                 return
 
     def _restore_block(self, graph: ModelGraph, block: BlockProduct, result: PassResult,
@@ -786,24 +821,26 @@ class WeightQuantization(Pass):
         idle.extend(block.idle)
         return block
 
-    def _record_calibration(self, products: list[BlockProduct], reused: list[BlockProduct],
+    def _record_calibration(self, products: list[BlockProduct], redone: list[int | None],
                             order: list[int | None], seconds: float, start_state: tuple, result: PassResult,
                             ctx: PassContext) -> CalibrationCache:
         """Log what this attempt's calibration cost and hand its product on: the back-offs' cache, updated in
         place when this attempt reused one, a new one otherwise."""
-        redone = order[len(reused):]
         cache = self.reuse
         if cache is None or cache.matches(self._config_key(), start_state) is not None:
             ctx.log(f"{self.name}: calibrated blocks {_block_span(order)} in {seconds:.1f} s")
             return CalibrationCache(self._config_key(), start_state, products, seconds)
         cache.steps += 1
         cache.blocks = products
+        kept = _block_span([layer for layer in order if layer not in redone])
         share = f"{100 * seconds / cache.first_seconds:.0f}%" if cache.first_seconds > 0 else "n/a"
         ctx.log(f"back-off step {cache.steps}: kept {len(self.keep)} linears in source precision, recalibrated "
                 f"blocks {_block_span(redone)} ({seconds:.1f} s, {share} of the first calibration); reused "
-                f"blocks {_block_span(order[:len(reused)])}")
-        result.notes.append(f"calibration of blocks {_block_span(order[:len(reused)])} reused from the attempt "
-                            f"before (the same linears, the same inputs); blocks {_block_span(redone)} recalibrated")
+                f"blocks {kept}")
+        inputs = ("the same linears, the same inputs" if self.back_off_scope == "downstream" else
+                  "the same linears; back_off_scope 'touched': every block on the inputs the attempt before gave it")
+        result.notes.append(f"calibration of blocks {kept} reused from the attempt before ({inputs}); blocks "
+                            f"{_block_span(redone)} recalibrated")
         return cache
 
     # --- internals ---------------------------------------------------------------------------------------------
@@ -955,7 +992,8 @@ class WeightQuantization(Pass):
     def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
         """Keep the 1, 2, 4, ... linears with the largest relative weight error in source precision. Each
         config reuses the calibration of the attempt before it (`result.calibration`, CalibrationCache): only
-        the blocks from the first one a kept linear is in are recalibrated."""
+        the blocks holding a newly kept linear are recalibrated (back_off_scope "touched"), or those and every
+        block after the first of them ("downstream")."""
         worst = sorted(result.metrics, key=lambda name: -result.metrics[name])
         cache = getattr(result, "calibration", None)
         count = 1

@@ -1,6 +1,8 @@
-"""A back-off of WeightQuantization reuses the calibration of the attempt before it (CalibrationCache): the
-blocks before the first one a kept linear is in are restored, the rest recalibrated; what it stores is exactly
-what a full calibration with the same keep list stores (bit for bit), and the log says what each step cost."""
+"""A back-off of WeightQuantization reuses the calibration of the attempt before it (CalibrationCache).
+back_off_scope "downstream": the blocks before the first one a kept linear is in are restored, the rest
+recalibrated, and what it stores is exactly what a full calibration with the same keep list stores (bit for
+bit). "touched" (the default): only the blocks holding a newly kept linear are recalibrated, on their kept
+inputs; every other block keeps its product (the same objects). The log says what each step cost."""
 
 from __future__ import annotations
 
@@ -59,15 +61,17 @@ def full_build(checkpoint, tokens, config: WeightQuantization):
     return graph, result
 
 
+EXACT = {"back_off_scope": "downstream"}
 CONFIGS = {
     # the nvfp4-w4a16 recipe's calibration (its tuning is over the CPU budget on SmolLM2)
-    "nvfp4-gptq": {"format": "nvfp4", "method": "gptq", "act_order": False},
+    "nvfp4-gptq": {"format": "nvfp4", "method": "gptq", "act_order": False, **EXACT},
     # fp8's: AWQ folds (replaced tensors), one observation per block
-    "fp8-awq": {"format": "fp8", "activations": "dynamic", "method": "gptq", "awq": True, "true_sequential": False},
+    "fp8-awq": {"format": "fp8", "activations": "dynamic", "method": "gptq", "awq": True, "true_sequential": False,
+                **EXACT},
     # tuning after calibration depends on every block: redone whole, from the same calibrated product
-    "mxfp4-tuned": {"format": "mxfp4", "method": "gptq", "awq": True, "tune_steps": 3, "tune_lr": 1e-3},
+    "mxfp4-tuned": {"format": "mxfp4", "method": "gptq", "awq": True, "tune_steps": 3, "tune_lr": 1e-3, **EXACT},
     "lm-head-unsequential": {"format": "nvfp4", "method": "gptq", "sequential": False,
-                             "roles": ("q", "k", "v", "o", "gate", "up", "down", "lm_head")},
+                             "roles": ("q", "k", "v", "o", "gate", "up", "down", "lm_head"), **EXACT},
 }
 
 
@@ -188,7 +192,7 @@ def test_gated_back_offs_reuse_and_record_plain_configs(four_blocks):
                           floor=floor)
 
     ctx.gate = gate
-    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False)
+    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False, **EXACT)
     record = run_gated(config, graph, ctx)
     assert record.decision == "backed-off" and len(record.attempts) == 4
     json.dumps(record.to_json())  # no cache object in the recorded configs
@@ -198,14 +202,14 @@ def test_gated_back_offs_reuse_and_record_plain_configs(four_blocks):
     assert [s.split(": kept ")[1].split(" ")[0] for s in steps] == ["1", "2", "4"]
     keep = tuple(record.config["keep"])
     full_graph, _ = full_build(four_blocks, tokens, WeightQuantization(format="nvfp4", method="gptq",
-                                                                       act_order=False, keep=keep))
+                                                                       act_order=False, keep=keep, **EXACT))
     assert_identical(stored(graph), stored(full_graph))
 
 
 @needs_stories
 @pytest.mark.parametrize("tune_steps", [0, 2])
 def test_on_stories260k_a_back_off_step_is_the_full_build_with_its_keep_list(tune_steps):
-    """The nvfp4-w4a16 recipe's calibration on the real model (tuning shortened): the gated back-offs, each
+    """The nvfp4-w4a16 recipe's calibration on the real model (tuning shortened), downstream: the back-offs, each
     reusing the one before, store exactly what a full calibration with the last step's keep list stores."""
     from kiln.calibration.data import load_token_lists
     from kiln.runtime.engine import load_tokenizer
@@ -217,7 +221,7 @@ def test_on_stories260k_a_back_off_step_is_the_full_build_with_its_keep_list(tun
     ctx.gate = lambda g, floor, *args: GateResult(perplexity=20.0, baseline_perplexity=10.0, kl=0.0, top1=1.0,
                                                   tokens=100, floor=floor)  # never passes: every step runs
     config = WeightQuantization(format="nvfp4", method="gptq", act_order=False, tune_steps=tune_steps,
-                                max_back_offs=3)
+                                max_back_offs=3, **EXACT)
     state = graph.snapshot()
     first = config.apply(graph, ctx)
     steps = list(config.back_offs(graph, first))  # the configs, each holding the cache (not yet cleared)
@@ -230,3 +234,91 @@ def test_on_stories260k_a_back_off_step_is_the_full_build_with_its_keep_list(tun
                               keep=steps[-1].keep)
     full.apply(full_graph, context(full_graph, tokens))
     assert_identical(stored(graph), stored(full_graph))
+
+
+def quant_of(graph, layer: int) -> dict:
+    return {n: lin.quant for n, lin in graph.linears.items() if lin.layer == layer}
+
+
+def test_a_touched_step_recalibrates_only_the_blocks_with_a_newly_kept_linear(four_blocks, monkeypatch):
+    graph = load_checkpoint(four_blocks)
+    tokens = token_lists(graph.spec.vocab_size)
+    lines: list[str] = []
+    ctx = context(graph, tokens, lines.append)
+    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False)
+    assert config.back_off_scope == "touched"  # the default
+    state = graph.snapshot()
+    cache = config.apply(graph, ctx).calibration
+    first = {layer: quant_of(graph, layer) for layer in range(4)}
+    observed: list[int] = []
+    session_type = type(ctx.runner.session(graph))
+    real_observe = session_type.observe
+    monkeypatch.setattr(session_type, "observe", lambda self, names, cb: observed.append(
+        graph.linears[names[0]].layer) or real_observe(self, names, cb))
+    # step 1 keeps a linear of block 1: blocks 0, 2 and 3 keep the first attempt's product (the same objects)
+    graph.restore(state)
+    keep1 = ("model.layers.1.mlp.up_proj",)
+    step1 = replace_config(config, keep1).reusing(cache)
+    step1.apply(graph, ctx)
+    assert set(observed) == {1}
+    for layer in (0, 2, 3):
+        assert all(graph.linears[n].quant is q for n, q in first[layer].items()), layer
+    assert "weight-quant: calibration resumes from the kept inputs of block 1, as the attempt before gave them" in lines
+    line = next(line for line in lines if line.startswith("back-off step 1"))
+    assert "recalibrated blocks 1 (" in line and line.endswith("of the first calibration); reused blocks 0, 2..3")
+    # block 1 saw the same inputs as in a downstream step (block 0 is unchanged): the same product, bit for bit
+    exact_graph, _ = full_build(four_blocks, tokens, replace_config(config, keep1, back_off_scope="downstream"))
+    assert_identical(stored_layer(graph, 1), stored_layer(exact_graph, 1))
+    assert all(graph.linears[k].quant is None for k in keep1)
+    # step 2 adds one of block 3: only block 3 is redone, block 1 keeps step 1's product
+    block1 = quant_of(graph, 1)
+    graph.restore(state)
+    observed.clear()
+    replace_config(config, (*keep1, "model.layers.3.self_attn.q_proj")).reusing(cache).apply(graph, ctx)
+    assert set(observed) == {3}
+    assert all(graph.linears[n].quant is q for n, q in block1.items())
+    assert all(graph.linears[n].quant is q for n, q in first[2].items())
+    assert graph.linears["model.layers.3.self_attn.q_proj"].quant is None
+    assert any(line.startswith("back-off step 2: kept 2 linears in source precision, recalibrated blocks 3 (")
+               for line in lines)
+
+
+def test_an_inexact_resume_takes_the_checkpoint_whatever_the_blocks_before_hold(four_blocks):
+    from kiln.optimizer.calibrator import RuntimeCalibrator
+
+    graph = load_checkpoint(four_blocks)
+    tokens = token_lists(graph.spec.vocab_size)
+    calibrator = RuntimeCalibrator(tokens, max_batch_tokens=128)
+    first = calibrator.session(graph)
+    name = "model.layers.2.self_attn.o_proj"
+    first.observe([name], lambda n, x: None)
+    checkpoint = first.checkpoint()
+    WeightQuantization(format="nvfp4", keep=tuple(n for n in graph.linears if ".layers.1." not in n)).apply(
+        graph, PassContext(get_target("hopper")))
+    session = calibrator.session(graph)
+    assert not session.resume(checkpoint) and session.position is None
+    assert session.resume(checkpoint, exact=False) and session.position == 2
+    seen = []
+    session.observe([name], lambda n, x: seen.append(x))  # at the checkpoint: block 1's change does not replay
+    assert session.position == 2 and all(h is c for h, c in zip((b.hidden for b in session.batches),
+                                                                 checkpoint.hidden, strict=True))
+    assert not RuntimeCalibrator(tokens[:5]).session(graph).resume(checkpoint, exact=False)  # other batches
+
+
+def test_back_off_scope_is_checked_and_not_part_of_the_cache_key():
+    from kiln.kernels.errors import KilnError
+
+    with pytest.raises(KilnError, match="back_off_scope"):
+        WeightQuantization(format="nvfp4", back_off_scope="all")
+    a = WeightQuantization(format="nvfp4", back_off_scope="touched")
+    assert a._config_key() == WeightQuantization(format="nvfp4", back_off_scope="downstream")._config_key()
+
+
+def replace_config(config: WeightQuantization, keep: tuple[str, ...], **changes) -> WeightQuantization:
+    import dataclasses
+
+    return dataclasses.replace(config, keep=keep, **changes)
+
+
+def stored_layer(graph, layer: int) -> dict[str, torch.Tensor]:
+    return {f"{n}.{k}": v for n, q in quant_of(graph, layer).items() if q is not None for k, v in q.tensors.items()}
