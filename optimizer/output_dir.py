@@ -5,8 +5,9 @@ One policy for every file and folder Kiln writes (build's and export's -o, repor
 - checked before any work starts (check_output for a folder, check_output_file for a file), in one line;
 - never an input, inside an input (a file written into an artifact breaks its checksums), or the current
   directory;
-- written atomically: a folder is filled in a `.NAME.tmp-*` sibling and renamed into place, a file is written to
-  a `.NAME.tmp-*` sibling and renamed (os.replace), so a reader sees the old output or the whole new one;
+- written atomically: a folder is filled in a `.NAME.tmp-*` sibling and renamed into place, a file is written
+  inside a `.NAME.tmp-*` sibling folder and renamed (os.replace), so a reader sees the old output or the whole
+  new one;
 - replaces only what Kiln itself wrote there. A folder is Kiln's when its own table says it holds nothing else:
   an artifact's manifest.json (Kiln's schema and version) lists its files, an export's `kiln_export.json` and a
   report's `kiln_report.json` list theirs (atomic_directory records them). A folder holding anything else, or a
@@ -365,19 +366,21 @@ def check_output_file(output: Path | str, inputs: Iterable[Path | str | None] = 
 
 def atomic_file(output: Path | str, data: str | bytes, inputs: Iterable[Path | str | None] = (),
                 kiln_wrote: Callable[[Path], bool] = lambda path: False, what: str = "output") -> Path:
-    """Write `data` to `output` through a `.NAME.tmp-*` sibling and os.replace: a reader sees the old file or the
-    new one, never half of it. Checked again (check_output_file), since time has passed since the first check."""
+    """Write `data` to `output` through a `.NAME.tmp-*` sibling folder (owner-marked, as a build's) and
+    os.replace: a reader sees the old file or the new one, never half of it, and a process killed while
+    writing leaves a temporary the next write removes (remove_stale_temporaries). Checked again
+    (check_output_file), since time has passed since the first check."""
     out = check_output_file(output, inputs, kiln_wrote, what)
-    fd, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    remove_stale_temporaries(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+        write_owner_marker(tmp)
+        payload = tmp / out.name
+        payload.write_bytes(data.encode() if isinstance(data, str) else data)
         mask = os.umask(0)
         os.umask(mask)
-        os.chmod(name, 0o666 & ~mask)  # mkstemp's 0600 -> what any other tool's output would get
-        os.replace(name, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(name)
-        raise
+        os.chmod(payload, 0o666 & ~mask)  # what any other tool's output would get
+        os.replace(payload, out)
+    finally:
+        remove_temporary(tmp)
     return out

@@ -357,3 +357,15 @@ def test_an_output_that_cannot_be_moved_aside_is_one_line_and_stays(tmp_path, mo
         (payload / "report.md").write_text("new")
     assert out.is_dir() and not any(out.iterdir())
     assert [p.name for p in tmp_path.iterdir()] == ["mounted"]
+
+
+def test_a_killed_file_write_is_cleaned_by_the_next_write(tmp_path):
+    """A single file (gate --junit, report -o) is written in an owner-marked temporary folder too: a process
+    killed mid-write leaves one the next write removes; a live writer's is left alone."""
+    dead = stale(tmp_path, ".gate.xml.tmp-dead", dead_pid())
+    (dead / "gate.xml").write_text("KILN half")
+    alive = stale(tmp_path, ".gate.xml.tmp-alive", os.getpid())
+    atomic_file(tmp_path / "gate.xml", "KILN whole", kiln_wrote=kiln_wrote)
+    assert (tmp_path / "gate.xml").read_text() == "KILN whole"
+    assert not dead.exists() and alive.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".gate.xml.tmp-alive", "gate.xml"]
