@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kiln.kernels.errors import KilnError
+from kiln.kernels.errors import KilnError, clip
 
 SCHEMA_VERSION = 2  # 2: the manifest carries the architecture; 1 (before it) is refused with "rebuild"
 MANIFEST = "manifest.json"
@@ -45,15 +45,6 @@ MAX_JSON_BYTES = 64 * 2**20
 """Largest JSON file (manifest, config) read; a bigger one is refused before reading."""
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def clip(value: object, limit: int = 80) -> str:
-    """`value` as one line of at most `limit` characters (control characters escaped, an ellipsis if cut),
-    for putting something from a file or the command line into an error message."""
-    text = str(value)
-    if not text.isprintable():
-        text = text.encode("unicode_escape", "backslashreplace").decode("ascii")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _describe(value: object) -> str:
@@ -119,9 +110,11 @@ def read_manifest(path: Path | str, verify: bool = True) -> dict:
     if verify:
         verify_checksums(root, manifest)
         # the writer of an artifact writes its checksums too: its architecture must agree with its tensors
-        from kiln.runtime.structure import check_structure
+        from kiln.runtime.structure import (
+            check_structure,  # start-up: reading a manifest does not import torch
+        )
 
-        check_structure(root, manifest)
+        check_structure(artifact_file(root, manifest, WEIGHTS), manifest)
     return manifest
 
 

@@ -1,4 +1,4 @@
-"""Loading an artifact and running it: prefill, decode, sampling, batched generation, scoring.
+"""Loading an artifact and running it: prefill, decode, batched generation, scoring.
 
     engine = runtime.load("artifacts/s260k-fp8")
     engine.generate(["Once upon a time"], max_new_tokens=64)
@@ -16,10 +16,26 @@ import torch
 
 from kiln.kernels.errors import KilnError
 from kiln.runtime.artifact import WEIGHTS, artifact_file, clip, has_tokenizer, read_manifest
+from kiln.runtime.draft import DRAFT_KINDS, draft_module
 from kiln.runtime.kv_format import resolve_kv_streams
-from kiln.runtime.model import Transformer, attention_mask, place
-from kiln.runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, stored_bytes_per_token
+from kiln.runtime.model import Transformer, Weights, attention_mask, place
+from kiln.runtime.paged_kv_cache import (
+    DEFAULT_BLOCK_SIZE,
+    DecodeTables,
+    PagedKVCache,
+    StepView,
+    stored_bytes_per_token,
+)
+from kiln.runtime.sampling import check_repetition_penalty
+from kiln.runtime.scheduler import SamplingParams, Scheduler
 from kiln.runtime.spec import ModelSpec, spec_from_json
+from kiln.runtime.speculative import (
+    DraftHeadDrafter,
+    NgramTableDrafter,
+    PromptLookupDrafter,
+    check_tree_width,
+    speculative_generate,
+)
 
 
 def prefill(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
@@ -29,47 +45,6 @@ def prefill(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, c
 def decode_one_token(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
     # tokens, positions: [B, 1] -> logits [B, V]
     return model(tokens, positions, cache)[:, -1]
-
-
-def probabilities(logits: torch.Tensor, temperature: float, top_p: float, normalize: bool = True) -> torch.Tensor:
-    """The sampling distribution for logits [..., V]: softmax at `temperature`, cut to the top-p nucleus (the
-    top token always kept), renormalized unless `normalize` is False (multinomial needs no normalizing)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p  # always keeps the top token
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
-        if normalize:
-            probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
-    # logits: [B, V] -> [B]
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    return torch.multinomial(probabilities(logits, temperature, top_p, normalize=False), 1,
-                             generator=generator).squeeze(-1)
-
-
-def penalize_repeats(logits: torch.Tensor, seen: Sequence[Sequence[int]], penalty: float) -> torch.Tensor:
-    """The repetition penalty of transformers and vLLM: for each row's tokens already in its prompt or output,
-    a positive logit is divided by `penalty` and a negative one multiplied (above 1 discourages repeats, below
-    1 encourages them, 1 changes nothing)."""
-    if penalty == 1.0:
-        return logits
-    logits = logits.clone()
-    for row, tokens in enumerate(seen):
-        index = torch.as_tensor(sorted(set(tokens)), dtype=torch.long).to(logits.device, non_blocking=True)
-        picked = logits[row, index]
-        logits[row, index] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits
-
-
-def check_repetition_penalty(penalty) -> float:
-    if isinstance(penalty, bool) or not isinstance(penalty, int | float) or not 0 < penalty < float("inf"):
-        raise KilnError(f"repetition_penalty must be a finite number > 0 (1 = off), got {penalty!r}")
-    return float(penalty)
 
 
 @dataclass
@@ -95,10 +70,8 @@ GPU_KV_CACHE_FRACTION = 0.5
 """On a GPU, the share of the memory free after loading the weights that the KV block pool takes by default
 (vLLM's gpu_memory_utilization is the same idea, counted over the whole device)."""
 
-
 RUNTIME_DEVICES = ("cpu", "cuda", "meta")
 """Device types an engine is placed on ("meta": shapes only, for tests that check device placement)."""
-
 
 def resolve_placement(device: torch.device | str, dtype: torch.dtype | None,
                       packed: bool | None) -> tuple[torch.device, torch.dtype, bool]:
@@ -243,7 +216,6 @@ class Engine:
         past every real row's position, so the causal mask hides them."""
         from torch.nn.functional import pad
 
-        from kiln.runtime.paged_kv_cache import DecodeTables, StepView
 
         B, S = tokens.shape[0], view.length
         rows = next((size for size in DECODE_BATCH_SIZES if size >= B), B) - B
@@ -264,9 +236,6 @@ class Engine:
         """The artifact's draft module (a DeepSeek MTP layer or a Kiln draft head: runtime.draft), built on
         first use; None when it has none."""
         if self._draft is None:
-            from kiln.runtime.draft import DRAFT_KINDS, draft_module
-            from kiln.runtime.model import Weights
-
             module = next((m for m in self.spec.extra_modules if m.kind in DRAFT_KINDS), None)
             if module is None:
                 return None
@@ -280,13 +249,11 @@ class Engine:
         "trigram" (a table of `corpus`), or "auto" (head when the artifact has one, else prompt lookup).
         `tree_width` > 1 (head, greedy): the top-`tree_width` tokens at each depth are verified as a tree;
         None: the width the artifact's draft-head pass was gated with, else 1."""
-        from kiln.runtime.speculative import check_tree_width
 
         if tree_width is None:
             tree_width = next((p["config"].get("tree_width", 1) for p in self.manifest.get("passes") or ()
                                if p.get("name") == "draft-head" and p.get("decision") != "reverted"), 1)
         check_tree_width(tree_width)
-        from kiln.runtime import speculative as sp
 
         if kind == "auto":
             kind = "head" if self.draft_module() is not None else "prompt-lookup"
@@ -295,18 +262,16 @@ class Engine:
             if module is None:
                 raise KilnError("this artifact has no draft head or MTP layer: build it with the draft-head pass, "
                                 "or use --draft prompt-lookup")
-            from kiln.runtime.kv_format import resolve_kv_streams
-
             streams = resolve_kv_streams(
                 dataclasses.replace(self.spec, layers=(module.spec.layer,), extra_modules=()), {})[0]
-            return sp.DraftHeadDrafter(module, self.kv_cache_blocks, self.kv_block_size, streams, tree_width,
+            return DraftHeadDrafter(module, self.kv_cache_blocks, self.kv_block_size, streams, tree_width,
                                        self.dtype, self.device)
         if kind == "prompt-lookup":
-            return sp.PromptLookupDrafter()
+            return PromptLookupDrafter()
         if kind == "trigram":
             if corpus is None:
                 raise KilnError("the trigram drafter needs a corpus (token lists) to count")
-            return sp.NgramTableDrafter.from_corpus(corpus)
+            return NgramTableDrafter.from_corpus(corpus)
         raise KilnError(f"unknown drafter {kind!r}: auto, head, prompt-lookup or trigram")
 
     def speculative_ids(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, draft_tokens: int = 4,
@@ -314,7 +279,6 @@ class Engine:
                         seed: int | None = None, repetition_penalty: float | None = None):
         """`generate_ids` with speculative decoding: ([(tokens, reason)], SpeculativeStats). Greedy output is
         generate_ids' token for token; sampled output has its distribution (runtime.speculative)."""
-        from kiln.runtime.speculative import speculative_generate
 
         if not 0 < top_p <= 1:
             raise KilnError(f"top_p must be in (0, 1], got {top_p}")
@@ -409,7 +373,6 @@ class Engine:
                   stop_ids: Sequence[int], seed: int | None, stop_check, repetition_penalty: float | None,
                   stop: Sequence[str] = (), tokenizer=None) -> list[tuple[list[int], str, str]]:
         """[(new tokens, finish reason, their text)] for each prompt; the text is "" without `tokenizer`."""
-        from kiln.runtime.scheduler import SamplingParams, Scheduler
 
         penalty = check_repetition_penalty(self.repetition_penalty if repetition_penalty is None
                                            else repetition_penalty)

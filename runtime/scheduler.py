@@ -42,8 +42,8 @@ import torch
 
 from kiln.kernels.errors import KilnError
 from kiln.runtime.detokenizer import IncrementalDetokenizer
-from kiln.runtime.engine import check_repetition_penalty, penalize_repeats, probabilities
 from kiln.runtime.paged_kv_cache import PagedKVCache
+from kiln.runtime.sampling import check_repetition_penalty, penalize_repeats, probabilities
 
 
 class QueueFull(KilnError):

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.kernels.errors import KilnError
-from kiln.runtime.engine import penalize_repeats, probabilities, sample
 from kiln.runtime.paged_kv_cache import PagedKVCache
+from kiln.runtime.sampling import penalize_repeats, probabilities, sample
 
 # --- distributions ------------------------------------------------------------------------------------------
 

@@ -30,10 +30,19 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.errors import KilnError
+from kiln.kernels.errors import KilnError, clip
 from kiln.kernels.formats import ActivationFormat, WeightFormat
-from kiln.runtime.artifact import WEIGHTS, artifact_file, clip
 from kiln.runtime.spec import LayerSpec, LinearSpec, ModelSpec, spec_from_json
+
+WEIGHTS = "model.safetensors"  # runtime.artifact.WEIGHTS, which imports this module
+from kiln.runtime.weights import (
+    ACTIVATION_FORMATS,
+    check_dtype,
+    check_format,
+    check_shape,
+    need_tensor,
+    stored_weight,
+)
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
@@ -69,10 +78,10 @@ def read_header(path: Path) -> dict[str, torch.Tensor]:
     return header
 
 
-def check_structure(root: Path | str, manifest: dict) -> None:
-    """Check the manifest's structure against model.safetensors' header (see the module docstring). `manifest`
-    comes from `read_manifest(root)`, which checked its shape and checksums."""
-    header = read_header(artifact_file(root, manifest, WEIGHTS))
+def check_structure(weights: Path, manifest: dict) -> None:
+    """Check the manifest's structure against the header of its model.safetensors, `weights` (see the module
+    docstring). `manifest` comes from `read_manifest`, which checked its shape and checksums."""
+    header = read_header(weights)
     spec = spec_from_json(manifest["architecture"])
     check_tensors(spec, manifest["formats"], manifest.get("kv_cache") or {}, header)
     check_tensor_table(manifest, header)  # last: a tensor the architecture disagrees with is the thing to name
@@ -105,7 +114,6 @@ def check_tensors(spec: ModelSpec, formats: Mapping[str, Mapping], kv_table: Map
                   tensors: Mapping[str, torch.Tensor]) -> None:
     """Every tensor the runtime reads for `spec` is in `tensors` with the shape and dtype its format stores
     (`tensors` may be meta tensors: only shapes and dtypes are looked at)."""
-    from kiln.runtime.weights import check_dtype, check_format, check_shape, need_tensor
 
     def plain(name: str, shape: tuple[int, ...], what: str, required: bool = True) -> None:
         if not required and name not in tensors:
@@ -175,7 +183,6 @@ def _layer_norms(layer: LayerSpec, hidden: int) -> dict[str, tuple[int]]:
 def _check_linear(lin: LinearSpec, entry: Mapping, tensors: Mapping[str, torch.Tensor]) -> None:
     """`lin`'s stored tensors against its format entry: the weight and scales as `stored_weight` checks them
     at load (a dense weight in a wide float), the bias, the activation format and its scale, the rotation."""
-    from kiln.runtime.weights import ACTIVATION_FORMATS, check_dtype, check_shape, need_tensor, stored_weight
 
     name, shape = lin.name, (lin.out_features, lin.in_features)
     where = f"manifest formats[{clip(json.dumps(name), 80)}]"
@@ -223,7 +230,6 @@ def _check_kv_tensors(spec: ModelSpec, table: Mapping, tensors: Mapping[str, tor
     """The KV cache table's formats and streams (`resolve_kv_streams` without tensors), and the scale and
     offset tensors it names: present, floating point, one value (per tensor) or one per head, [heads, dim]."""
     from kiln.runtime.kv_format import resolve_kv_streams
-    from kiln.runtime.weights import check_dtype, check_shape
 
     for layer, streams in zip(spec.layers, resolve_kv_streams(spec, table), strict=True):
         entry = table.get(str(layer.index))

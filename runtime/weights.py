@@ -25,11 +25,10 @@ import torch
 
 from kiln.kernels import fp8
 from kiln.kernels.dequantize import dequantize
-from kiln.kernels.errors import KilnError
+from kiln.kernels.errors import KilnError, clip
 from kiln.kernels.formats import ActivationFormat
 from kiln.kernels.registry import WEIGHT_FORMATS as REGISTERED_FORMATS
 from kiln.kernels.registry import weight_format
-from kiln.runtime.artifact import clip
 
 WEIGHT_FORMATS = tuple(REGISTERED_FORMATS)
 ACTIVATION_FORMATS = tuple(ActivationFormat)

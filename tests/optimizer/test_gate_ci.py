@@ -49,7 +49,7 @@ def test_interval_is_deterministic_and_paired():
 def test_repetition_penalty_matches_transformers():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    from kiln.runtime.engine import penalize_repeats
+    from kiln.runtime.sampling import penalize_repeats
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     seen = [[1, 2, 2, 7], [0], [49, 3, 10, 11]]

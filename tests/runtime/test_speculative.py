@@ -205,7 +205,7 @@ def test_greedy_speculative_with_an_fp8_kv_cache_and_a_repetition_penalty(storie
                     continue
                 j = next(i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b)
                 logits = engine.logits([list(prompt) + want[:j]])[0][-1]
-                from kiln.runtime.engine import penalize_repeats
+                from kiln.runtime.sampling import penalize_repeats
 
                 logits = penalize_repeats(logits[None], [list(prompt) + want[:j]], penalty)[0]
                 top = logits.topk(2).values
@@ -282,7 +282,7 @@ def test_draft_head_cache_proposes_what_a_full_recomputation_does(stories, archi
 
 def _exact_marginals(engine, prompt, temperature):
     """p(x1), p(x2), p(x3) of the target's own sampling after `prompt`, summed exactly over the vocabulary."""
-    from kiln.runtime.engine import probabilities
+    from kiln.runtime.sampling import probabilities
 
     V = engine.spec.vocab_size
     with torch.inference_mode():
