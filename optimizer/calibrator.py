@@ -21,7 +21,7 @@ The source for distillation is the graph as it stood when the session was create
     later.resume(checkpoint)            # another session on the same text starts there, not at the embedding
 
 A back-off attempt of weight quantization restores the blocks an earlier attempt calibrated and resumes at the
-first block it recalibrates (passes.weight_quant.CalibrationCache); `resume` refuses a checkpoint the graph no
+first block it recalibrates (passes.calibration_cache.CalibrationCache); `resume` refuses a checkpoint the graph no
 longer matches (the blocks before it compute with other tensors or annotations, compared by identity).
 
 Device: a session made with `device` ("cuda") keeps the hidden states there and runs each block there in fp32

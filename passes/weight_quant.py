@@ -88,6 +88,14 @@ from kiln.passes.base import (
     PassResult,
     check_range,
 )
+from kiln.passes.calibration_cache import (
+    CHECKPOINT_BYTES,
+    BlockProduct,
+    CalibrationCache,
+    block_span,
+    graph_state,
+    restore_block,
+)
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 from kiln.passes.tensor_store import release_freed_memory
 
@@ -182,101 +190,6 @@ def quantize_sibling_weights(ws: list[torch.Tensor], fmt: str, granularity: str 
 
 
 @dataclass
-class BlockProduct:
-    """What calibrating one block (or the lm_head, `layer` None) left in the graph, before any tuning: the
-    quant annotation of each linear it quantized, the tensor entries it replaced (AWQ folds: norms, producer
-    rows, consumer columns; as stored, possibly spilled), and its lines of the result."""
-
-    layer: int | None
-    chosen: frozenset[str]  # the block's linears this calibration quantized
-    quant: dict[str, QuantizedWeight]
-    tensors: dict[str, object]  # graph.tensors overlay entries the block replaced
-    changed: dict[str, str]
-    metrics: dict[str, float]
-    notes: list[str]
-    idle: list[str]  # linears that saw no calibration token
-    seconds: float
-    checkpoint: Any = None  # the session's hidden states at this block's input (session.checkpoint), or None
-
-
-class CalibrationCache:
-    """The calibration product of one gated WeightQuantization, carried from the first attempt to its back-offs
-    (the pass keeps no state: `back_offs` hands this object to each config it yields, `reusing`).
-
-    Calibration is sequential: block i is calibrated on the outputs of blocks 0..i-1 as quantized. Keeping a
-    linear of block f back in source precision changes block f and so the inputs of every block after it, but
-    nothing before it. A back-off attempt restores the stored product (quant annotations, AWQ-folded tensors,
-    result lines) of every block it need not redo, and calibrates the others from the kept inputs of the
-    attempt before (the session's checkpoints):
-
-    - back_off_scope "downstream": the blocks from f on are redone. The step stores exactly what a full
-      calibration with the same keep list stores, and costs as much as the blocks from f on.
-    - "touched" (the default): only the blocks whose chosen linears differ are redone, each on the inputs the
-      attempt before gave it; the blocks after them keep their product. Their inputs moved by what the newly
-      kept linears' quantization error was, so a full calibration would round a few weights the other way
-      (benchmarks/results/backoff.md measures how many); the step costs its touched blocks only.
-
-    End-to-end tuning (tune_steps) fits every block at once, so it is redone whole, from the attempt's
-    untuned product.
-
-    `blocks` is the latest attempt's product (each back-off only adds kept linears, so the latest shares the
-    most blocks with the next); `start` the graph the first attempt started from (every attempt starts from
-    the same snapshot: a cache for another graph is not used)."""
-
-    def __init__(self, config_key: tuple, start: tuple, blocks: list[BlockProduct], seconds: float):
-        self.config_key = config_key
-        self.start = start
-        self.blocks = blocks
-        self.first_seconds = seconds  # the first attempt's calibration (the block loop; tuning not counted)
-        self.steps = 0  # back-off attempts that used it
-
-    def matches(self, config_key: tuple, start: tuple) -> str | None:
-        """Why this cache cannot serve an attempt with `config_key` on a graph in state `start`, or None."""
-        if config_key != self.config_key:
-            return "its config differs beyond the keep list"
-        if not _same_state(start, self.start):
-            return "the graph is not the one it was calibrated on"
-        return None
-
-    def clear(self) -> None:
-        self.blocks = []
-
-
-def _graph_state(graph: ModelGraph) -> tuple:
-    """What an attempt starts from, by identity (passes replace tensors and annotations, never mutate them)."""
-    t = graph.tensors
-    return (graph.spec, t.base, dict(t.overlay), frozenset(t.removed),
-            {name: lin.quant for name, lin in graph.linears.items()})
-
-
-def _same_state(a: tuple, b: tuple) -> bool:
-    spec_a, base_a, overlay_a, removed_a, quant_a = a
-    spec_b, base_b, overlay_b, removed_b, quant_b = b
-    return (spec_a is spec_b and base_a is base_b and removed_a == removed_b
-            and overlay_a.keys() == overlay_b.keys() and all(overlay_a[k] is overlay_b[k] for k in overlay_a)
-            and quant_a.keys() == quant_b.keys() and all(quant_a[k] is quant_b[k] for k in quant_a))
-
-
-def _block_label(layer: int | None) -> str:
-    return "lm_head" if layer is None else str(layer)
-
-
-def _block_span(layers: Sequence[int | None]) -> str:
-    """Blocks in calibration order as runs: "0..3", "0..1, 28..29, lm_head"."""
-    if not layers:
-        return "none"
-    runs: list[list[int | None]] = []
-    for layer in layers:
-        last = runs[-1][-1] if runs else None
-        if runs and layer is not None and last is not None and layer == last + 1:
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
-    return ", ".join(_block_label(r[0]) if len(r) == 1 else f"{_block_label(r[0])}..{_block_label(r[-1])}"
-                     for r in runs)
-
-
-@dataclass
 class WeightQuantResult(PassResult):
     """A PassResult that also carries the calibration product for the pass's back-offs (never serialized)."""
 
@@ -312,12 +225,6 @@ def over_budget(graph: ModelGraph, steps: int, batch_tokens: int, budget: float 
     return (f"{skipped}: {steps} steps of {batch_tokens} tokens on {weights / 1e6:.1f}M weights is {cost:.2g} "
             f"token-weights, over the {kind} budget of {budget:.2g} on {place} ({field_name})")
 
-
-CHECKPOINT_BYTES = 1 << 30
-"""A back-off's cache keeps the calibration set's hidden states at the input of every block, or of every k-th
-block so that they fit this (SmolLM2-135M, 13082 observed tokens: 30 MB a block, every block kept; an 8B model's
-4096-wide states: every 7th): a back-off step then resumes at its first recalibrated block (or at most k - 1
-blocks before it) instead of replaying every block before it."""
 
 AWQ_EXACT_FLOPS = 2e10
 """A weight-only AWQ loss costlier than this per candidate (2 N K min(K, tokens)) is estimated from a sketch of
@@ -640,7 +547,7 @@ class WeightQuantization(Pass):
                               if f.name not in ("keep", "max_back_offs", "back_off_scope")))
 
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
-        start_state = _graph_state(graph)  # what a back-off's cache is checked against
+        start_state = graph_state(graph)  # what a back-off's cache is checked against
         result = WeightQuantResult(self.name)
         chosen, result.skipped = self._selected(graph)
         if not chosen:
@@ -685,72 +592,13 @@ class WeightQuantization(Pass):
         redone: list[int | None] = []
         for layer in progress.track(order, f"{self.name}: calibrate {self.format}", unit="blocks"):
             if layer in reused:  # as the attempt before calibrated it: restored, not recomputed
-                products.append(self._restore_block(graph, reused[layer], result, idle))
+                products.append(restore_block(graph, reused[layer], result, idle))
                 continue
             if reused and (self.back_off_scope == "touched" or not redone):  # start from the block's kept inputs
                 self._resume(observe, len(graph.spec.layers) if layer is None else layer, ctx,
                              exact=self.back_off_scope == "downstream")
             redone.append(layer)
-            release_freed_memory()  # what the block before freed
-            block_start = time.perf_counter()
-            notes_before, idle_before, overlay_before = len(result.notes), len(idle), dict(graph.tensors.overlay)
-            lins = by_layer[layer]
-            derived = self._awq(graph, observe, layer, lins, result) if self.awq else {}
-            if not self.true_sequential:  # the whole block in one observation, before anything in it changes
-                unseen = [lin for lin in lins if lin.name not in derived]
-                derived.update(self._observe(observe, unseen) if unseen else {})
-            for stage in self._stage_order(lins):
-                members = [lin for lin in lins if stage_of(lin) == stage]
-                if all(lin.name in derived for lin in members):
-                    stats = {lin.name: derived[lin.name] for lin in members}  # observed already (AWQ: scaled)
-                else:
-                    stats = self._observe(observe, members)
-                # an MoE expert the router never picked on the calibration text has no statistics: data-free
-                # MSE scales, and (static activations) the largest input range its stage did see
-                seen = [float(o.absmax) for o in stats.values() if o.tokens]
-                weights = {lin.name: self._rotate(graph.weight(lin).float()) for lin in members}
-                shared = self._global_scales(members, weights)
-                siblings: dict[int, list[Linear]] = {}  # linears sharing one observer (and one global scale)
-                for lin in members:
-                    siblings.setdefault(id(stats[lin.name]), []).append(lin)
-                for group in siblings.values():
-                    obs = stats[group[0].name]
-                    input_scale = None
-                    if self.activations == "static":
-                        if not seen:
-                            raise KilnError(f"{self.name}: no calibration token reached {group[0].name} or the "
-                                            "linears beside it, so there is no input range for a static scale")
-                        absmax = obs.absmax if obs.tokens else torch.tensor(max(seen))
-                        input_scale = static_input_scale(self.format, absmax)
-                    if obs.tokens:
-                        # the observation's last reader: GPTQ factors its Hessian in place (an 8B down_proj:
-                        # no second 0.8 GB)
-                        found = quantize_sibling_weights([weights[lin.name] for lin in group], self.format,
-                                                         self.granularity, self._act(), method=self.method,
-                                                         hessian=obs.take_hessian(), act_order=self.act_order,
-                                                         damping=self.damping, input_scale=input_scale,
-                                                         global_scale=shared.get(group[0].name),
-                                                         consume_hessian=True)
-                        found = [replace(qw, method=self._method_label(tuned=False)) for qw in found]
-                    else:
-                        idle += [lin.name for lin in group]
-                        found = [quantize_linear_weight(weights[lin.name], self.format, self.granularity,
-                                                        self._act(), method="rtn" if self.method == "rtn" else "mse",
-                                                        input_scale=input_scale,
-                                                        global_scale=shared.get(lin.name)) for lin in group]
-                    for lin, qw in zip(group, found, strict=True):
-                        self._store(lin, weights[lin.name], replace(qw, rotation_block=self.rotation_block), result)
-                del weights, shared, stats, obs
-                for lin in members:  # this stage's observations (an 8B down_proj's Hessian: 0.8 GB) go now
-                    derived.pop(lin.name, None)
-                release_freed_memory()  # and the heap the stage's GPTQ freed, before the next stage's
-            names = [lin.name for lin in lins]
-            overlay = graph.tensors.overlay
-            products.append(BlockProduct(
-                layer, frozenset(names), {n: graph.linears[n].quant for n in names},
-                {k: v for k, v in overlay.items() if overlay_before.get(k) is not v},
-                {n: result.changed[n] for n in names}, {n: result.metrics[n] for n in names},
-                result.notes[notes_before:], idle[idle_before:], time.perf_counter() - block_start))
+            products.append(self._calibrate_block(graph, observe, layer, by_layer[layer], result, idle))
             found = getattr(observe, "checkpoint", lambda: None)()  # the inputs this block was calibrated on
             if found is not None and found.position == (len(graph.spec.layers) if layer is None else layer):
                 stride = stride or max(1, math.ceil(found.nbytes * len(order) / CHECKPOINT_BYTES))
@@ -769,13 +617,80 @@ class WeightQuantization(Pass):
                         f"{time.perf_counter() - tune_start:.1f} s")
         return result
 
+    def _calibrate_block(self, graph: ModelGraph, observe, layer: int | None, lins: list[Linear],
+                         result: PassResult, idle: list[str]) -> BlockProduct:
+        """Calibrate one block (or the lm_head): AWQ's folds, then each stage observed through the ones quantized
+        before it (true_sequential) and quantized; what it left in the graph."""
+        release_freed_memory()  # what the block before freed
+        block_start = time.perf_counter()
+        notes_before, idle_before, overlay_before = len(result.notes), len(idle), dict(graph.tensors.overlay)
+        derived = self._awq(graph, observe, layer, lins, result) if self.awq else {}
+        if not self.true_sequential:  # the whole block in one observation, before anything in it changes
+            unseen = [lin for lin in lins if lin.name not in derived]
+            derived.update(self._observe(observe, unseen) if unseen else {})
+        for stage in self._stage_order(lins):
+            members = [lin for lin in lins if stage_of(lin) == stage]
+            if all(lin.name in derived for lin in members):
+                stats = {lin.name: derived[lin.name] for lin in members}  # observed already (AWQ: scaled)
+            else:
+                stats = self._observe(observe, members)
+            self._quantize_stage(graph, members, stats, result, idle)
+            del stats
+            for lin in members:  # this stage's observations (an 8B down_proj's Hessian: 0.8 GB) go now
+                derived.pop(lin.name, None)
+            release_freed_memory()  # and the heap the stage's GPTQ freed, before the next stage's
+        names = [lin.name for lin in lins]
+        overlay = graph.tensors.overlay
+        return BlockProduct(
+            layer, frozenset(names), {n: graph.linears[n].quant for n in names},
+            {k: v for k, v in overlay.items() if overlay_before.get(k) is not v},
+            {n: result.changed[n] for n in names}, {n: result.metrics[n] for n in names},
+            result.notes[notes_before:], idle[idle_before:], time.perf_counter() - block_start)
+
+    def _quantize_stage(self, graph: ModelGraph, members: list[Linear], stats: dict, result: PassResult,
+                        idle: list[str]) -> None:
+        """Quantize one stage's linears from their observations (GPTQ consumes each Hessian) and store them."""
+        # an MoE expert the router never picked on the calibration text has no statistics: data-free
+        # MSE scales, and (static activations) the largest input range its stage did see
+        seen = [float(o.absmax) for o in stats.values() if o.tokens]
+        weights = {lin.name: self._rotate(graph.weight(lin).float()) for lin in members}
+        shared = self._global_scales(members, weights)
+        siblings: dict[int, list[Linear]] = {}  # linears sharing one observer (and one global scale)
+        for lin in members:
+            siblings.setdefault(id(stats[lin.name]), []).append(lin)
+        for group in siblings.values():
+            obs = stats[group[0].name]
+            input_scale = None
+            if self.activations == "static":
+                if not seen:
+                    raise KilnError(f"{self.name}: no calibration token reached {group[0].name} or the "
+                                    "linears beside it, so there is no input range for a static scale")
+                absmax = obs.absmax if obs.tokens else torch.tensor(max(seen))
+                input_scale = static_input_scale(self.format, absmax)
+            if obs.tokens:
+                # the observation's last reader: GPTQ factors its Hessian in place (an 8B down_proj:
+                # no second 0.8 GB)
+                found = quantize_sibling_weights([weights[lin.name] for lin in group], self.format,
+                                                 self.granularity, self._act(), method=self.method,
+                                                 hessian=obs.take_hessian(), act_order=self.act_order,
+                                                 damping=self.damping, input_scale=input_scale,
+                                                 global_scale=shared.get(group[0].name),
+                                                 consume_hessian=True)
+                found = [replace(qw, method=self._method_label(tuned=False)) for qw in found]
+            else:
+                idle.extend(lin.name for lin in group)
+                found = [quantize_linear_weight(weights[lin.name], self.format, self.granularity,
+                                                self._act(), method="rtn" if self.method == "rtn" else "mse",
+                                                input_scale=input_scale,
+                                                global_scale=shared.get(lin.name)) for lin in group]
+            for lin, qw in zip(group, found, strict=True):
+                self._store(lin, weights[lin.name], replace(qw, rotation_block=self.rotation_block), result)
+
     # --- calibration reuse (back-off) --------------------------------------------------------------------------
     def _reused_blocks(self, order: list[int | None], by_layer: dict[int | None, list[Linear]],
                        start_state: tuple, ctx: PassContext) -> dict[int | None, BlockProduct]:
-        """The blocks whose calibration `self.reuse` holds for exactly these chosen linears, by layer: with
-        back_off_scope "downstream" only the leading ones (their inputs are then the same too: every block
-        before them is); with "touched" every one (a block after a recalibrated one keeps the product its
-        inputs of the attempt before gave)."""
+        """The blocks `self.reuse` holds the product of for exactly these chosen linears (CalibrationCache.reusable:
+        back_off_scope "downstream", only the leading ones)."""
         cache = self.reuse
         if cache is None:
             return {}
@@ -783,43 +698,14 @@ class WeightQuantization(Pass):
         if why_not is not None:
             ctx.log(f"{self.name}: the calibration cache is not used ({why_not}); calibrating every block")
             return {}
-        cached = {block.layer: block for block in cache.blocks}
-        reused = {}
-        for layer in order:
-            block = cached.get(layer)
-            if block is not None and block.chosen == frozenset(lin.name for lin in by_layer[layer]):
-                reused[layer] = block
-            elif self.back_off_scope == "downstream":
-                break
-        return reused
+        chosen = {layer: frozenset(lin.name for lin in lins) for layer, lins in by_layer.items()}
+        return cache.reusable(order, chosen, downstream=self.back_off_scope == "downstream")
 
     def _resume(self, session, position: int, ctx: PassContext, exact: bool) -> None:
-        """Have `session` stand at the latest kept block input at or before `position` (a block to
-        recalibrate), rather than replay every block before it from the embedding. `exact`: only where the
-        graph holds what those blocks computed with (the session checks by identity; the restored objects are
-        the same), else from the embedding; otherwise at the attempt before's inputs whatever changed since."""
-        cache = self.reuse
-        resume = getattr(session, "resume", None)
-        found = [b.checkpoint for b in cache.blocks if b.checkpoint is not None and b.checkpoint.position <= position]
-        for checkpoint in sorted(found, key=lambda c: -c.position) if resume is not None else ():
-            if resume(checkpoint, exact=exact):
-                exactness = "" if exact else ", as the attempt before gave them"
-                ctx.log(f"{self.name}: calibration resumes from the kept inputs of block {checkpoint.position}"
-                        f"{exactness}")
-                return
-
-    def _restore_block(self, graph: ModelGraph, block: BlockProduct, result: PassResult,
-                       idle: list[str]) -> BlockProduct:
-        """Put a cached block's product back: the same annotation and tensor objects, so the calibration
-        session's fingerprints (identity) see the graph the attempt before saw."""
-        graph.tensors.overlay.update(block.tensors)
-        for name, qw in block.quant.items():
-            graph.linears[name].quant = qw
-        result.changed.update(block.changed)
-        result.metrics.update(block.metrics)
-        result.notes.extend(block.notes)
-        idle.extend(block.idle)
-        return block
+        at = self.reuse.resume(session, position, exact)
+        if at is not None:
+            exactness = "" if exact else ", as the attempt before gave them"
+            ctx.log(f"{self.name}: calibration resumes from the kept inputs of block {at}{exactness}")
 
     def _record_calibration(self, products: list[BlockProduct], redone: list[int | None],
                             order: list[int | None], seconds: float, start_state: tuple, result: PassResult,
@@ -828,19 +714,19 @@ class WeightQuantization(Pass):
         place when this attempt reused one, a new one otherwise."""
         cache = self.reuse
         if cache is None or cache.matches(self._config_key(), start_state) is not None:
-            ctx.log(f"{self.name}: calibrated blocks {_block_span(order)} in {seconds:.1f} s")
+            ctx.log(f"{self.name}: calibrated blocks {block_span(order)} in {seconds:.1f} s")
             return CalibrationCache(self._config_key(), start_state, products, seconds)
         cache.steps += 1
         cache.blocks = products
-        kept = _block_span([layer for layer in order if layer not in redone])
+        kept = block_span([layer for layer in order if layer not in redone])
         share = f"{100 * seconds / cache.first_seconds:.0f}%" if cache.first_seconds > 0 else "n/a"
         ctx.log(f"back-off step {cache.steps}: kept {len(self.keep)} linears in source precision, recalibrated "
-                f"blocks {_block_span(redone)} ({seconds:.1f} s, {share} of the first calibration); reused "
+                f"blocks {block_span(redone)} ({seconds:.1f} s, {share} of the first calibration); reused "
                 f"blocks {kept}")
         inputs = ("the same linears, the same inputs" if self.back_off_scope == "downstream" else
                   "the same linears; back_off_scope 'touched': every block on the inputs the attempt before gave it")
         result.notes.append(f"calibration of blocks {kept} reused from the attempt before ({inputs}); blocks "
-                            f"{_block_span(redone)} recalibrated")
+                            f"{block_span(redone)} recalibrated")
         return cache
 
     # --- internals ---------------------------------------------------------------------------------------------
