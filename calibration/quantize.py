@@ -21,8 +21,7 @@ from kiln.calibration.gptq import gptq_quantize
 from kiln.calibration.grids import WeightLayout
 from kiln.calibration.scale_search import mse_scales
 from kiln.kernels.errors import KilnError, check_choice
-from kiln.kernels.formats import parse_weight_format
-from kiln.kernels.registry import quantized_spellings, weight_format
+from kiln.kernels.registry import parse_weight_format, quantized_spellings, weight_format
 
 WEIGHT_FORMATS = quantized_spellings()
 METHODS = ("rtn", "mse", "gptq")

@@ -51,22 +51,12 @@ KV_SPELLINGS: dict[str, KvFormat] = {
 }
 
 
-def parse_weight_format(value, allowed: Iterable[str] | None = None) -> WeightFormat:
-    """The WeightFormat a spelling names ("fp8" and "fp8_e4m3" are one); `allowed`: the spellings this
-    caller takes (default: all). A format registered beyond the enum (kernels/registry.py) parses to its name."""
-    # imported here: the registry imports the formats' modules, which import this one
-    from kiln.kernels.registry import WEIGHT_SPELLINGS as REGISTERED
-
-    spellings = {**{s: codec.name for s, codec in REGISTERED.items()}, **WEIGHT_SPELLINGS}
-    return _parse("weight format", value, spellings, allowed)
-
-
 def parse_kv_format(value, allowed: Iterable[str] | None = None) -> KvFormat:
     """The KvFormat a spelling names ("fp8" and "fp8_e4m3" are one)."""
-    return _parse("KV format", value, KV_SPELLINGS, allowed)
+    return parse_spelling("KV format", value, KV_SPELLINGS, allowed)
 
 
-def _parse(what: str, value, spellings: dict, allowed: Iterable[str] | None):
+def parse_spelling(what: str, value, spellings: dict, allowed: Iterable[str] | None):
     names = tuple(allowed) if allowed is not None else tuple(spellings)
     if not isinstance(value, str) or value not in names or value not in spellings:
         raise KilnError(f"unknown {what} {value!r}; choose one of {', '.join(names)}")

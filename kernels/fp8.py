@@ -149,6 +149,9 @@ class Fp8Weight:
     qweight: torch.Tensor
     weight_scale: torch.Tensor
 
+    def dequantize(self) -> torch.Tensor:
+        return fp8_dequantize(self.qweight, self.weight_scale)
+
 
 class Fp8E4M3Format(WeightCodec):
     """FP8 E4M3 weights with an fp32 scale per output channel ([N, 1]) or per tensor (0-dim); W8A16, or W8A8 with
@@ -201,12 +204,7 @@ class Fp8E4M3Format(WeightCodec):
         scale = tensors["weight_scale"].float()
         return Fp8Weight(tensors["weight"], scale.reshape(()) if scale.numel() == 1 else scale)
 
-    def linear(self, x, weight, activation, input_scale):
-        from kiln.kernels import gpu
-
-        if activation == ActivationFormat.NONE:  # W8A16: the weight dequantized for each product
-            return torch.nn.functional.linear(x, fp8_dequantize(weight.qweight, weight.weight_scale).to(x.dtype))
-        return gpu.fp8_linear(x, weight.qweight, weight.weight_scale, input_scale)
+    gpu_kernel = "fp8"  # W8A8: the FP8 GEMM; W8A16: the weight dequantized for each product
 
     grid_max = E4M3_MAX
 

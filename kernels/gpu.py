@@ -108,6 +108,29 @@ def _fp4_linear(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight, activation: 
     return torch_refs.fp4_w4a4_ref(x, weight, input_scale).to(x.dtype)
 
 
+def packed_linear(kernel: str, x: torch.Tensor, weight, activation: str,
+                  input_scale: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] times a packed weight (WeightCodec.packed_weight) by the kernel family its format names
+    (WeightCodec.gpu_kernel) -> [..., N]."""
+    return PACKED_LINEARS[kernel](x, weight, activation, input_scale)
+
+
+def _fp8_packed(x: torch.Tensor, weight, activation: str, input_scale: torch.Tensor | None) -> torch.Tensor:
+    if activation == ActivationFormat.NONE:  # W8A16: the weight dequantized for each product
+        return torch.nn.functional.linear(x, weight.dequantize().to(x.dtype))
+    return fp8_linear(x, weight.qweight, weight.weight_scale, input_scale)
+
+
+PACKED_LINEARS = {
+    "fp8": _fp8_packed,
+    "fp4": lambda x, weight, activation, input_scale: fp4_linear(x, weight, activation, input_scale),
+    "fp6": lambda x, weight, activation, input_scale: fp6_linear(x, weight),
+    "dequantize": lambda x, weight, activation, input_scale: torch.nn.functional.linear(
+        x, weight.dequantize().to(x.dtype)),
+}
+"""The kernel families a format's `gpu_kernel` names (WeightCodec.gpu_kernel)."""
+
+
 def fp6_linear(x: torch.Tensor, weight: Mxfp6Weight) -> torch.Tensor:
     """x [..., K] times an MXFP6 weight -> [..., N] in x's dtype (weight-only: x stays as it is)."""
     if not isinstance(weight, Mxfp6Weight):

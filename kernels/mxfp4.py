@@ -254,10 +254,7 @@ class Mxfp4Format(WeightCodec):
     def packed_weight(self, tensors, in_features):
         return self.weight_class.from_tensors(tensors, in_features)
 
-    def linear(self, x, weight, activation, input_scale):
-        from kiln.kernels import gpu
-
-        return gpu.fp4_linear(x, weight, activation, input_scale)
+    gpu_kernel = "fp4"
 
     def grid_block_size(self, in_features):
         return MXFP4_BLOCK_SIZE

@@ -208,10 +208,7 @@ class Mxfp6Format(Mxfp4Format):
     activation_format = WeightCodec.activation_format
     activation_fake_quantizer = WeightCodec.activation_fake_quantizer
 
-    def linear(self, x, weight, activation, input_scale):
-        from kiln.kernels import gpu
-
-        return gpu.fp6_linear(x, weight)
+    gpu_kernel = "fp6"
 
     def grid_round_(self, scaled):
         return scaled.copy_(e2m3_decode(e2m3_encode(scaled)))

@@ -310,10 +310,7 @@ class Nvfp4Format(WeightCodec):
     def packed_weight(self, tensors, in_features):
         return Nvfp4Weight.from_tensors(tensors, in_features)
 
-    def linear(self, x, weight, activation, input_scale):
-        from kiln.kernels import gpu
-
-        return gpu.fp4_linear(x, weight, activation, input_scale)
+    gpu_kernel = "fp4"
 
     def grid_block_size(self, in_features):
         return NVFP4_BLOCK_SIZE

@@ -10,8 +10,12 @@ Adding a format is its module (a `WeightCodec` subclass and its instance) and on
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kiln.kernels.dense import DENSE_FORMAT
 from kiln.kernels.errors import KilnError
+from kiln.kernels.formats import WEIGHT_SPELLINGS as ENUM_SPELLINGS
+from kiln.kernels.formats import WeightFormat, parse_spelling
 from kiln.kernels.fp8 import FP8_E4M3_FORMAT
 from kiln.kernels.fp8_e5m2 import FP8_E5M2_FORMAT
 from kiln.kernels.mxfp4 import MXFP4_FORMAT
@@ -37,6 +41,13 @@ def weight_format(name: object) -> WeightCodec:
     if codec is None:
         raise KilnError(f"unknown stored weight format {name!r}; known: {', '.join(WEIGHT_FORMATS)}")
     return codec
+
+
+def parse_weight_format(value, allowed: Iterable[str] | None = None) -> WeightFormat:
+    """The WeightFormat a spelling names ("fp8" and "fp8_e4m3" are one); `allowed`: the spellings this
+    caller takes (default: all). A format registered beyond the enum parses to its name."""
+    spellings = {**{s: codec.name for s, codec in WEIGHT_SPELLINGS.items()}, **ENUM_SPELLINGS}
+    return parse_spelling("weight format", value, spellings, allowed)
 
 
 def quantized_spellings() -> tuple[str, ...]:

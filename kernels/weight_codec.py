@@ -8,8 +8,8 @@ kernels/registry.py lists them. Whoever needs something format-specific asks the
     codec.stored_tensors(out, in_features, w_shape) the stored tensors' names, dtypes and shapes (the layout check)
     codec.bits_per_weight                           storage cost, scales included
     codec.activations                               the activation formats its GPU linear runs with
-    codec.packed_weight / codec.linear              the GPU linear: the stored tensors as the kernel takes them,
-                                                    and x [..., K] times that -> [..., N]
+    codec.packed_weight / codec.gpu_kernel          the GPU linear: the stored tensors as the kernel takes them,
+                                                    and which of kernels.gpu.PACKED_LINEARS multiplies x by them
     codec.grid_*                                    the calibration grid: block width, rounding, scales, pack
     codec.export_names                              its name per export layout ({} and `export_refusal`: none)
 
@@ -123,8 +123,10 @@ class WeightCodec:
     def packed_weight(self, tensors: Mapping[str, Tensor], in_features: int | None) -> object:
         raise NotImplementedError(f"{self.name} has no packed kernel")
 
-    def linear(self, x: Tensor, weight: object, activation: str, input_scale: Tensor | None) -> Tensor:
-        raise NotImplementedError(f"{self.name} has no packed kernel")
+    gpu_kernel: str | None = None
+    """The kernel family that multiplies x [..., K] by `packed_weight`'s result (a key of kernels.gpu.PACKED_LINEARS:
+    "fp8", "fp4", "fp6", or "dequantize": the weight dequantized in x's dtype for each product); None: no packed
+    linear (the runtime keeps the weight dequantized)."""
 
     # --- calibration grid ------------------------------------------------------------------------------------------
     grid_max: float = 0.0

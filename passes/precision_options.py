@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.kernels.errors import KilnError
-from kiln.kernels.formats import ActivationFormat, WeightFormat, parse_weight_format
-from kiln.kernels.registry import weight_format
+from kiln.kernels.formats import ActivationFormat, WeightFormat
+from kiln.kernels.registry import parse_weight_format, weight_format
 from kiln.kernels.targets import Target
 
 BF16 = "bf16"

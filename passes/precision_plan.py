@@ -62,8 +62,9 @@ from kiln.calibration.quantize import METHODS, calibrated_weight, shared_global_
 from kiln.calibration.sensitivity import SensitivityTable
 from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
-from kiln.kernels.formats import WeightFormat, parse_weight_format
+from kiln.kernels.formats import WeightFormat
 from kiln.kernels.nvfp4 import E2M1_MAX, E4M3_MAX
+from kiln.kernels.registry import parse_weight_format
 from kiln.kernels.targets import Target
 from kiln.passes.base import (
     MAX_BACK_OFFS,

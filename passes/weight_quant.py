@@ -72,7 +72,8 @@ from kiln.calibration.scale_search import mse_scales
 from kiln.calibration.tuning import FakeQuantWeight, tune
 from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
-from kiln.kernels.formats import ActivationFormat, WeightFormat, parse_weight_format
+from kiln.kernels.formats import ActivationFormat, WeightFormat
+from kiln.kernels.registry import parse_weight_format
 from kiln.kernels.registry import weight_format as format_object
 from kiln.kernels.rotation import block_hadamard
 from kiln.kernels.targets import Target

@@ -143,7 +143,8 @@ class PackedLinear(nn.Module):
         dtype = x.dtype  # the output's: the rotation computes in fp32
         if self.rotation is not None:
             x = self.rotation.rotate(x).to(dtype)
-        out = self.codec.linear(x, self.packed_weight, self.activation, self.input_scale).to(dtype)
+        out = gpu.packed_linear(self.codec.gpu_kernel, x, self.packed_weight, self.activation,
+                                self.input_scale).to(dtype)
         return out if self.bias is None else out + self.bias.to(dtype)
 
 

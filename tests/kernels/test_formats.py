@@ -12,8 +12,8 @@ from kiln.kernels.formats import (
     KvFormat,
     WeightFormat,
     parse_kv_format,
-    parse_weight_format,
 )
+from kiln.kernels.registry import parse_weight_format
 
 
 def test_members_are_the_manifest_strings():

@@ -7,9 +7,8 @@ import torch
 from kiln.calibration.grids import WeightLayout
 from kiln.calibration.quantize import quantize_weight, stored_layout
 from kiln.kernels.errors import KilnError
-from kiln.kernels.formats import parse_weight_format
 from kiln.kernels.fp8_e5m2 import E5M2_MAX, FP8_E5M2_FORMAT, fp8_e5m2_dequantize, fp8_e5m2_quantize
-from kiln.kernels.registry import quantized_spellings, weight_format
+from kiln.kernels.registry import parse_weight_format, quantized_spellings, weight_format
 from kiln.kernels.targets import get_target
 from kiln.runtime.weights import dequantize_weight
 
