@@ -11,6 +11,8 @@ kernels; here they run one operation after another, which is what they compute.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch
@@ -89,17 +91,74 @@ class QuantLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in] fp32
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.input_quantizer = input_quantizer
+        self.onednn: torch.Tensor | None = None  # prepack_onednn()
+        self.onednn_handle = -1
+
+    def prepack_onednn(self) -> int:
+        """Keep a oneDNN copy of the weight too, which multiplies ONEDNN_ROWS rows or more faster on a CPU than
+        MKL's GEMM does from the dense weight; the bytes it adds (0: not this linear: one with an input
+        quantizer, not fp32, or not on the CPU)."""
+        w = self.weight
+        if self.input_quantizer is not None or w.dtype != torch.float32 or w.device.type != "cpu":
+            return 0
+        self.onednn = w.detach().to_mkldnn()
+        self.onednn_handle = next(_ONEDNN_HANDLES)
+        _ONEDNN_LINEARS[self.onednn_handle] = self
+        return w.numel() * w.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_quantizer is not None:
             x = self.input_quantizer(x).to(self.weight.dtype)
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if SKINNY_ROWS[0] <= rows <= SKINNY_ROWS[1] and x.device.type == "cpu":
-            # a decode step's few rows: W @ x^T streams the weight through MKL ~30% faster on CPU than
-            # x @ W^T (benchmarks/decode.py; equal within fp32 rounding)
-            out = torch.mm(self.weight, x.reshape(rows, -1).t()).t().contiguous().view(*x.shape[:-1], -1)
-            return out if self.bias is None else out + self.bias
-        return F.linear(x, self.weight, self.bias)
+        if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32 \
+                or not x.shape[-1] or (x.requires_grad and torch.is_grad_enabled()):  # (the op has no backward)
+            return F.linear(x, self.weight, self.bias)
+        # compiled: one opaque op around the same product, so a compiled decode step multiplies as an eager one
+        product = torch.ops.kiln.cpu_linear if torch.compiler.is_compiling() else cpu_product
+        out = product(x.reshape(-1, x.shape[-1]), self.weight, self.onednn_handle)
+        out = out.view(*x.shape[:-1], -1)
+        return out if self.bias is None else out + self.bias
+
+
+_ONEDNN_HANDLES = itertools.count()
+_ONEDNN_LINEARS: weakref.WeakValueDictionary[int, QuantLinear] = weakref.WeakValueDictionary()
+"""QuantLinears with a oneDNN copy, by handle (`kiln::cpu_linear` takes the handle: oneDNN tensors do not
+trace)."""
+
+ONEDNN_ROWS = (5, 64)
+"""Rows (batch x tokens) for which a QuantLinear with a oneDNN copy (prepack_onednn) multiplies through it. One
+thread, SmolLM2's linears out of cache: 8 rows 38 ms against 46 (MKL, x @ W^T), 32 rows 61 against 93; 1-4
+rows the dense W @ x^T is ahead (21-24 ms against 26-34). Prompts and scoring (more rows) stay on MKL."""
+
+SKINNY_ROWS = (1, 6)
+"""Row counts (batch x tokens) for which QuantLinear multiplies as W @ x^T on CPU; F.linear (x @ W^T) outside
+them. One thread, SmolLM2's linears out of cache: 1 row 26 -> 21 ms (two columns through the GEMM), 2-5 rows
+W @ x^T 20-36 ms against 38-44, 6 rows equal, 7 or more x @ W^T ahead (8: 46 against 52 ms; 32: 93 against
+102)."""
+
+
+def cpu_product(x: torch.Tensor, weight: torch.Tensor, handle: int) -> torch.Tensor:
+    """x [rows, K] @ weight^T on the CPU in fp32, by the fastest product for `rows` (ONEDNN_ROWS, SKINNY_ROWS);
+    `handle`: the QuantLinear's oneDNN copy (-1: none)."""
+    rows = x.shape[0]
+    if handle >= 0 and ONEDNN_ROWS[0] <= rows <= ONEDNN_ROWS[1]:
+        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), _ONEDNN_LINEARS[handle].onednn,
+                                          None).to_dense()
+    if SKINNY_ROWS[0] <= rows <= SKINNY_ROWS[1]:
+        # a decode step's few rows: W @ x^T streams the weight through MKL's GEMM faster than x @ W^T, and one
+        # row twice through it faster than its GEMV
+        flat = torch.cat([x, x]) if rows == 1 else x
+        return torch.mm(weight, flat.t())[:, :rows].t().contiguous()
+    return F.linear(x, weight)
+
+
+@torch.library.custom_op("kiln::cpu_linear", mutates_args=())
+def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, handle: int) -> torch.Tensor:
+    return cpu_product(x, weight, handle)
+
+
+@_cpu_linear.register_fake
+def _(x, weight, handle):
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 class PackedLinear(nn.Module):
@@ -150,11 +209,6 @@ class PackedLinear(nn.Module):
 
 PACKED_ACTIVATIONS = {name: codec.activations for name, codec in WEIGHT_FORMATS.items() if codec.activations}
 """The activation formats PackedLinear runs with each stored weight format (the kernels' combinations)."""
-
-
-SKINNY_ROWS = (2, 32)
-"""Row counts (batch x tokens) for which QuantLinear multiplies as W @ x^T on CPU; F.linear outside them
-(one row: the two are equally fast; many rows: a regular GEMM)."""
 
 
 class Weights:
