@@ -1,7 +1,8 @@
 """CPU decode step: Kiln's runtime against the memory-bandwidth floor and transformers `generate`.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode.py [--models llama125m,smollm2] [--batches 1,8,32]
-        [--prompt-tokens 16] [--new-tokens 32] [--repeats 3] [--smollm2-artifact DIR] [--compile] [--json]
+        [--prompt-tokens 16] [--new-tokens 32] [--repeats 3] [--smollm2-artifact DIR] [--compile]
+        [--vllm-python ~/vllm-venv/bin/python] [--json]
 
 Models:
 - llama125m: a Llama-shaped random checkpoint of ~126M parameters (hidden 768, 14 layers, 12 heads / 4 KV
@@ -17,7 +18,9 @@ ignored. Kiln: the scheduler prefills, then every decode step is timed (ms/step 
 transformers: `generate` for new_tokens and for 1 new token (the prefill and first token), fp32, eager
 attention, `min_new_tokens` forcing the length; ms/step = the difference / (new_tokens - 1). The best of
 --repeats, modes interleaved. --compile adds Kiln with its decode step compiled (Engine.compile_decode: a
-second engine on the same artifact; its compile and warm-up are not timed).
+second engine on the same artifact; its compile and warm-up are not timed). --vllm-python adds vLLM's CPU build
+on the model's fp32 checkpoint, eager and compiled, after Kiln's rows of that model (benchmarks/vllm_decode.py,
+one thread; ms/step from 33- and 1-token `generate` calls).
 
 Floors, measured in the same run: read bandwidth (a sum over a 1 GiB tensor, one thread) and fp32 GEMM
 throughput (a 2048^3 matmul). bandwidth floor = (linear weight bytes at fp32, what the CPU path reads + the
@@ -125,6 +128,26 @@ def transformers_ms(model, prompts, new_tokens: int) -> float:
     return (run(new_tokens) - run(1)) / (new_tokens - 1) * 1000
 
 
+def vllm_ms(args, checkpoint: Path) -> dict[str, dict[int, float]]:
+    """vLLM's ms per decode step by mode and batch (benchmarks/vllm_decode.py in --vllm-python), one thread."""
+    import os
+
+    found: dict[str, dict[int, float]] = {}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for mode in ("eager", "compiled"):
+        log(f"vLLM {mode} on {checkpoint} ...")
+        done = subprocess.run([str(args.vllm_python), str(ROOT / "benchmarks" / "vllm_decode.py"), str(checkpoint),
+                               mode, "--batches", args.batches, "--prompt-tokens", str(args.prompt_tokens),
+                               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)],
+                              capture_output=True, text=True, env=env, cwd="/", check=False)
+        if done.returncode != 0:
+            log(f"vLLM {mode} failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+            continue
+        lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        found[mode] = {line["batch"]: line["ms"] for line in lines}
+    return found
+
+
 def linear_parameters(engine) -> int:
     """Parameters of every linear the decode step runs (the lm_head included; the embedding is a row gather)."""
     return sum(m.weight.numel() for m in engine.model.modules()
@@ -141,6 +164,9 @@ def main() -> None:
     ap.add_argument("--smollm2-artifact", type=Path)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kiln-decode-bench")
     ap.add_argument("--compile", action="store_true", help="also time the compiled decode step")
+    ap.add_argument("--vllm-python", type=Path,
+                    help="also time vLLM (eager and compiled) on the same checkpoint, through this venv's python "
+                         "(benchmarks/vllm_decode.py; docs/exports.md gives the venv)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -173,6 +199,7 @@ def main() -> None:
         reference = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32,
                                                          attn_implementation="eager").eval()
         params = linear_parameters(engine)
+        first_row = len(rows)
         for batch in map(int, args.batches.split(",")):
             gen = torch.Generator().manual_seed(batch)
             prompts = torch.randint(3, engine.spec.vocab_size, (batch, args.prompt_tokens), generator=gen).tolist()
@@ -209,6 +236,13 @@ def main() -> None:
             else:
                 log(f"{name} batch {batch}: kiln {row['kiln_ms']} ms/step, transformers {row['transformers_ms']}, "
                     f"floor {row['floor_ms']}")
+        if args.vllm_python is not None:
+            for mode, found in vllm_ms(args, checkpoint).items():
+                for row in rows[first_row:]:
+                    row[f"vllm_{mode}_ms"] = found.get(row["batch"])
+                    if args.json:
+                        print(json.dumps({"model": name, "batch": row["batch"], f"vllm_{mode}_ms": row[f"vllm_{mode}_ms"]}),
+                              flush=True)
     if not args.json:
         from rich.console import Console
         from rich.table import Table
@@ -218,6 +252,8 @@ def main() -> None:
         columns = ["model", "batch", "Kiln ms/step", "× floor", "transformers ms/step", "× floor", "Kiln speedup"]
         if args.compile:
             columns += ["Kiln compiled ms/step", "× floor", "compiled speedup"]
+        if args.vllm_python is not None:
+            columns += ["vLLM eager ms/step", "vLLM compiled ms/step"]
         for column in (*columns, "floor ms (bw / compute)"):
             table.add_column(column, justify="right")
         for r in rows:
@@ -227,6 +263,9 @@ def main() -> None:
             if args.compile:
                 cells += [f"{r['kiln_compiled_ms']:.1f}", f"{r['kiln_compiled_over_floor']:.2f}",
                           f"{r['compiled_speedup_vs_transformers']:.2f}×"]
+            if args.vllm_python is not None:
+                cells += [f"{r[f'vllm_{mode}_ms']:.1f}" if r.get(f"vllm_{mode}_ms") else "–"
+                          for mode in ("eager", "compiled")]
             table.add_row(*cells, f"{r['floor_ms']:.1f} ({r['bandwidth_floor_ms']:.1f} / {r['compute_floor_ms']:.1f})")
         Console(width=160).print(table)
 

@@ -95,13 +95,13 @@ class QuantLinear(nn.Module):
         self.onednn_handle = -1
 
     def prepack_onednn(self) -> int:
-        """Keep a oneDNN copy of the weight too, which multiplies ONEDNN_ROWS rows or more faster on a CPU than
-        MKL's GEMM does from the dense weight; the bytes it adds (0: not this linear: one with an input
-        quantizer, not fp32, or not on the CPU)."""
+        """Keep a copy of the weight in oneDNN's blocked layout too, through which every product on the CPU is
+        faster than MKL's from the dense weight (ONEDNN_BATCH_HINT); the bytes it adds (0: not this linear: one
+        with an input quantizer, not fp32, or not on the CPU)."""
         w = self.weight
         if self.input_quantizer is not None or w.dtype != torch.float32 or w.device.type != "cpu":
             return 0
-        self.onednn = w.detach().to_mkldnn()
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_BATCH_HINT)
         self.onednn_handle = next(_ONEDNN_HANDLES)
         _ONEDNN_LINEARS[self.onednn_handle] = self
         return w.numel() * w.element_size()
@@ -124,10 +124,11 @@ _ONEDNN_LINEARS: weakref.WeakValueDictionary[int, QuantLinear] = weakref.WeakVal
 """QuantLinears with a oneDNN copy, by handle (`kiln::cpu_linear` takes the handle: oneDNN tensors do not
 trace)."""
 
-ONEDNN_ROWS = (5, 64)
-"""Rows (batch x tokens) for which a QuantLinear with a oneDNN copy (prepack_onednn) multiplies through it. One
-thread, SmolLM2's linears out of cache: 8 rows 38 ms against 46 (MKL, x @ W^T), 32 rows 61 against 93; 1-4
-rows the dense W @ x^T is ahead (21-24 ms against 26-34). Prompts and scoring (more rows) stay on MKL."""
+ONEDNN_BATCH_HINT = 8
+"""The rows oneDNN lays a prepacked weight out for (torch.ops.mkldnn._reorder_linear_weight). One thread on this
+project's AMD EPYC (AVX-512), SmolLM2's linears out of cache, ms for the 210 of one step: 1 row 15.0, 2-4 rows
+17.2, 8 rows 21.1, 32 rows 43.7, 1024 rows 1039; MKL from the dense weight: 21 (two columns), 20-24, 46, 93, 2239
+(hint 1 or 32: slower at every row count but 32 rows)."""
 
 SKINNY_ROWS = (1, 6)
 """Row counts (batch x tokens) for which QuantLinear multiplies as W @ x^T on CPU; F.linear (x @ W^T) outside
@@ -137,12 +138,11 @@ W @ x^T 20-36 ms against 38-44, 6 rows equal, 7 or more x @ W^T ahead (8: 46 aga
 
 
 def cpu_product(x: torch.Tensor, weight: torch.Tensor, handle: int) -> torch.Tensor:
-    """x [rows, K] @ weight^T on the CPU in fp32, by the fastest product for `rows` (ONEDNN_ROWS, SKINNY_ROWS);
-    `handle`: the QuantLinear's oneDNN copy (-1: none)."""
+    """x [rows, K] @ weight^T on the CPU in fp32: through the QuantLinear's oneDNN copy (`handle`; -1: none),
+    else by the faster of MKL's products for `rows` (SKINNY_ROWS)."""
     rows = x.shape[0]
-    if handle >= 0 and ONEDNN_ROWS[0] <= rows <= ONEDNN_ROWS[1]:
-        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), _ONEDNN_LINEARS[handle].onednn,
-                                          None).to_dense()
+    if handle >= 0:
+        return torch.ops.mkldnn._linear_pointwise(x, _ONEDNN_LINEARS[handle].onednn, None, "none", [], "")
     if SKINNY_ROWS[0] <= rows <= SKINNY_ROWS[1]:
         # a decode step's few rows: W @ x^T streams the weight through MKL's GEMM faster than x @ W^T, and one
         # row twice through it faster than its GEMV
