@@ -78,7 +78,7 @@ def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], st
     differentiate, or a float when it ran backward itself (gradients accumulated over micro-batches).
 
     `cpu_threads`: torch's CPU threads while it runs, when every parameter is on the CPU (None: as they are).
-    Quantized weights tune on one (weight_quant.tune_end_to_end): torch splits a reduction (a norm weight's
+    Quantized weights tune on one (end_to_end_tuning.tune_end_to_end): torch splits a reduction (a norm weight's
     gradient, the loss) among its threads, so each thread count sums in another order, and hundreds of steps
     of straight-through rounding turn a last-bit difference into other grid points (the auto recipe's recovery
     moved by 0.004 between thread counts: benchmarks/results/tuning.md). On one thread, with MKL's strict mode

@@ -27,7 +27,7 @@ longer matches (the blocks before it compute with other tensors or annotations, 
 Device: a session made with `device` ("cuda") keeps the hidden states there and runs each block there in fp32
 (moved as it is built; the graph's tensors stay where they are); the callback gets inputs on that device.
 Distillation runs there too: both models are moved whole, and the tuned parameters must already live there
-(passes.weight_quant.tune_end_to_end makes them on `session.device`).
+(passes.end_to_end_tuning.tune_end_to_end makes them on `session.device`).
 
 Memory: the hidden states of the calibration set ([tokens, hidden] fp32) plus one block's modules (built from
 the graph's lazily lowered tensors, so only that block is read), and the embedding in its source dtype while

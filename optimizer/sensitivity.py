@@ -47,7 +47,7 @@ from kiln.optimizer.gate import BATCH_TOKENS
 from kiln.optimizer.lower import kv_cache_table, lower_tensors
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.kv_format import KvStream, resolve_kv_streams
-from kiln.runtime.model import LayerRotaries, Weights, build_block, place
+from kiln.runtime.model import LayerRotaries, Weights, build_block, onednn_fits, place, prepack_onednn
 from kiln.runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from kiln.runtime.spec import ModelSpec
 
@@ -134,6 +134,7 @@ class _ProbeModel:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.onednn: bool | None = None  # prepacked linears, as the runtime's Engine keeps them (decided once)
         self.spec: ModelSpec | None = None
         self.parts: dict[str | int, _Part] = {}
         self.kv_streams: list[tuple[KvStream, ...]] = []
@@ -180,6 +181,12 @@ class _ProbeModel:
             module = (weights.norm(spec.final_norm), weights.linear(spec.lm_head).eval())
         else:
             module = build_block(spec.layers[key], weights).eval()
+        if self.device.type == "cpu" and not isinstance(module, torch.Tensor):
+            if self.onednn is None:  # the Engine's rule (runtime.model.onednn_fits) on the whole model's linears
+                self.onednn = onednn_fits(4 * sum(lin.in_features * lin.out_features for lin in spec.linears()))
+            for m in module if isinstance(module, tuple) else (module,):
+                if self.onednn:
+                    prepack_onednn(m)
         if self.device.type != "cpu":
             module = (module.to(self.device) if isinstance(module, torch.Tensor)
                       else tuple(place(m, self.device, torch.float32) for m in module) if isinstance(module, tuple)

@@ -46,12 +46,12 @@ class AutoPrecision(PrecisionPass):
         tune_lr       the tuning's Adam learning rate (cosine decay to 0)
         tune_batch_tokens  calibration tokens per tuning step (whole paragraphs, padded)
         tune_budget   tuning runs only if tune_steps x tune_batch_tokens x the model's linear weights is at
-                      most this (None: weight_quant.TUNE_BUDGETS of the device it runs on: small models on a
+                      most this (None: end_to_end_tuning.TUNE_BUDGETS of the device it runs on: small models on a
                       CPU, 2^50 on cuda); otherwise it is skipped
         tune_embedding  the tuning moves the embedding's rows too (and so a tied, unquantized lm_head's),
                       stored back in the embedding's dtype: it stays outside the budget
         tune_samples  paragraphs the source model writes (temperature 1, prompted by calibration paragraphs'
-                      first tokens) that the tuning fits beside the calibration text (weight_quant.source_samples);
+                      first tokens) that the tuning fits beside the calibration text (end_to_end_tuning.source_samples);
                       made only when the tuning runs, at most 4 per calibration paragraph
         act_order     GPTQ act-order; None: on, except for NVFP4 (as the uniform recipes)
         sequential    quantize the assigned groups block by block on the quantized prefix's inputs (see the

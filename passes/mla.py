@@ -75,8 +75,8 @@ from kiln.passes.base import (
     PassResult,
     check_range,
 )
+from kiln.passes.end_to_end_tuning import check_tune_budget, over_budget
 from kiln.passes.graph import ModelGraph
-from kiln.passes.weight_quant import check_tune_budget, over_budget
 from kiln.runtime.spec import AttentionSpec, LayerSpec, LinearSpec, RotarySpec
 
 BF16_BYTES = 2
@@ -307,7 +307,7 @@ class MlaConversion(Pass):
         heal_lr             Adam's learning rate for healing (cosine decay)
         heal_batch_tokens   calibration tokens per healing step
         heal_budget         skip healing (and say so) when steps x batch tokens x the model's linear weights exceed
-                            it (None: the device's, weight_quant.TUNE_BUDGETS): distillation holds the source
+                            it (None: the device's, end_to_end_tuning.TUNE_BUDGETS): distillation holds the source
                             and the student whole in fp32
         sensitivity_paragraphs  calibration paragraphs each rank probe's KL is measured on
         layers              layer indices to consider (None: all)

@@ -79,21 +79,18 @@ from kiln.passes.base import (
     PassResult,
     check_range,
 )
+from kiln.passes.end_to_end_tuning import (
+    SAMPLES_PER_PARAGRAPH,
+    check_tune_budget,
+    linear_weight_count,
+    over_budget,
+    source_samples,
+    tune_end_to_end,
+)
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 from kiln.passes.precision_options import BF16, LM_HEAD_POLICIES, OPTIONS, PrecisionOption, option
 from kiln.passes.tensor_store import release_freed_memory
-from kiln.passes.weight_quant import (
-    MLP_INPUT_STAGE,
-    SAMPLES_PER_PARAGRAPH,
-    check_tune_budget,
-    fusion_key,
-    linear_weight_count,
-    over_budget,
-    sibling_leaders,
-    source_samples,
-    stage_of,
-    tune_end_to_end,
-)
+from kiln.passes.weight_quant import MLP_INPUT_STAGE, fusion_key, sibling_leaders, stage_of
 
 SENSITIVITY_METHODS = ("auto", "kl", "fisher")
 # "auto" measures every probe (one forward of the model per group and option) while probes x linear weights
@@ -587,7 +584,7 @@ class PrecisionPass(Pass):
 
     def _tune(self, graph: ModelGraph, session, names: list[str], result: PassResult, log,
               samples: list[list[int]]) -> None:
-        """End-to-end tuning of the linears `names` and the norms (weight_quant.tune_end_to_end), on the
+        """End-to-end tuning of the linears `names` and the norms (end_to_end_tuning.tune_end_to_end), on the
         calibration text and `samples`."""
         tuned = tune_end_to_end(graph, session, names, self.tune_steps, self.tune_lr, self.tune_batch_tokens, log,
                                 self.tune_budget, self.tune_embedding, samples)

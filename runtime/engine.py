@@ -18,7 +18,15 @@ from kiln.kernels.errors import KilnError
 from kiln.runtime.artifact import WEIGHTS, artifact_file, clip, has_tokenizer, read_manifest
 from kiln.runtime.draft import DRAFT_KINDS, draft_module
 from kiln.runtime.kv_format import resolve_kv_streams
-from kiln.runtime.model import QuantLinear, Transformer, Weights, attention_mask, place
+from kiln.runtime.model import (
+    QuantLinear,
+    Transformer,
+    Weights,
+    attention_mask,
+    onednn_fits,
+    place,
+    prepack_onednn,
+)
 from kiln.runtime.paged_kv_cache import (
     DEFAULT_BLOCK_SIZE,
     DecodeTables,
@@ -72,18 +80,6 @@ GPU_KV_CACHE_FRACTION = 0.5
 
 RUNTIME_DEVICES = ("cpu", "cuda", "meta")
 """Device types an engine is placed on ("meta": shapes only, for tests that check device placement)."""
-
-def available_memory() -> int:
-    """Bytes of memory still available (Linux MemAvailable; elsewhere 0, so nothing optional is allocated)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
 
 def resolve_placement(device: torch.device | str, dtype: torch.dtype | None,
                       packed: bool | None) -> tuple[torch.device, torch.dtype, bool]:
@@ -156,15 +152,13 @@ class Engine:
 
     def _prepack_onednn(self) -> int:
         """On the CPU, give each fp32 linear a copy in oneDNN's blocked layout, which multiplies faster than MKL
-        from the dense weight (QuantLinear.prepack_onednn), when the copies fit a quarter of the memory still
-        available (they double the linears' bytes); the bytes added, 0 when not."""
-        if self.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        from the dense weight (QuantLinear.prepack_onednn), when the copies fit (runtime.model.onednn_fits);
+        the bytes added, 0 when not."""
+        if self.device.type != "cpu":
             return 0
-        linears = [m for m in self.model.modules() if isinstance(m, QuantLinear)]
-        needed = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-        if needed == 0 or needed > available_memory() // 4:
-            return 0
-        return sum(m.prepack_onednn() for m in linears)
+        needed = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
+                     if isinstance(m, QuantLinear))
+        return prepack_onednn(self.model) if onednn_fits(needed) else 0
 
     def compile_decode(self, mode: str | None = None, warmup: bool = True, static_shapes: bool | None = None) -> None:
         """Run every decode step (each row one new token on the paged cache: the scheduler's decode forward)

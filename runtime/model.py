@@ -124,6 +124,29 @@ _ONEDNN_LINEARS: weakref.WeakValueDictionary[int, QuantLinear] = weakref.WeakVal
 """QuantLinears with a oneDNN copy, by handle (`kiln::cpu_linear` takes the handle: oneDNN tensors do not
 trace)."""
 
+def available_memory() -> int:
+    """Bytes of memory still available (Linux MemAvailable; elsewhere 0, so nothing optional is allocated)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def onednn_fits(linear_bytes: int) -> bool:
+    """Whether oneDNN copies of `linear_bytes` of fp32 linears may be kept: oneDNN is built in, and they fit a
+    quarter of the memory still available (they double the linears' bytes)."""
+    return torch.backends.mkldnn.is_available() and 0 < linear_bytes <= available_memory() // 4
+
+
+def prepack_onednn(module: nn.Module) -> int:
+    """QuantLinear.prepack_onednn for every QuantLinear in `module` (itself included); the bytes added."""
+    return sum(m.prepack_onednn() for m in module.modules() if isinstance(m, QuantLinear))
+
+
 ONEDNN_BATCH_HINT = 8
 """The rows oneDNN lays a prepacked weight out for (torch.ops.mkldnn._reorder_linear_weight). One thread on this
 project's AMD EPYC (AVX-512), SmolLM2's linears out of cache, ms for the 210 of one step: 1 row 15.0, 2-4 rows

@@ -15,7 +15,7 @@ from kiln.optimizer.calibrator import RuntimeCalibrator
 from kiln.optimizer.fisher import FisherKl
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.sensitivity import LogitKl
-from kiln.passes.weight_quant import tune_end_to_end
+from kiln.passes.end_to_end_tuning import tune_end_to_end
 from tests.test_probe_swap import linears_of, quantize, random_tokens, restore
 
 META = torch.device("meta")

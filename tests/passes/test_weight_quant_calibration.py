@@ -383,7 +383,7 @@ def test_tuning_over_its_budget_is_skipped_and_said(tiny_checkpoints):
 def test_the_default_tuning_budget_is_the_devices(tiny_checkpoints):
     """tune_budget None: 2^40 token-weights where the distillation runs on a CPU, 2^50 on a GPU (1000 times the
     fp32 matmul rate); a number set in a recipe holds on either."""
-    from kiln.passes.weight_quant import TUNE_BUDGETS, linear_weight_count, over_budget
+    from kiln.passes.end_to_end_tuning import TUNE_BUDGETS, linear_weight_count, over_budget
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     weights = linear_weight_count(graph)
@@ -456,7 +456,7 @@ def test_source_samples_come_from_the_source_model(tiny_checkpoints):
     """The tuning's extra text: `count` paragraphs, each a calibration paragraph's first tokens and the
     model's continuation at temperature 1, the same on every run, and fitted by the distillation beside the
     calibration paragraphs."""
-    from kiln.passes.weight_quant import SAMPLE_PROMPT_TOKENS, source_samples
+    from kiln.passes.end_to_end_tuning import SAMPLE_PROMPT_TOKENS, source_samples
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     tokens = token_lists(graph.spec.vocab_size, count=5)
