@@ -28,9 +28,6 @@ def linear_weight_count(graph: ModelGraph) -> int:
     return sum(lin.out_features * lin.in_features for lin in graph.linears.values())
 
 
-@dataclass(frozen=True)
-
-
 @dataclass
 class TunedWeights:
     tensors: dict[str, dict[str, torch.Tensor]]  # linear -> its stored tensors after tuning (input_scale kept)

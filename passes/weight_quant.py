@@ -238,6 +238,7 @@ def sibling_leaders(lins: Iterable[Linear]) -> dict[str, str]:
     return {lin.name: first.setdefault(fusion_key(lin), lin.name) for lin in lins}
 
 
+@dataclass(frozen=True)
 class _AwqGroup:
     """Linears that read one input, and what produces it: a norm weight or the rows of a linear."""
 
