@@ -109,20 +109,26 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_quantizer is not None:
             x = self.input_quantizer(x).to(self.weight.dtype)
-        if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32 \
-                or not x.shape[-1] or (x.requires_grad and torch.is_grad_enabled()):  # (the op has no backward)
-            return F.linear(x, self.weight, self.bias)
-        # compiled: one opaque op around the same product, so a compiled decode step multiplies as an eager one
-        product = torch.ops.kiln.cpu_linear if torch.compiler.is_compiling() else cpu_product
-        out = product(x.reshape(-1, x.shape[-1]), self.weight, self.onednn_handle)
-        out = out.view(*x.shape[:-1], -1)
-        return out if self.bias is None else out + self.bias
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.onednn is not None and x.device.type == "cpu" and x.dtype == torch.float32 and rows \
+                and not (x.requires_grad and torch.is_grad_enabled()):  # (the op has no backward)
+            # compiled: one opaque op around the same product, so a compiled step multiplies as an eager one
+            product = torch.ops.kiln.onednn_linear if torch.compiler.is_compiling() else onednn_product
+            out = product(x.reshape(rows, -1), self.onednn_handle).view(*x.shape[:-1], -1)
+            return out if self.bias is None else out + self.bias
+        if SKINNY_ROWS[0] <= rows <= SKINNY_ROWS[1] and x.device.type == "cpu":
+            # a decode step's few rows without a oneDNN copy: W @ x^T streams the weight through MKL ~30% faster
+            # on CPU than x @ W^T (benchmarks/decode.py; equal within fp32 rounding)
+            out = torch.mm(self.weight, x.reshape(rows, -1).t()).t().contiguous().view(*x.shape[:-1], -1)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
 
 
 _ONEDNN_HANDLES = itertools.count()
 _ONEDNN_LINEARS: weakref.WeakValueDictionary[int, QuantLinear] = weakref.WeakValueDictionary()
-"""QuantLinears with a oneDNN copy, by handle (`kiln::cpu_linear` takes the handle: oneDNN tensors do not
+"""QuantLinears with a oneDNN copy, by handle (`kiln::onednn_linear` takes the handle: oneDNN tensors do not
 trace)."""
+
 
 def available_memory() -> int:
     """Bytes of memory still available (Linux MemAvailable; elsewhere 0, so nothing optional is allocated)."""
@@ -153,35 +159,24 @@ project's AMD EPYC (AVX-512), SmolLM2's linears out of cache, ms for the 210 of 
 17.2, 8 rows 21.1, 32 rows 43.7, 1024 rows 1039; MKL from the dense weight: 21 (two columns), 20-24, 46, 93, 2239
 (hint 1 or 32: slower at every row count but 32 rows)."""
 
-SKINNY_ROWS = (1, 6)
-"""Row counts (batch x tokens) for which QuantLinear multiplies as W @ x^T on CPU; F.linear (x @ W^T) outside
-them. One thread, SmolLM2's linears out of cache: 1 row 26 -> 21 ms (two columns through the GEMM), 2-5 rows
-W @ x^T 20-36 ms against 38-44, 6 rows equal, 7 or more x @ W^T ahead (8: 46 against 52 ms; 32: 93 against
-102)."""
+SKINNY_ROWS = (2, 32)
+"""Row counts (batch x tokens) for which a QuantLinear without a oneDNN copy multiplies as W @ x^T on CPU;
+F.linear outside them (one row: the two are equally fast; many rows: a regular GEMM)."""
 
 
-def cpu_product(x: torch.Tensor, weight: torch.Tensor, handle: int) -> torch.Tensor:
-    """x [rows, K] @ weight^T on the CPU in fp32: through the QuantLinear's oneDNN copy (`handle`; -1: none),
-    else by the faster of MKL's products for `rows` (SKINNY_ROWS)."""
-    rows = x.shape[0]
-    if handle >= 0:
-        return torch.ops.mkldnn._linear_pointwise(x, _ONEDNN_LINEARS[handle].onednn, None, "none", [], "")
-    if SKINNY_ROWS[0] <= rows <= SKINNY_ROWS[1]:
-        # a decode step's few rows: W @ x^T streams the weight through MKL's GEMM faster than x @ W^T, and one
-        # row twice through it faster than its GEMV
-        flat = torch.cat([x, x]) if rows == 1 else x
-        return torch.mm(weight, flat.t())[:, :rows].t().contiguous()
-    return F.linear(x, weight)
+def onednn_product(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """x [rows, K] @ weight^T in fp32 through the oneDNN copy of QuantLinear `handle` (prepack_onednn)."""
+    return torch.ops.mkldnn._linear_pointwise(x, _ONEDNN_LINEARS[handle].onednn, None, "none", [], "")
 
 
-@torch.library.custom_op("kiln::cpu_linear", mutates_args=())
-def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, handle: int) -> torch.Tensor:
-    return cpu_product(x, weight, handle)
+@torch.library.custom_op("kiln::onednn_linear", mutates_args=())
+def _onednn_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return onednn_product(x, handle)
 
 
-@_cpu_linear.register_fake
-def _(x, weight, handle):
-    return x.new_empty(x.shape[0], weight.shape[0])
+@_onednn_linear.register_fake
+def _(x, handle):
+    return x.new_empty(x.shape[0], _ONEDNN_LINEARS[handle].weight.shape[0])
 
 
 class PackedLinear(nn.Module):
