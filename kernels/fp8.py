@@ -153,15 +153,59 @@ class Fp8Weight:
         return fp8_dequantize(self.qweight, self.weight_scale)
 
 
-class Fp8E4M3Format(WeightCodec):
+class ScaledFp8Codec(WeightCodec):
+    """What FP8 weights with an fp32 scale per output channel ([N, 1]) or per tensor (0-dim) share, whatever
+    their element type: the stored layout, the packed weight and the calibration grid. A subclass names the
+    element (`storage_dtype`, `grid_max`) and the packed weight's class (`weight_class`)."""
+
+    tensor_names = ("weight", "weight_scale")
+    bits_per_weight = 8.0
+    storage_dtype: torch.dtype
+    weight_class: type
+
+    def stored_tensors(self, out, in_features, weight_shape):
+        rows = out if out is not None else weight_shape[0]
+        what = f"an {self.name} weight"
+        weight = (StoredTensor("weight", what, (self.storage_dtype,), ((out, in_features),))
+                  if out is not None else StoredTensor("weight", what, (self.storage_dtype,), ndim=2))
+        return weight, StoredTensor("weight_scale", "an FP8 weight scale", (), ((), (1,), (rows, 1)))
+
+    def stored_bytes(self, out, in_features, recorded_in_features=None):
+        return in_features * out + 4 * out  # FP8 values + an fp32 scale per output channel
+
+    def stored_granularity(self, tensors):
+        return "per_tensor" if tensors["weight_scale"].ndim == 0 else "per_channel"
+
+    def packed_weight(self, tensors, in_features):
+        scale = tensors["weight_scale"].float()
+        return self.weight_class(tensors["weight"], scale.reshape(()) if scale.numel() == 1 else scale)
+
+    def grid_round_(self, scaled):
+        scaled.clamp_(-self.grid_max, self.grid_max)
+        return scaled.copy_(scaled.to(self.storage_dtype))
+
+    def grid_scales(self, stored, granularity, rows):
+        scale = stored["weight_scale"].float()
+        if granularity == "per_tensor":
+            scale = scale.reshape(())
+            return scale.expand(rows if rows is not None else 1, 1).clone(), {"weight_scale": scale}
+        return scale.reshape(-1, 1), {"weight_scale": scale.reshape(-1, 1)}
+
+    def grid_pack(self, values, stored_scales):
+        scale = stored_scales["weight_scale"]
+        weight = (values / scale).clamp(-self.grid_max, self.grid_max).to(self.storage_dtype)
+        return {"weight": weight, "weight_scale": scale}
+
+
+class Fp8E4M3Format(ScaledFp8Codec):
     """FP8 E4M3 weights with an fp32 scale per output channel ([N, 1]) or per tensor (0-dim); W8A16, or W8A8 with
     activations quantized per token (dynamic) or with a calibrated per-tensor scale (static)."""
 
     name = WeightFormat.FP8_E4M3
     spellings = ("fp8", "fp8_e4m3")
     recipe_name = "fp8"
-    tensor_names = ("weight", "weight_scale")
-    bits_per_weight = 8.0
+    storage_dtype = FP8_DTYPE
+    weight_class = Fp8Weight
     weight_only_targets = ("hopper", "blackwell")
     weight_activation_targets = ("hopper", "blackwell")
     activations = (ActivationFormat.NONE, ActivationFormat.FP8_DYNAMIC_PER_TOKEN,
@@ -174,18 +218,6 @@ class Fp8E4M3Format(WeightCodec):
 
     def dequantize(self, tensors, in_features=None) -> torch.Tensor:
         return fp8_dequantize(tensors["weight"], tensors["weight_scale"])
-
-    def stored_tensors(self, out, in_features, weight_shape):
-        rows = out if out is not None else weight_shape[0]
-        weight = (StoredTensor("weight", "an fp8_e4m3 weight", (FP8_DTYPE,), ((out, in_features),))
-                  if out is not None else StoredTensor("weight", "an fp8_e4m3 weight", (FP8_DTYPE,), ndim=2))
-        return weight, StoredTensor("weight_scale", "an FP8 weight scale", (), ((), (1,), (rows, 1)))
-
-    def stored_bytes(self, out, in_features, recorded_in_features=None):
-        return in_features * out + 4 * out  # E4M3 values + an fp32 scale per output channel
-
-    def stored_granularity(self, tensors):
-        return "per_tensor" if tensors["weight_scale"].ndim == 0 else "per_channel"
 
     def activation_format(self, mode):
         if mode == "none":
@@ -200,34 +232,15 @@ class Fp8E4M3Format(WeightCodec):
     def static_input_scale(self, absmax):
         return _positive_0dim(absmax.float() / E4M3_MAX)
 
-    def packed_weight(self, tensors, in_features):
-        scale = tensors["weight_scale"].float()
-        return Fp8Weight(tensors["weight"], scale.reshape(()) if scale.numel() == 1 else scale)
-
     gpu_kernel = "fp8"  # W8A8: the FP8 GEMM; W8A16: the weight dequantized for each product
 
     grid_max = E4M3_MAX
-
-    def grid_round_(self, scaled):
-        scaled.clamp_(-E4M3_MAX, E4M3_MAX)
-        return scaled.copy_(scaled.to(FP8_DTYPE))
 
     def grid_absmax_scales(self, w, w_padded, granularity, global_scale):
         if granularity == "per_channel":
             scale = fp8_scale_per_channel(w)
             return scale.reshape(-1, 1), {"weight_scale": scale}
         return self.grid_scales({"weight_scale": fp8_scale_per_tensor(w)}, granularity, w.shape[0])
-
-    def grid_scales(self, stored, granularity, rows):
-        scale = stored["weight_scale"].float()
-        if granularity == "per_tensor":
-            scale = scale.reshape(())
-            return scale.expand(rows if rows is not None else 1, 1).clone(), {"weight_scale": scale}
-        return scale.reshape(-1, 1), {"weight_scale": scale.reshape(-1, 1)}
-
-    def grid_pack(self, values, stored_scales):
-        scale = stored_scales["weight_scale"]
-        return {"weight": (values / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE), "weight_scale": scale}
 
 
 def _positive_0dim(scale: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.kernels.formats import ActivationFormat
-from kiln.kernels.weight_codec import StoredTensor, WeightCodec
+from kiln.kernels.fp8 import ScaledFp8Codec
 
 E5M2_MAX = 57344.0
 FP8_E5M2_DTYPE = torch.float8_e5m2
@@ -63,18 +63,18 @@ class Fp8E5M2Weight:
         return fp8_e5m2_dequantize(self.qweight, self.weight_scale)
 
 
-class Fp8E5M2Format(WeightCodec):
+class Fp8E5M2Format(ScaledFp8Codec):
     """FP8 E5M2 weights with an fp32 scale per output channel; weight-only (W8A16)."""
 
     name = "fp8_e5m2"
     spellings = ("fp8_e5m2",)
     recipe_name = "fp8_e5m2"
-    tensor_names = ("weight", "weight_scale")
-    bits_per_weight = 8.0
     activations = (ActivationFormat.NONE,)
     weight_only = True
     weight_only_targets = ("hopper", "blackwell")  # decoded to BF16 before the product
     grid_max = E5M2_MAX
+    storage_dtype = FP8_E5M2_DTYPE
+    weight_class = Fp8E5M2Weight
 
     def quantize(self, w, granularity="per_channel", global_scale=None):
         q, scale = fp8_e5m2_quantize(w, granularity)
@@ -83,42 +83,11 @@ class Fp8E5M2Format(WeightCodec):
     def dequantize(self, tensors, in_features=None):
         return fp8_e5m2_dequantize(tensors["weight"], tensors["weight_scale"])
 
-    def stored_tensors(self, out, in_features, weight_shape):
-        rows = out if out is not None else weight_shape[0]
-        weight = (StoredTensor("weight", "an fp8_e5m2 weight", (FP8_E5M2_DTYPE,), ((out, in_features),))
-                  if out is not None else StoredTensor("weight", "an fp8_e5m2 weight", (FP8_E5M2_DTYPE,), ndim=2))
-        return weight, StoredTensor("weight_scale", "an FP8 weight scale", (), ((), (1,), (rows, 1)))
-
-    def stored_bytes(self, out, in_features, recorded_in_features=None):
-        return in_features * out + 4 * out  # E5M2 values + an fp32 scale per output channel
-
-    def stored_granularity(self, tensors):
-        return "per_tensor" if tensors["weight_scale"].ndim == 0 else "per_channel"
-
-    def packed_weight(self, tensors, in_features):
-        scale = tensors["weight_scale"].float()
-        return Fp8E5M2Weight(tensors["weight"], scale.reshape(()) if scale.numel() == 1 else scale)
-
     gpu_kernel = "dequantize"  # W8A16: the weight dequantized in the activations' dtype for each product
-
-    def grid_round_(self, scaled):
-        scaled.clamp_(-E5M2_MAX, E5M2_MAX)
-        return scaled.copy_(scaled.to(FP8_E5M2_DTYPE))
 
     def grid_absmax_scales(self, w, w_padded, granularity, global_scale):
         amax = w.abs().amax(dim=1, keepdim=True) if granularity == "per_channel" else w.abs().amax()
         return self.grid_scales({"weight_scale": _safe_scale(amax)}, granularity, w.shape[0])
-
-    def grid_scales(self, stored, granularity, rows):
-        scale = stored["weight_scale"].float()
-        if granularity == "per_tensor":
-            scale = scale.reshape(())
-            return scale.expand(rows if rows is not None else 1, 1).clone(), {"weight_scale": scale}
-        return scale.reshape(-1, 1), {"weight_scale": scale.reshape(-1, 1)}
-
-    def grid_pack(self, values, stored_scales):
-        scale = stored_scales["weight_scale"]
-        return {"weight": _cast_e5m2(values / scale), "weight_scale": scale}
 
 
 FP8_E5M2_FORMAT = Fp8E5M2Format()
