@@ -184,8 +184,8 @@ class _ProbeModel:
         if self.device.type == "cpu" and not isinstance(module, torch.Tensor):
             if self.onednn is None:  # the Engine's rule (runtime.model.onednn_fits) on the whole model's linears
                 self.onednn = onednn_fits(4 * sum(lin.in_features * lin.out_features for lin in spec.linears()))
-            for m in module if isinstance(module, tuple) else (module,):
-                if self.onednn:
+            if self.onednn:
+                for m in module if isinstance(module, tuple) else (module,):
                     prepack_onednn(m)
         if self.device.type != "cpu":
             module = (module.to(self.device) if isinstance(module, torch.Tensor)
