@@ -50,7 +50,16 @@ from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
 from kiln.passes.graph import ModelGraph
-from kiln.runtime.model import Block, LayerRotaries, QuantLinear, Transformer, Weights, build_block, place
+from kiln.runtime.model import (
+    Block,
+    LayerRotaries,
+    QuantLinear,
+    Transformer,
+    Weights,
+    build_block,
+    place,
+    scale_embedding,
+)
 
 Callback = Callable[[str, torch.Tensor], None]
 MICRO_BATCH_TOKENS = 512  # distillation's autograd batch: SmolLM2's activations for 512 tokens are ~1 GB
@@ -225,7 +234,8 @@ class RuntimeCalibrationSession:
         if self.position is None:
             embed = self.graph.tensors[self.graph.embedding]  # source dtype: rows are widened after the lookup
             for b in self.batches:
-                b.hidden = F.embedding(b.tokens, embed).to(self.device, torch.float32) * b.mask.unsqueeze(-1)
+                rows = F.embedding(b.tokens, embed).to(self.device, torch.float32)
+                b.hidden = scale_embedding(rows, self.graph.spec.embedding_scale) * b.mask.unsqueeze(-1)
             del embed
             self.position = 0
             self._ran = {-1: self._fingerprint(-1)}

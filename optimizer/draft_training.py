@@ -68,14 +68,19 @@ class DraftDistillation:
         if module.kind == "eagle3":
             own = {module.norms[0]: m.hidden_norm.weight, module.norms[1]: m.norm.weight,
                    f"{module.linears['fc'].name}.weight": m.fc.weight}
-            layer_modules = m
-            own[module.layer.norms[0]], own[module.layer.norms[1]] = m.input_norm.weight, m.post_norm.weight
+            layer_modules, norm_modules = m, (m.input_norm, m.post_norm)
         else:
             own = {module.norms[0]: m.enorm.weight, module.norms[1]: m.hnorm.weight,
                    f"{module.linears['eh_proj'].name}.weight": m.eh_proj.weight}
-            layer_modules = m.block
-            own[module.layer.norms[0]], own[module.layer.norms[1]] = (m.block.input_norm.weight,
-                                                                      m.block.post_norm.weight)
+            layer_modules, norm_modules = m.block, (m.block.input_norm, m.block.post_norm)
+        # the layer's norms in LayerSpec order: input, MLP input, then q/k (Qwen3, Gemma); then the output norms
+        attention = layer_modules.attention
+        norm_modules = (*norm_modules, *((attention.q_norm, attention.k_norm) if attention.q_norm is not None
+                                         else ()))
+        own.update({name: norm.weight for name, norm in zip(module.layer.norms, norm_modules, strict=True)})
+        if module.layer.output_norms:
+            outs = (layer_modules.attention_out_norm, layer_modules.mlp_out_norm)
+            own.update({name: norm.weight for name, norm in zip(module.layer.output_norms, outs, strict=True)})
         for lin in module.layer.linears():
             own[f"{lin.name}.weight"] = _find_linear(layer_modules, lin.name, module)
         missing = sorted(set(init) - set(own))

@@ -24,8 +24,10 @@ from kiln.runtime.spec import (
 )
 
 SUPPORTED_ARCHITECTURES = (
-    "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
+    "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gemma3_text",
 )
+GELU_TANH_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new")
+"""Gemma's hidden_activation values that are the tanh-approximated GELU the runtime runs."""
 
 
 # Integer config.json fields that size tensors or loops: name -> (smallest valid value, null allowed).
@@ -42,7 +44,7 @@ INT_FIELDS = {
     "topk_group": (1, True), "q_lora_rank": (1, True), "kv_lora_rank": (1, False), "qk_rope_head_dim": (1, False),
     "qk_nope_head_dim": (1, False), "v_head_dim": (1, False), "num_nextn_predict_layers": (0, True),
 }
-POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "query_pre_attn_scalar")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -72,6 +74,8 @@ def check_config(config_dict: dict) -> None:
         value = c.get(name, 1.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
             raise KilnError(f"config.json: {name} must be a positive number, got {_show(value)}")
+    if model_type == "gemma3_text":
+        _check_gemma3(c)
     heads, kv_heads, hidden = c.get("num_attention_heads"), c.get("num_key_value_heads"), c.get("hidden_size")
     if model_type != "deepseek_v3":  # MLA sizes heads by its own qk/v dims
         if heads and hidden and c.get("head_dim") is None and hidden % heads:
@@ -101,6 +105,21 @@ def check_config(config_dict: dict) -> None:
         if layers is not None and len(layer_types) != layers:
             raise KilnError(f"config.json: layer_types has {len(layer_types)} entries but num_hidden_layers is "
                             f"{layers}")
+
+
+def _check_gemma3(c: dict) -> None:
+    """What of Gemma 3's config the runtime does not run, refused by name."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if c.get(name) is not None:
+            raise KilnError(f"config.json: {name} {_show(c[name])} is not supported (Gemma 3 sets it null; "
+                            "logit soft-capping is Gemma 2's)")
+    if c.get("use_bidirectional_attention"):
+        raise KilnError("config.json: use_bidirectional_attention is true (an embedding model); Kiln runs causal "
+                        "language models")
+    act = c.get("hidden_activation", GELU_TANH_ACTIVATIONS[0])
+    if act not in GELU_TANH_ACTIVATIONS:
+        raise KilnError(f"config.json: hidden_activation {_show(act)} is not supported; Gemma 3's is "
+                        f"{' or '.join(GELU_TANH_ACTIVATIONS)}")
 
 
 def load_hf_config(config_dict: dict, trust_remote_code: bool = False):
@@ -144,12 +163,16 @@ def _experts(prefix: str, i: int, n: int, hidden: int, inter: int, names) -> tup
     )
 
 
-def _rotary(cfg, dim: int, interleaved: bool = False) -> RotarySpec:
+def _rotary(cfg, dim: int, interleaved: bool = False, layer_type: str | None = None) -> RotarySpec:
     """The rotary embedding a transformers config asks for, resolved to inverse frequencies (non-default RoPE
-    types through transformers' own init functions, so scaled RoPE means what it means there)."""
+    types through transformers' own init functions, so scaled RoPE means what it means there). Gemma 3 gives
+    each layer type its own parameters (`rope_parameters[layer_type]`: 10K local, 1M global)."""
     import torch
 
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    per_type = layer_type is not None and isinstance(rope.get(layer_type), dict)
+    if per_type:
+        rope = dict(rope[layer_type])
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default":
         base = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
@@ -161,7 +184,8 @@ def _rotary(cfg, dim: int, interleaved: bool = False) -> RotarySpec:
         if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
             raise KilnError(f"RoPE type {rope_type!r} is not supported (its frequencies depend on the sequence "
                             "length)" if rope_type == "dynamic" else f"unknown RoPE type {rope_type!r}")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None, **({"layer_type": layer_type} if per_type
+                                                                          else {}))
     if inv_freq.numel() * 2 != dim:
         raise KilnError(f"RoPE: {inv_freq.numel()} frequencies for {dim} rotated dimensions")
     return RotarySpec(dim, tuple(float(f) for f in inv_freq.float()), float(scaling), interleaved)
@@ -188,6 +212,8 @@ def _gqa_attention(cfg, prefix: str, i: int, qk_norm: bool) -> AttentionSpec:
     layer_types = getattr(cfg, "layer_types", None)
     if getattr(cfg, "sliding_window", None) and (layer_types is None or layer_types[i] == "sliding_attention"):
         window = int(cfg.sliding_window)
+    # Gemma scales scores by query_pre_attn_scalar^-0.5 (its head_dim for the released sizes but 27B's)
+    scalar = getattr(cfg, "query_pre_attn_scalar", None) if cfg.model_type == "gemma3_text" else None
     return AttentionSpec(
         kind="mha" if kv_heads == heads else "gqa",
         num_heads=heads,
@@ -201,8 +227,8 @@ def _gqa_attention(cfg, prefix: str, i: int, qk_norm: bool) -> AttentionSpec:
             "o": _lin(f"{prefix}.o_proj", "o", heads * head_dim, hidden, i,
                       bias=bool(getattr(cfg, "attention_bias", False)) and cfg.model_type not in ("qwen2", "qwen2_moe")),
         },
-        rotary=_rotary(cfg, head_dim),
-        softmax_scale=head_dim**-0.5,
+        rotary=_rotary(cfg, head_dim, layer_type=layer_types[i] if layer_types is not None else None),
+        softmax_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
         qk_norm=qk_norm,
         sliding_window=window,
     )
@@ -246,6 +272,9 @@ def _mlp(cfg, prefix: str, i: int) -> MlpSpec:
         bias = bool(getattr(cfg, "mlp_bias", False))
         return MlpSpec("dense", cfg.intermediate_size, _dense_mlp(f"{prefix}.mlp", i, hidden, cfg.intermediate_size,
                                                                   bias=bias))
+    if mt == "gemma3_text":  # GeGLU (hidden_activation checked by _check_gemma3)
+        return MlpSpec("dense", cfg.intermediate_size, _dense_mlp(f"{prefix}.mlp", i, hidden, cfg.intermediate_size),
+                       activation="gelu_tanh")
     if mt == "mixtral":
         p = f"{prefix}.block_sparse_moe"
         n = cfg.num_local_experts
@@ -311,11 +340,16 @@ def _decoder_layer(cfg, i: int) -> LayerSpec:
         if cfg.q_lora_rank is not None:
             norms.append(f"{attn_prefix}.q_a_layernorm.weight")
     else:
-        qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
+        qk_norm = cfg.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
         attention = _gqa_attention(cfg, attn_prefix, i, qk_norm)
         norms = [f"{attn_prefix}.q_norm.weight", f"{attn_prefix}.k_norm.weight"] if qk_norm else []
-    norms = [f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight", *norms]
-    return LayerSpec(i, prefix, attention, _mlp(cfg, prefix, i), tuple(norms))
+    if cfg.model_type == "gemma3_text":  # sandwich norms: the MLP's input norm is pre_feedforward_layernorm
+        mlp_norm = f"{prefix}.pre_feedforward_layernorm.weight"
+        output_norms = (f"{prefix}.post_attention_layernorm.weight", f"{prefix}.post_feedforward_layernorm.weight")
+    else:
+        mlp_norm, output_norms = f"{prefix}.post_attention_layernorm.weight", ()
+    norms = [f"{prefix}.input_layernorm.weight", mlp_norm, *norms]
+    return LayerSpec(i, prefix, attention, _mlp(cfg, prefix, i), tuple(norms), output_norms=output_norms)
 
 
 def _mtp_modules(cfg, tensor_names: Collection[str]) -> tuple[ExtraModuleSpec, ...]:
@@ -343,6 +377,7 @@ def build_spec(config_dict: dict, trust_remote_code: bool = False,
     cfg = load_hf_config(config_dict, trust_remote_code)
     eos = cfg.eos_token_id if hasattr(cfg, "eos_token_id") else None
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    gemma = cfg.model_type == "gemma3_text"  # (1 + w) norms, embeddings scaled by sqrt(hidden)
     return ModelSpec(
         model_type=cfg.model_type,
         vocab_size=cfg.vocab_size,
@@ -357,4 +392,6 @@ def build_spec(config_dict: dict, trust_remote_code: bool = False,
         bos_token_id=getattr(cfg, "bos_token_id", None),
         eos_token_ids=eos_ids,
         extra_modules=_mtp_modules(cfg, set(tensor_names)) if cfg.model_type == "deepseek_v3" else (),
+        norm_offset=1.0 if gemma else 0.0,
+        embedding_scale=float(cfg.hidden_size) ** 0.5 if gemma else 1.0,
     )

@@ -47,7 +47,15 @@ from kiln.optimizer.gate import BATCH_TOKENS
 from kiln.optimizer.lower import kv_cache_table, lower_tensors
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.kv_format import KvStream, resolve_kv_streams
-from kiln.runtime.model import LayerRotaries, Weights, build_block, onednn_fits, place, prepack_onednn
+from kiln.runtime.model import (
+    LayerRotaries,
+    Weights,
+    build_block,
+    onednn_fits,
+    place,
+    prepack_onednn,
+    scale_embedding,
+)
 from kiln.runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from kiln.runtime.spec import ModelSpec
 
@@ -346,7 +354,8 @@ class LogitKl:
         ropes = probe.rotary(model.spec)
         try:
             for b, (batch, tokens, positions, (host_positions, valid)) in enumerate(probe.batches):
-                x = F.embedding(tokens, model.embedding) if start == 0 else probe.hidden[start][b]
+                x = (scale_embedding(F.embedding(tokens, model.embedding), model.spec.embedding_scale) if start == 0
+                     else probe.hidden[start][b])
                 lengths = valid.sum(dim=1).tolist()
                 for i in range(start, layers):
                     if i in probe.kept and i > start:

@@ -81,7 +81,8 @@ def draft_layer(graph: ModelGraph, prefix: str = f"{PREFIX}.layer") -> LayerSpec
                                     sliding_window=None)
     mlp = dataclasses.replace(last.mlp, linears={r: rename(lin) for r, lin in last.mlp.linears.items()})
     norms = tuple(n.replace(last.prefix, prefix, 1) for n in last.norms)
-    return LayerSpec(index, prefix, attention, mlp, norms)
+    output_norms = tuple(n.replace(last.prefix, prefix, 1) for n in last.output_norms)
+    return LayerSpec(index, prefix, attention, mlp, norms, output_norms=output_norms)
 
 
 ARCHITECTURES = ("mtp", "eagle3")
@@ -109,6 +110,10 @@ def head_module(graph: ModelGraph, architecture: str = "mtp") -> ExtraModuleSpec
     lm_head (the full vocabulary: no draft vocabulary mapping)."""
     hidden = graph.spec.hidden_size
     if architecture == "eagle3":
+        if graph.spec.norm_offset or any(layer.output_norms for layer in graph.spec.layers):
+            raise KilnError(f"draft-head: an EAGLE-3 head is a Llama decoder layer as vLLM and SGLang load it; "
+                            f"{graph.spec.model_type}'s (1 + w) and sandwich norms do not carry over; use "
+                            "architecture: mtp")
         layer = draft_layer(graph, f"{PREFIX}.layers.0")
         wide = {role: dataclasses.replace(lin, in_features=2 * hidden) if role in ("q", "k", "v") else lin
                 for role, lin in layer.attention.linears.items()}
@@ -133,16 +138,19 @@ def attach(graph: ModelGraph, module: ExtraModuleSpec, tensors: dict[str, torch.
     graph.set_spec(dataclasses.replace(graph.spec, extra_modules=(*graph.spec.extra_modules, module)))
 
 
-def init_tensors(module: ExtraModuleSpec, hidden: int, seed: int) -> dict[str, torch.Tensor]:
-    """Random linears (std 0.02, the usual init), unit norms; the input projection starts by passing the
-    target's feature through (MTP shape: eh_proj = [0, I]; EAGLE-3: fc reads the last aux layer), so the
-    untrained head predicts what the target's own head would say at t+1's input."""
+def init_tensors(module: ExtraModuleSpec, hidden: int, seed: int, norm_offset: float = 0.0) -> dict[str, torch.Tensor]:
+    """Random linears (std 0.02, the usual init), unit norms (stored as 1 - norm_offset: Gemma's scale by 1 + w);
+    the input projection starts by passing the target's feature through (MTP shape: eh_proj = [0, I]; EAGLE-3:
+    fc reads the last aux layer), so the untrained head predicts what the target's own head would say at t+1's
+    input."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for lin in module.layer.linears():
         out[f"{lin.name}.weight"] = torch.randn(lin.out_features, lin.in_features, generator=gen) * 0.02
-    for name in (*module.layer.norms, *module.norms):
-        out[name] = torch.ones(hidden)
+    head_dim = module.layer.attention.head_dim
+    for name in (*module.layer.norms, *module.layer.output_norms, *module.norms):
+        size = head_dim if name.split(".")[-2] in ("q_norm", "k_norm") else hidden
+        out[name] = torch.full((size,), 1.0 - norm_offset)
     proj = module.linears["fc" if module.kind == "eagle3" else "eh_proj"]
     weight = torch.randn(hidden, proj.in_features, generator=gen) * 0.02
     weight[:, -hidden:] += torch.eye(hidden)
@@ -224,7 +232,7 @@ class DraftHead(Pass):
             context = graph.spec.max_position_embeddings
             new = max(0, min(self.generated_tokens, context - PROMPT_TOKENS))
             generations = [p + g for p, g in zip(prompts, ctx.runner.generate(graph, prompts, new), strict=True)]
-        objective = ctx.runner.draft_distillation(graph, module, init_tensors(module, hidden, self.seed),
+        objective = ctx.runner.draft_distillation(graph, module, init_tensors(module, hidden, self.seed, graph.spec.norm_offset),
                                                   generations, self.batch_tokens)
         history = tune(list(objective.parameters.values()), objective.loss, self.train_steps, self.lr,
                        log=ctx.log)

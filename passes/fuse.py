@@ -400,7 +400,11 @@ class Fusion(Pass):
             candidates.append((f"{p}.kernel.rmsnorm_quant.mlp", "rmsnorm_quant", (layer.norms[1],),
                                mlp.get("gate_up"), "gate/up are not fused: the norm feeds two linears"))
             gate_ops = (mlp["gate_up"].name,) if "gate_up" in mlp else (mlp["gate"].name, mlp["up"].name)
-            candidates.append((f"{p}.kernel.swiglu_quant", "swiglu_quant", gate_ops, mlp["down"], ""))
+            if m.activation == "silu":
+                candidates.append((f"{p}.kernel.swiglu_quant", "swiglu_quant", gate_ops, mlp["down"], ""))
+            else:
+                result.skipped[f"{p}.kernel.swiglu_quant"] = (f"the MLP's gate is {m.activation}, not SiLU: no "
+                                                              "swiglu_quant kernel for it")
         else:
             result.skipped[f"{p}.kernel.mlp"] = ("MoE MLP: the post-attention norm feeds the router in full "
                                                  "precision and the experts run grouped")

@@ -784,8 +784,9 @@ def _fold_input_scale(graph: ModelGraph, group: _AwqGroup, scale: torch.Tensor) 
     for name in group.consumers:
         key = graph.linears[name].weight_name
         graph.tensors[key] = graph.tensors[key].float() * scale
-    if group.producer_is_norm:
-        graph.tensors[group.producer] = graph.tensors[group.producer].float() / scale
+    if group.producer_is_norm:  # a norm scaling by (offset + w) (Gemma: 1 + w) divides that by s
+        offset = graph.spec.norm_offset
+        graph.tensors[group.producer] = (graph.tensors[group.producer].float() + offset) / scale - offset
         return
     s = scale if group.tie is None else torch.zeros(int(group.tie.max()) + 1).index_copy_(0, group.tie, scale)
     lin = graph.linears[group.producer]

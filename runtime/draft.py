@@ -29,7 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.kernels.errors import KilnError
-from kiln.runtime.model import DenseMlp, GqaAttention, Rotary, Transformer, Weights, build_block
+from kiln.runtime.model import (
+    DenseMlp,
+    GqaAttention,
+    Rotary,
+    Transformer,
+    Weights,
+    build_block,
+    scale_embedding,
+)
 from kiln.runtime.spec import ExtraModuleSpec
 
 DRAFT_KINDS = ("mtp", "draft_head", "eagle3")
@@ -55,6 +63,10 @@ class DraftModule(nn.Module):
         own = [t for t in module.tensors if t.endswith("embed_tokens.weight")]
         self.embed = (nn.Parameter(weights.tensor(own[0], tuple(target.embed.shape), "the MTP embedding"),
                                    requires_grad=False) if own else target.embed)
+        self.embedding_scale = target.spec.embedding_scale
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return scale_embedding(F.embedding(tokens, self.embed), self.embedding_scale)
 
     aux_layers: tuple[int, ...] = ()  # the target's last layer output is the feature
 
@@ -68,7 +80,7 @@ class DraftModule(nn.Module):
                 cache=None) -> torch.Tensor:
         """features [B, T, C] at `positions`, the tokens one position later [B, T] -> draft features [B, T, C]
         (each standing in for the target's feature one position later)."""
-        x = self.eh_proj(torch.cat([self.enorm(F.embedding(next_tokens, self.embed)), self.hnorm(features)], -1))
+        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_tokens)), self.hnorm(features)], -1))
         return self.block(x, self.rotary(positions), positions, cache, 0)
 
     def logits(self, draft_features: torch.Tensor) -> torch.Tensor:
@@ -87,10 +99,14 @@ class Eagle3Module(nn.Module):
         self.input_norm, self.post_norm = weights.norm(layer.norms[0]), weights.norm(layer.norms[1])
         self.hidden_norm, self.norm = weights.norm(module.norms[0]), weights.norm(module.norms[1])
         self.attention = GqaAttention(layer.attention, weights, layer.prefix)
-        self.mlp = DenseMlp(layer.mlp.linears, weights)
+        self.mlp = DenseMlp(layer.mlp.linears, weights, activation=layer.mlp.activation)
         self.rotary = Rotary(layer.attention.rotary)
         self.head = weights.linear(module.linears["lm_head"]) if "lm_head" in module.linears else target.lm_head
         self.embed = target.embed
+        self.embedding_scale = target.spec.embedding_scale
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return scale_embedding(F.embedding(tokens, self.embed), self.embedding_scale)
 
     def stream_shapes(self) -> tuple[tuple[int, int], ...]:
         return self.attention.stream_shapes()
@@ -101,7 +117,7 @@ class Eagle3Module(nn.Module):
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 cache=None) -> torch.Tensor:
-        x = torch.cat([self.input_norm(F.embedding(next_tokens, self.embed)), self.hidden_norm(hidden)], -1)
+        x = torch.cat([self.input_norm(self.embed_tokens(next_tokens)), self.hidden_norm(hidden)], -1)
         h = hidden + self.attention(x, self.rotary(positions), positions, cache, 0)
         return h + self.mlp(self.post_norm(h))
 

@@ -64,6 +64,23 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (_exp_neg(x) + 1)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (Gemma's GeGLU gate, transformers' gelu_pytorch_tanh), as
+    x * sigmoid(2u) = x / (1 + e^-2u), u = sqrt(2/pi) (x + 0.044715 x^3), which is 0.5 x (1 + tanh u): thread-count
+    independent on the CPU (see `sigmoid`); within fp32 rounding of F.gelu(x, approximate="tanh")."""
+    if x.device.type != "cpu":
+        return F.gelu(x, approximate="tanh")
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return gelu_tanh(x.float()).to(x.dtype)
+    u = (2 * _SQRT_2_OVER_PI) * (x + 0.044715 * x * x * x)
+    return x / (_exp_neg(u) + 1)
+
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+GATE_ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
+"""MlpSpec.activation -> the function (runtime.spec.ACTIVATIONS)."""
+
+
 def _exp_neg(x: torch.Tensor) -> torch.Tensor:
     """e^-x with the exponent capped at 88 (e^88 = 1.7e38, under fp32's maximum): e^-x stays finite, so its
     gradient is never 0 * inf = NaN for x < -88.7. Below -88 sigmoid is then under 1e-38 and silu is x e^-88
@@ -72,15 +89,22 @@ def _exp_neg(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float):
+    """x / rms(x) times the weight; with an `offset` (Gemma: 1.0) times (offset + weight), in fp32 and then cast,
+    as transformers' Gemma3RMSNorm. The stored weight stays what the checkpoint holds: a pass that tunes or folds
+    into it works on that."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(weight.float(), requires_grad=False)
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalized in fp32, scaled in the weight's dtype (the model's compute dtype), as transformers' LlamaRMSNorm
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (self.offset + self.weight.float())).to(x.dtype)
+        # scaled in the weight's dtype (the model's compute dtype), as transformers' LlamaRMSNorm
         return self.weight * h.to(self.weight.dtype)
 
 
@@ -291,7 +315,7 @@ class Weights:
     def norm(self, name: str) -> RMSNorm:
         size = self.norm_sizes.get(name)
         return RMSNorm(self.tensor(name, None if size is None else (size,), "a norm weight"),
-                       self.spec.rms_norm_eps)
+                       self.spec.rms_norm_eps, self.spec.norm_offset)
 
 
 class Rotary(nn.Module):
@@ -554,8 +578,12 @@ def _attend(q, k, v, mask, scale):
 
 
 class DenseMlp(nn.Module):
-    def __init__(self, linears: Mapping[str, LinearSpec], weights: Weights, prefix: str = ""):
+    """A gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh GELU (GeGLU)."""
+
+    def __init__(self, linears: Mapping[str, LinearSpec], weights: Weights, prefix: str = "",
+                 activation: str = "silu"):
         super().__init__()
+        self.act = GATE_ACTIVATIONS[activation]
         down = linears[f"{prefix}down"]
         fused = linears.get(f"{prefix}gate_up")
         if fused is not None:  # passes/fuse.py: one GEMM, its output split into gate and up
@@ -572,7 +600,7 @@ class DenseMlp(nn.Module):
             gate, up = self.gate_up_proj(x).split(self.gate_up_split, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class MoeMlp(nn.Module):
@@ -580,8 +608,9 @@ class MoeMlp(nn.Module):
         super().__init__()
         self.spec = spec
         self.router = weights.linear(spec.linears["router"])
-        self.experts = nn.ModuleList(DenseMlp(e, weights) for e in spec.experts)
-        self.shared = DenseMlp(spec.linears, weights, "shared_") if "shared_down" in spec.linears else None
+        self.experts = nn.ModuleList(DenseMlp(e, weights, activation=spec.activation) for e in spec.experts)
+        self.shared = (DenseMlp(spec.linears, weights, "shared_", spec.activation) if "shared_down" in spec.linears
+                       else None)
         self.shared_gate = weights.linear(spec.linears["shared_gate_router"]) if spec.shared_expert_gate else None
         bias = spec.score_correction_bias
         self.register_buffer("score_bias", weights.tensor(bias, (len(spec.experts),), "a router bias")
@@ -628,22 +657,34 @@ class MoeMlp(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, attention: nn.Module, mlp: nn.Module, input_norm: RMSNorm, post_norm: RMSNorm):
+    """Pre-norm residual block; with output norms (Gemma's sandwich), each sublayer's output is normed before
+    its residual add."""
+
+    def __init__(self, attention: nn.Module, mlp: nn.Module, input_norm: RMSNorm, post_norm: RMSNorm,
+                 output_norms: tuple[RMSNorm, RMSNorm] | None = None):
         super().__init__()
         self.attention, self.mlp = attention, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
+        self.attention_out_norm, self.mlp_out_norm = output_norms if output_norms is not None else (None, None)
 
     def forward(self, x, rope, positions, cache, layer):
-        x = x + self.attention(self.input_norm(x), rope, positions, cache, layer)
-        return x + self.mlp(self.post_norm(x))
+        if self.attention_out_norm is None:
+            x = x + self.attention(self.input_norm(x), rope, positions, cache, layer)
+            return x + self.mlp(self.post_norm(x))
+        x = x + self.attention_out_norm(self.attention(self.input_norm(x), rope, positions, cache, layer))
+        return x + self.mlp_out_norm(self.mlp(self.post_norm(x)))
 
 
 def build_block(layer: LayerSpec, weights: Weights) -> Block:
     """One decoder layer as its spec says (a model may mix GQA and MLA layers, dense and MoE MLPs)."""
     a = layer.attention
     attention = MlaAttention(a, weights, layer.prefix) if a.kind == "mla" else GqaAttention(a, weights, layer.prefix)
-    mlp = DenseMlp(layer.mlp.linears, weights) if layer.mlp.kind == "dense" else MoeMlp(layer.mlp, weights)
-    return Block(attention, mlp, weights.norm(layer.norms[0]), weights.norm(layer.norms[1]))
+    if layer.mlp.kind == "dense":
+        mlp = DenseMlp(layer.mlp.linears, weights, activation=layer.mlp.activation)
+    else:
+        mlp = MoeMlp(layer.mlp, weights)
+    output_norms = tuple(weights.norm(name) for name in layer.output_norms) or None
+    return Block(attention, mlp, weights.norm(layer.norms[0]), weights.norm(layer.norms[1]), output_norms)
 
 
 def place(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -663,6 +704,12 @@ def place(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Mod
                     replaced[id(param)] = nn.Parameter(moved[key], requires_grad=False)
             setattr(owner, name, replaced[id(param)])
     return module.to(device)  # the buffers
+
+
+def scale_embedding(rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Embedding rows times `scale` (ModelSpec.embedding_scale) as an fp32 scalar cast to the rows' dtype, as
+    transformers' Gemma3TextScaledWordEmbedding."""
+    return rows if scale == 1.0 else rows * torch.tensor(scale, dtype=torch.float32).to(rows.dtype)
 
 
 class Transformer(nn.Module):
@@ -695,7 +742,7 @@ class Transformer(nn.Module):
         """tokens, positions: [B, T] -> the last layer's output before the final norm [B, T, C] (what an MTP
         layer or a draft head reads: transformers' hidden_states[-1] is after the norm). With `collect`, also
         the outputs of those layers concatenated ([B, T, len(collect) * C], an EAGLE-3 head's input)."""
-        x = F.embedding(tokens, self.embed)
+        x = self.embed_tokens(tokens)
         ropes = self.rotary(positions)
         kept = {}
         for i, block in enumerate(self.blocks):
@@ -703,6 +750,11 @@ class Transformer(nn.Module):
             if i in collect:
                 kept[i] = x
         return (x, torch.cat([kept[i] for i in collect], dim=-1)) if collect else x
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> the first layer's input [B, T, C]: the embedding rows (times the spec's
+        embedding_scale, in the embedding's dtype, as transformers' Gemma3TextScaledWordEmbedding)."""
+        return scale_embedding(F.embedding(tokens, self.embed), self.spec.embedding_scale)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
         # tokens, positions: [B, T] -> the final norm's output [B, T, C]

@@ -86,11 +86,15 @@ class MlpSpec:
     topk_group: int = 1
     score_correction_bias: str | None = None  # DeepSeek-V3 e_score_correction_bias tensor
     num_shared_experts: int = 0
+    activation: str = "silu"  # of the gate: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU, tanh-approximated GELU)
 
     @property
     def num_experts(self) -> int:
         return len(self.experts)
 
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+"""The gate activations of a gated MLP the runtime runs (MlpSpec.activation)."""
 
 KERNEL_FUSIONS = ("rmsnorm_quant", "swiglu_quant", "rope_kv_write")
 
@@ -118,6 +122,9 @@ class LayerSpec:
     mlp: MlpSpec
     norms: tuple[str, ...]  # tensor names of the layer's norm weights: input, post-attention, then q/k/latent
     fusions: tuple[KernelFusion, ...] = ()  # kernel-level fusions a GPU runtime applies (passes/fuse.py)
+    # Gemma's "sandwich" norms: on the attention's and the MLP's outputs, before each residual add (then norms[1]
+    # is the pre-feedforward norm, the MLP's input norm as in every other family)
+    output_norms: tuple[str, ...] = ()
 
     def linears(self) -> list[LinearSpec]:
         out = [*self.attention.linears.values(), *self.mlp.linears.values()]
@@ -160,6 +167,10 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra_modules: tuple[ExtraModuleSpec, ...] = ()
+    # Gemma: every RMSNorm scales by (norm_offset + w) with the stored w, and the embedding rows are multiplied
+    # by embedding_scale (sqrt(hidden_size)) in the model's dtype before the first layer
+    norm_offset: float = 0.0
+    embedding_scale: float = 1.0
 
     def lm_head_tied(self, tensor_names) -> bool:
         """The lm_head reads the embedding: the config ties them and no separate lm_head weight is stored
@@ -186,7 +197,7 @@ class ModelSpec:
             a = layer.attention
             per_name = {"q_norm": a.head_dim, "k_norm": a.head_dim, "kv_a_layernorm": a.kv_lora_rank,
                         "q_a_layernorm": a.q_lora_rank}
-            for name in layer.norms:
+            for name in (*layer.norms, *layer.output_norms):
                 sizes[name] = per_name.get(name.split(".")[-2], self.hidden_size)
         return sizes
 
@@ -198,7 +209,7 @@ class ModelSpec:
             if lin.bias:
                 names.add(f"{lin.name}.bias")
         for layer in (*self.layers, *(m.layer for m in self.extra_modules if m.layer is not None)):
-            names.update(layer.norms)
+            names.update((*layer.norms, *layer.output_norms))
             if layer.mlp.score_correction_bias:
                 names.add(layer.mlp.score_correction_bias)
         for module in self.extra_modules:
@@ -232,7 +243,7 @@ def _layer_from_json(d: dict) -> LayerSpec:
     mlp = MlpSpec(**{**m, "linears": _linears_from_json(m["linears"]),
                      "experts": tuple(_linears_from_json(e) for e in m["experts"])})
     return LayerSpec(d["index"], d["prefix"], attention, mlp, tuple(d["norms"]),
-                     tuple(_fusion_from_json(f) for f in d.get("fusions", ())))
+                     tuple(_fusion_from_json(f) for f in d.get("fusions", ())), tuple(d.get("output_norms", ())))
 
 
 def spec_from_json(data: dict) -> ModelSpec:
@@ -265,7 +276,7 @@ POSITIVE_INTS = frozenset({
 })
 """Integer fields that must be >= 1 (when not null); every other integer field must be >= 0."""
 POSITIVE_FLOATS = frozenset({"rms_norm_eps", "softmax_scale", "attention_scaling", "routed_scaling_factor",
-                             "inv_freq"})
+                             "inv_freq", "embedding_scale"})
 """Float fields that must be finite and > 0; every other float field must be finite."""
 CHOICES: dict[tuple[type, str], tuple[str, ...]] = {}  # filled below, once the classes exist
 OPTIONAL_STRINGS = frozenset({"routing"})
@@ -376,6 +387,7 @@ CHOICES.update({
     (AttentionSpec, "kind"): ("mha", "gqa", "mla"),
     (MlpSpec, "kind"): ("dense", "moe"),
     (MlpSpec, "routing"): ("", "softmax_topk", "sigmoid_group_topk"),
+    (MlpSpec, "activation"): ACTIVATIONS,
     (ExtraModuleSpec, "kind"): ("mtp", "draft_head", "eagle3"),
 })  # a KernelFusion's kind: `_fusion_from_json` names the known ones
 
@@ -535,6 +547,9 @@ def _check_mlp(m: MlpSpec, path: str, hidden: int) -> None:
 def _check_layer(layer: LayerSpec, path: str, hidden: int, width: int) -> None:
     if len(layer.norms) < 2:
         raise _inconsistent(f"{path}.norms", f"needs the input and post-attention norms, got {len(layer.norms)}")
+    if len(layer.output_norms) not in (0, 2):
+        raise _inconsistent(f"{path}.output_norms", "needs none or two (the attention's and the MLP's output), "
+                            f"got {len(layer.output_norms)}")
     _check_attention(layer.attention, f"{path}.attention", hidden, width)
     _check_mlp(layer.mlp, f"{path}.mlp", hidden)
     names = {lin.name for lin in layer.linears()} | set(layer.norms)

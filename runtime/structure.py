@@ -165,7 +165,7 @@ def _layer_norms(layer: LayerSpec, hidden: int) -> dict[str, tuple[int]]:
     listed ones, and the attention norms the runtime names by the layer's prefix (Qwen3's q/k norms, MLA's)."""
     a = layer.attention
     sizes = {"head_dim": a.head_dim, "kv_lora_rank": a.kv_lora_rank, "q_lora_rank": a.q_lora_rank}
-    names = list(layer.norms)
+    names = [*layer.norms, *layer.output_norms]
     p = f"{layer.prefix}.self_attn"
     if a.kind == "mla":
         names.append(f"{p}.kv_a_layernorm.weight")

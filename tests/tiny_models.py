@@ -22,6 +22,10 @@ TINY_CONFIGS: dict[str, dict] = {
                         first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                         n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
                         qk_nope_head_dim=16, v_head_dim=16),
+    # one KV head, as Gemma 3 270M; a window of 8 so that 12-token tests reach past it; a score scalar that is
+    # not the head dim
+    "gemma3_text": dict(COMMON, num_key_value_heads=1, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                        layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -38,5 +42,10 @@ def make_tiny_checkpoint(model_type: str, path: Path, seed: int = 0, overrides: 
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn_like(buf) * 0.1)
+    if model_type == "gemma3_text":
+        # Gemma initialises its (1 + w) norm weights to 0: random ones so the offset is exercised
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.data.copy_(torch.randn_like(param) * 0.2)
     model.save_pretrained(path)
     return path

@@ -25,6 +25,7 @@ EXPECTED = {
     "qwen2_moe": (2, ["gqa"] * 2, 4, 2, 16, ["moe"] * 2, 4, 2),
     "qwen3_moe": (2, ["gqa"] * 2, 4, 2, 16, ["moe"] * 2, 4, 2),
     "deepseek_v3": (3, ["mla"] * 3, 4, 4, 24, ["dense", "moe", "moe"], 4, 2),
+    "gemma3_text": (2, ["gqa"] * 2, 4, 1, 32, ["dense"] * 2, 0, 0),
 }
 
 

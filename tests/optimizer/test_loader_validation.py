@@ -200,7 +200,7 @@ def test_bad_shard_index(tiny_checkpoints, tmp_path, edit, message):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                                        "deepseek_v3"])
+                                        "deepseek_v3", "gemma3_text"])
 def test_intact_checkpoints_report_no_unused_tensors(tiny_checkpoints, model_type):
     messages = []
     graph = load_checkpoint(tiny_checkpoints[model_type], log=messages.append)

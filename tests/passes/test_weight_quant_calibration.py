@@ -261,7 +261,7 @@ def test_distillation_micro_batches_add_up_to_the_batch(tiny_checkpoints, monkey
         assert torch.allclose(micro_grads[n], whole_grads[n], rtol=1e-3, atol=1e-9)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["qwen2", "mixtral", "qwen3_moe", "deepseek_v3", "gemma3_text"])
 def test_calibrated_pass_runs_on_every_architecture(tiny_checkpoints, model_type):
     """MoE experts the router never picks get data-free scales (and their stage's input range when static);
     AWQ skips what it cannot fold (MoE, MLA) and says so; the runtime runs the result."""
@@ -276,6 +276,31 @@ def test_calibrated_pass_runs_on_every_architecture(tiny_checkpoints, model_type
     if model_type in ("mixtral", "qwen3_moe", "deepseek_v3"):
         assert any("AWQ folding supports" in n for n in record.result.notes)
     engine_from_graph(graph).logits(tokens)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_awq_folds_keep_the_function(tiny_checkpoints, model_type):
+    """Folding per-channel scales into every AWQ group (norm -> q/k/v and gate/up, v -> o, up -> down) leaves
+    the model's logits as they were: Gemma's norms scale by (1 + w), so the fold divides (1 + w), not w."""
+    from kiln.passes.weight_quant import _awq_groups, _fold_input_scale
+
+    graph = load_checkpoint(tiny_checkpoints[model_type])
+    tokens = token_lists(graph.spec.vocab_size, count=2)
+    before = engine_from_graph(graph).logits(tokens)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(len(graph.spec.layers)):
+        groups, why = _awq_groups(graph, layer)
+        assert not why and any(g.producer_is_norm for g in groups)
+        for group in groups:
+            width = graph.linears[group.consumers[0]].in_features
+            scale = torch.rand(width, generator=gen) + 0.5
+            if group.tie is not None:  # o_proj: the query heads reading one KV head share its channels' scale
+                scale = (torch.rand(int(group.tie.max()) + 1, generator=gen) + 0.5)[group.tie]
+            _fold_input_scale(graph, group, scale)
+    after = engine_from_graph(graph).logits(tokens)
+    assert not torch.equal(graph.tensors["model.layers.0.input_layernorm.weight"],
+                           load_checkpoint(tiny_checkpoints[model_type]).tensors["model.layers.0.input_layernorm.weight"])
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])

@@ -31,7 +31,7 @@ def test_logits_match_transformers(tiny_checkpoints, model_type):
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mixtral", "deepseek_v3", "gemma3_text"])
 def test_cached_decode_equals_full_forward(tiny_checkpoints, model_type):
     engine = _engine(tiny_checkpoints[model_type])
     tokens = torch.randint(0, 160, (2, 12), generator=torch.Generator().manual_seed(2))

@@ -42,7 +42,7 @@ def test_allocator_free_list_and_refusal():
         alloc.release([1, 1])
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "deepseek_v3", "gemma3_text"])
 def test_paged_equals_contiguous_when_unquantized(tiny_checkpoints, model_type):
     engine = _engine(tiny_checkpoints[model_type])
     lengths = torch.tensor([3, 9, 6])
