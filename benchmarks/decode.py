@@ -1,7 +1,8 @@
 """CPU decode step: Kiln's runtime against the memory-bandwidth floor and transformers `generate`.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode.py [--models llama125m,smollm2] [--batches 1,8,32]
-        [--prompt-tokens 16] [--new-tokens 32] [--repeats 3] [--smollm2-artifact DIR] [--compile]
+        [--prompt-tokens 16] [--new-tokens 32] [--repeats 3] [--smollm2-artifact DIR] [--gemma3-artifact DIR]
+        [--compile]
         [--vllm-python ~/vllm-venv/bin/python] [--json]
 
 Models:
@@ -9,6 +10,8 @@ Models:
   heads, MLP 2048, SmolLM2's tokenizer and vocabulary of 49,152, tied head), built here, lowered with the
   recipe `none` (no passes: the runtime's fp32 reference is what is measured; the weights' format changes
   nothing on the CPU path, which dequantizes at load);
+- gemma3: Gemma 3 270M (../shared/models/gemma-3-270m converted to ~/.cache/kiln/gemma-3-270m), as an
+  fp8-weights artifact (--gemma3-artifact, or built as smollm2's), against transformers on the fp32 checkpoint;
 - smollm2: SmolLM2-135M-Instruct (../shared/models, converted to ~/.cache/kiln/SmolLM2-135M-Instruct), as an
   fp8-weights artifact (--smollm2-artifact; built with `optimize build ... --recipe fp8-weights --no-gate`
   when not given), against transformers on the fp32 checkpoint.
@@ -46,6 +49,7 @@ import torch
 
 SMOL_SOURCE = ROOT.parent / "shared" / "models" / "SmolLM2-135M-Instruct"
 SMOL_HF = Path.home() / ".cache" / "kiln" / "SmolLM2-135M-Instruct"
+GEMMA_HF = Path.home() / ".cache" / "kiln" / "gemma-3-270m"
 
 
 def log(message: str) -> None:
@@ -162,6 +166,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smollm2-artifact", type=Path)
+    ap.add_argument("--gemma3-artifact", type=Path)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kiln-decode-bench")
     ap.add_argument("--compile", action="store_true", help="also time the compiled decode step")
     ap.add_argument("--vllm-python", type=Path,
@@ -178,7 +183,7 @@ def main() -> None:
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 GEMM {flops / 1e9:.1f} GFLOP/s (one thread)")
     rows = []
     for name in args.models.split(","):
-        if not (SMOL_HF / "config.json").is_file():  # both models use SmolLM2's tokenizer
+        if name != "gemma3" and not (SMOL_HF / "config.json").is_file():  # both use SmolLM2's tokenizer
             if not SMOL_SOURCE.is_dir():
                 raise SystemExit("../shared/models/SmolLM2-135M-Instruct is absent")
             subprocess.run([sys.executable, str(SMOL_SOURCE / "to_hf.py"), str(SMOL_HF)], check=True)
@@ -188,8 +193,13 @@ def main() -> None:
         elif name == "smollm2":
             checkpoint = SMOL_HF
             artifact = args.smollm2_artifact or build(checkpoint, "fp8-weights", args.work / "smollm2-fp8w")
+        elif name == "gemma3":
+            checkpoint = GEMMA_HF
+            if not (checkpoint / "config.json").is_file():
+                raise SystemExit(f"{checkpoint} is absent: convert ../shared/models/gemma-3-270m with its to_hf.py")
+            artifact = args.gemma3_artifact or build(checkpoint, "fp8-weights", args.work / "gemma3-fp8w")
         else:
-            raise SystemExit(f"unknown model {name!r}: llama125m or smollm2")
+            raise SystemExit(f"unknown model {name!r}: llama125m, smollm2 or gemma3")
         engine = runtime.load(artifact)
         compiled = None
         if args.compile:

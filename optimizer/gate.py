@@ -5,10 +5,11 @@ The candidate graph is lowered to the artifact's tensors, round-tripped through 
 (calibration.data): perplexity, mean per-token KL(baseline || candidate), top-1 agreement.
 Recovery = ppl_baseline / ppl_candidate.
 
-Sizes: full-vocabulary logits never exist for more than HEAD_CHUNK positions at once. The baseline keeps its
-final hidden states ([tokens, hidden] fp32, exact: its logits are one lm_head away) and its lm_head; a
+Sizes: full-vocabulary logits never exist for more than head_rows(V) positions at once (32 MiB of them). The
+baseline keeps its final hidden states ([tokens, hidden] fp32, exact: its logits are one lm_head away) and its
+lm_head (without a oneDNN copy: at Gemma 3's 262K vocabulary that copy is 671 MB for a whole build); a
 candidate's hidden states are computed a batch at a time, and both heads are applied side by side to the same
-HEAD_CHUNK positions, where NLL, KL and top-1 are reduced. Per scored token the baseline costs hidden x 4 bytes
+positions, where NLL, KL and top-1 are reduced. Per scored token the baseline costs hidden x 4 bytes
 (16 KiB at hidden 4096) instead of vocabulary x 4 (512 KiB at 128K): the figures are the same, up to the order
 of float summation.
 """
@@ -32,6 +33,7 @@ from kiln.optimizer.lower import kv_cache_table, lower_tensors, roundtrip
 from kiln.passes.base import GateResult, MetricResult, Pass, PassMetric
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.engine import Engine
+from kiln.runtime.model import QuantLinear
 
 MAX_FLOOR = 1.5
 
@@ -89,17 +91,25 @@ def artifact_floors(manifest: dict) -> tuple[float, float]:
 
 
 def engine_from_graph(graph: ModelGraph, tokenizer=None, device: torch.device | str = "cpu",
-                      dtype: torch.dtype | None = None) -> Engine:
-    """The graph as the runtime runs it once lowered (`device`, `dtype`: see runtime.Engine)."""
+                      dtype: torch.dtype | None = None, onednn_head: bool = True) -> Engine:
+    """The graph as the runtime runs it once lowered (`device`, `dtype`, `onednn_head`: see runtime.Engine)."""
     tensors, formats = lower_tensors(graph)
     return Engine(graph.spec, roundtrip(tensors), formats, tokenizer, kv_cache=kv_cache_table(graph),
-                  device=device, dtype=dtype)
+                  device=device, dtype=dtype, onednn_head=onednn_head)
 
 
 HEAD_CHUNK = 128
 """Most positions whose full-vocabulary logits (and log-softmax) exist at once: [HEAD_CHUNK, V] fp32 is 24 MiB
 at SmolLM2's 49K vocabulary (under glibc's 32 MiB, so reused from the heap: see calibration.data.
-FORWARD_BATCH_TOKENS) and 64 MiB at 128K, whatever the amount of text scored."""
+FORWARD_BATCH_TOKENS), whatever the amount of text scored. Larger vocabularies take fewer (`head_rows`)."""
+HEAD_CHUNK_BYTES = 32 << 20
+"""Bytes of one chunk's fp32 log-probs: [32, 262144] at Gemma 3's vocabulary, 64 rows at 128K."""
+
+
+def head_rows(vocab_size: int) -> int:
+    """Positions per head chunk: HEAD_CHUNK, fewer where [rows, vocab_size] fp32 would pass HEAD_CHUNK_BYTES
+    (at least 8, so a huge vocabulary still multiplies a few rows at a time)."""
+    return min(HEAD_CHUNK, max(8, HEAD_CHUNK_BYTES // (4 * vocab_size)))
 BATCH_TOKENS = FORWARD_BATCH_TOKENS
 """Tokens (padding included) per forward batch; the batch's hidden states are [BATCH_TOKENS, hidden]."""
 
@@ -178,17 +188,18 @@ def next_token_states(engine: Engine, token_lists: Sequence[Sequence[int]],
 
 
 @torch.inference_mode()
-def head_log_probs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor):
-    """Yield (rows, log-probs [<= HEAD_CHUNK, V]) of `head` applied to `hidden` [N, C], chunk by chunk."""
-    for start in range(0, hidden.shape[0], HEAD_CHUNK):
-        rows = slice(start, start + HEAD_CHUNK)
+def head_log_probs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, vocab_size: int):
+    """Yield (rows, log-probs [<= head_rows(V), V]) of `head` applied to `hidden` [N, C], chunk by chunk."""
+    step = head_rows(vocab_size)
+    for start in range(0, hidden.shape[0], step):
+        rows = slice(start, start + step)
         yield rows, torch.log_softmax(head(hidden[rows]).float(), dim=-1)
 
 
 def score(engine: Engine, token_lists: Sequence[Sequence[int]], progress=None) -> Score:
     nll, count = 0.0, 0
     for _, hidden, targets in next_token_states(engine, token_lists, progress):
-        for rows, lp in head_log_probs(engine.head_logits, hidden):
+        for rows, lp in head_log_probs(engine.head_logits, hidden, engine.spec.vocab_size):
             nll -= float(lp.gather(1, targets[rows, None]).sum())
         count += len(targets)
     return Score(nll, count)
@@ -240,6 +251,9 @@ class AccuracyGate:
         self.resamples, self.seed = resamples, seed
         self.device, self.dtype = baseline.device, baseline.dtype  # each candidate runs where the baseline did
         self.baseline_head = baseline.model.lm_head
+        if isinstance(self.baseline_head, QuantLinear):
+            self.baseline_head.drop_onednn()  # kept for the build's whole length: its dense weight suffices
+        self.vocab_size = baseline.spec.vocab_size
         self.baseline_hidden: list[torch.Tensor | None] = [None] * len(self.token_lists)  # [n-1, C] per list
         self.scored = np.array([len(t) - 1 for t in self.token_lists])  # tokens scored per document
         self.baseline_nll = np.zeros(len(self.token_lists))  # per document, for the paired bootstrap
@@ -249,7 +263,7 @@ class AccuracyGate:
                 self.baseline_hidden[i] = hidden[start:start + len(self.token_lists[i]) - 1]
                 start += len(self.token_lists[i]) - 1
             nll = torch.cat([-lp.gather(1, targets[rows, None])[:, 0]
-                             for rows, lp in head_log_probs(self.baseline_head, hidden)])
+                             for rows, lp in head_log_probs(self.baseline_head, hidden, self.vocab_size)])
             self._add_per_document(self.baseline_nll, batch, nll)
         self.baseline = Score(float(self.baseline_nll.sum()), int(self.scored.sum()))
 
@@ -261,14 +275,19 @@ class AccuracyGate:
 
     def compare(self, candidate: Engine, floor: float, max_kl: float | None = None,
                 min_top1: float | None = None) -> GateResult:
+        """Score `candidate` against the baseline (its lm_head loses any oneDNN copy: both heads multiply from
+        their dense weights, so an unchanged model compares equal bit for bit)."""
         start = time.perf_counter()
+        if isinstance(candidate.model.lm_head, QuantLinear):
+            candidate.model.lm_head.drop_onednn()
         kl, agree = 0.0, 0
         nll = np.zeros(len(self.token_lists))
         for batch, hidden, targets in next_token_states(candidate, self.token_lists, self.progress):
             base_hidden = torch.cat([self.baseline_hidden[i] for i in batch])
             token_nll = []
-            for (rows, lp), (_, base) in zip(head_log_probs(candidate.head_logits, hidden),
-                                             head_log_probs(self.baseline_head, base_hidden), strict=True):
+            for (rows, lp), (_, base) in zip(head_log_probs(candidate.head_logits, hidden, self.vocab_size),
+                                             head_log_probs(self.baseline_head, base_hidden, self.vocab_size),
+                                             strict=True):
                 token_nll.append(-lp.gather(1, targets[rows, None])[:, 0])
                 kl += float(kl_terms(base, lp).sum())
                 agree += int((base.argmax(-1) == lp.argmax(-1)).sum())
@@ -284,7 +303,7 @@ class AccuracyGate:
     def __call__(self, graph: ModelGraph, floor: float, metrics: Sequence[PassMetric] = (),
                  before: ModelGraph | None = None) -> GateResult:
         start = time.perf_counter()
-        candidate = engine_from_graph(graph, device=self.device, dtype=self.dtype)
+        candidate = engine_from_graph(graph, device=self.device, dtype=self.dtype, onednn_head=False)
         result = self.compare(candidate, floor)
         measured = ()
         if metrics:

@@ -128,10 +128,20 @@ def kv_cache_table(graph: ModelGraph) -> dict[str, dict]:
 
 
 def roundtrip(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors as the runtime will read them back from model.safetensors (all of them in memory)."""
+    """The tensors as the runtime will read them back from model.safetensors. safetensors stores a contiguous
+    CPU tensor's bytes as they are, so such a tensor is its own read-back and is shared, not copied (a build
+    holds no second copy of a model for its gate); any other goes through safetensors, one tensor at a time."""
     from safetensors.torch import load
 
-    return load(save(dict(tensors)))
+    out = {}
+    for name in tensors:
+        t = tensors[name]
+        if t.device.type == "cpu" and t.is_contiguous() and t.dtype in SAFETENSORS_NAMES:
+            out[name] = t.detach()
+        else:
+            out[name] = load(save({name: t}))[name]
+    return out
+
 
 
 def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:

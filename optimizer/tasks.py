@@ -25,7 +25,7 @@ floor is an error, as is an unknown `kiln_*` key, a bound on the wrong side of t
 with no baseline to be relative to. Each task gives one `Check` named `task:<task>:<metric>`: its value is
 the candidate's metric, its floor the binding bound (the higher floor, or the lower ceiling, of those given).
 
-Numerics. Full-vocabulary logits exist for at most HEAD_CHUNK scored positions at once (gate.head_log_probs),
+Numerics. Full-vocabulary logits exist for at most gate.head_rows(V) scored positions at once (gate.head_log_probs),
 and only for the positions a request scores (continuation tokens), never for a context; forward batches hold
 at most BATCH_TOKENS tokens, padding included. Tokenization follows lm-eval's HFLM: a context's trailing
 whitespace moves to the continuation, the continuation's tokens are those of encode(context + continuation)
@@ -197,7 +197,7 @@ def score_continuations(engine: Engine, pairs: Sequence[tuple[Sequence[int], Seq
                         batch_tokens: int = BATCH_TOKENS) -> list[tuple[float, bool]]:
     """(log-probability of `continuation` after `context`, whether greedy decoding gives it) per pair, as lm-eval's
     `_loglikelihood_tokens`: context + continuation is cut from the left to `max_length` + 1 tokens, whose last
-    is only a target. Full-vocabulary log-probs exist only for continuation positions, HEAD_CHUNK at a time."""
+    is only a target. Full-vocabulary log-probs exist only for continuation positions, head_rows(V) at a time."""
     inputs, widths = [], []
     for context, continuation in pairs:
         if not context or not continuation:
@@ -214,7 +214,7 @@ def score_continuations(engine: Engine, pairs: Sequence[tuple[Sequence[int], Seq
             targets = torch.cat([torch.as_tensor(pairs[i][1], dtype=torch.long) for i in batch]).to(rows.device)
             logprob = torch.empty(len(targets), dtype=torch.float64)
             greedy = torch.empty(len(targets), dtype=torch.bool)
-            for chunk, lp in head_log_probs(engine.head_logits, rows):
+            for chunk, lp in head_log_probs(engine.head_logits, rows, engine.spec.vocab_size):
                 logprob[chunk] = lp.gather(1, targets[chunk, None]).squeeze(1).double()
                 greedy[chunk] = lp.argmax(-1) == targets[chunk]
             start = 0

@@ -99,6 +99,9 @@ def unconvertible(attention: AttentionSpec) -> str | None:
     if any(lin[role].bias for role in ("q", "k", "v")):
         return "q/k/v have biases (not in DeepSeek-V3's layout)"
     if attention.qk_norm:
+        if attention.num_kv_heads == 1:  # Gemma 3 270M/1B: what a latent would share across KV heads is absent
+            return ("per-head q/k norms act after the projection (not linear in x: W_uk cannot be absorbed), and "
+                    "with one KV head there are no heads for a latent to share")
         return "per-head q/k norms act after the projection (not linear in x)"
     if attention.sliding_window is not None:
         return "sliding-window attention"

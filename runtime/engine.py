@@ -25,7 +25,6 @@ from kiln.runtime.model import (
     attention_mask,
     onednn_fits,
     place,
-    prepack_onednn,
 )
 from kiln.runtime.paged_kv_cache import (
     DEFAULT_BLOCK_SIZE,
@@ -120,7 +119,7 @@ class Engine:
                  tokenizer=None, manifest: dict | None = None, kv_cache: Mapping | None = None,
                  kv_block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_blocks: int | None = None,
                  repetition_penalty: float = 1.0, packed: bool | None = None, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, onednn_head: bool = True):
         self.spec = spec
         self.device, self.dtype, self.packed = resolve_placement(device, dtype, packed)
         # one-token decode steps attend through the paged decode kernel, reading the KV pools as stored (on a
@@ -129,7 +128,7 @@ class Engine:
         # the default for generate_ids, as the artifact's generation_config.json sets it for every server
         self.repetition_penalty = check_repetition_penalty(repetition_penalty)
         self.model = Transformer(spec, tensors, formats, packed=self.packed).eval().place(self.device, self.dtype)
-        self.onednn_bytes = self._prepack_onednn()
+        self.onednn_bytes = self._prepack_onednn(onednn_head)
         self.tokenizer = tokenizer
         self.manifest = manifest or {}
         self.kv_table = dict(kv_cache if kv_cache is not None else self.manifest.get("kv_cache") or {})
@@ -150,15 +149,17 @@ class Engine:
         self._static_decode = False
         self._windows = tuple({None, *(layer.attention.sliding_window for layer in spec.layers)})
 
-    def _prepack_onednn(self) -> int:
+    def _prepack_onednn(self, head: bool = True) -> int:
         """On the CPU, give each fp32 linear a copy in oneDNN's blocked layout, which multiplies faster than MKL
         from the dense weight (QuantLinear.prepack_onednn), when the copies fit (runtime.model.onednn_fits);
-        the bytes added, 0 when not."""
+        the bytes added, 0 when not. `head` False leaves the lm_head out (the accuracy gate multiplies heads
+        from their dense weights: at a 262K vocabulary its copy alone is 671 MB)."""
         if self.device.type != "cpu":
             return 0
-        needed = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
-                     if isinstance(m, QuantLinear))
-        return prepack_onednn(self.model) if onednn_fits(needed) else 0
+        linears = [m for m in self.model.modules() if isinstance(m, QuantLinear)
+                   and (head or m is not self.model.lm_head)]
+        needed = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        return sum(m.prepack_onednn() for m in linears) if onednn_fits(needed) else 0
 
     def compile_decode(self, mode: str | None = None, warmup: bool = True, static_shapes: bool | None = None) -> None:
         """Run every decode step (each row one new token on the paged cache: the scheduler's decode forward)

@@ -130,6 +130,12 @@ class QuantLinear(nn.Module):
         _ONEDNN_LINEARS[self.onednn_handle] = self
         return w.numel() * w.element_size()
 
+    def drop_onednn(self) -> None:
+        """Free the oneDNN copy, if any: products go through the dense weight again (equal within fp32
+        rounding)."""
+        _ONEDNN_LINEARS.pop(self.onednn_handle, None)
+        self.onednn, self.onednn_handle = None, -1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_quantizer is not None:
             x = self.input_quantizer(x).to(self.weight.dtype)

@@ -39,6 +39,12 @@ def full_logits_reference(baseline: Engine, candidate: Engine, token_lists) -> d
     return {"perplexity": math.exp(nll / count), "kl": kl / count, "top1": agree / count, "tokens": count}
 
 
+def test_head_chunks_shrink_with_the_vocabulary():
+    """32 MiB of fp32 log-probs per chunk: 128 positions at SmolLM2's 49K vocabulary, 64 at 128K, 32 at Gemma 3's
+    262K; never fewer than 8 rows."""
+    assert [gate_module.head_rows(v) for v in (512, 49152, 128256, 262144, 10**7)] == [128, 128, 65, 32, 8]
+
+
 @needs_stories
 @pytest.mark.parametrize("chunk", [gate_module.HEAD_CHUNK, 37])
 def test_chunked_gate_equals_the_full_logits_reference(stories_graph, monkeypatch, chunk):

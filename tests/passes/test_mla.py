@@ -121,6 +121,10 @@ def test_layers_it_cannot_convert_are_skipped_with_the_reason(tiny_checkpoints):
         Pipeline([MlaConversion(kv_fraction=0.5)]).run(graph, _ctx(graph, _tokens(graph.spec.vocab_size)))
     deepseek = load_checkpoint(tiny_checkpoints["deepseek_v3"])
     assert unconvertible(deepseek.spec.layers[0].attention) == "already MLA"
+    # Gemma 3: q/k norms and one KV head; refused in one line naming both (global and local layers alike)
+    gemma = load_checkpoint(tiny_checkpoints["gemma3_text"])
+    with pytest.raises(KilnError, match="matched no layers.*q/k norms.*one KV head"):
+        Pipeline([MlaConversion(kv_fraction=0.5)]).run(gemma, _ctx(gemma, _tokens(gemma.spec.vocab_size)))
 
 
 def test_impossible_budgets_and_bad_configs_are_refused(tiny_checkpoints):
