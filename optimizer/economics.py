@@ -7,9 +7,12 @@ Decode is a roofline over plain figures (bytes and FLOPs, no tensors), so an art
 Face config with no weights go through the same arithmetic. One decode step of B sequences, each holding C tokens
 of KV cache, takes max(memory time, compute time):
 
-    memory  = (weight bytes read per step + B x C x KV bytes per token) / HBM bandwidth
+    memory  = (weight bytes read per step + B x KV bytes per sequence of C tokens) / HBM bandwidth
     compute = B x sum over GEMM precisions p of (2 x active params at p / dense peak FLOPs at p)
-              + B x C x attention FLOPs per cached token / dense BF16 peak
+              + B x sum over layers of attention FLOPs per cached token x min(C, its window) / dense BF16 peak
+
+KV bytes per sequence sum each layer's bytes per token times the tokens it keeps: the whole context, or its
+sliding window (Gemma 3: 5 of every 6 layers keep 512 or 1024), as vLLM and SGLang free the blocks leaving it.
 
 and yields B tokens (B x tau with speculation: the verification step reads and computes k + 1 tokens a sequence).
 
@@ -31,7 +34,8 @@ and yields B tokens (B x tau with speculation: the verification step reads and c
 
 The waterfall prices each pass on the same GPU at production concurrency (each step's own largest batch at the
 decode context), in pipeline order: the source as served (BF16 weights and GEMMs, a paged BF16 KV cache of the
-source's own GQA/MHA attention, no speculation) -> MLA (against that paged GQA cache) -> weights FP8 (against
+source's own GQA/MHA attention, no speculation; full attention on every layer) -> sliding windows (the source's
+own, against full attention: applied only to a model that has them) -> MLA (against that paged GQA cache) -> weights FP8 (against
 BF16) -> weights FP4 (and FP6: against FP8 on the same silicon) -> KV quantization (against a BF16 cache) -> speculation
 (against none, at the max batch, where verifying k + 1 tokens a sequence can make the step compute-bound). Each
 factor is the ratio of $/Mtok before and after its step; the factors multiply to the total. MLA comes first (the
@@ -89,7 +93,7 @@ ASSUMPTIONS = (
     "MoE: uniform, independent routing; T tokens of a step read 1 - (1 - top_k/E)^T of a layer's routed experts",
     "weights read per step: the decoder stack, LM head and norms, not the embedding table nor extra modules",
     ("GEMMs compute in their activations' precision (weight-only: BF16; FP4 W4A4 weight-only where there are no FP4 "
-     "tensor cores); attention in BF16 over the whole context (sliding windows not modelled)"),
+     "tensor cores); attention in BF16 over each layer's cached tokens (the context, or its sliding window)"),
     "prefill: FLOP-bound (the weights read once are not added; a short prompt on a large MoE can be memory-bound)",
     "speculation: the draft's own forward passes are not priced; tau = mean tokens a verification step yields",
 )
@@ -146,9 +150,25 @@ class ModelFigures:
     dense_read_bytes: int  # weights every step reads, whatever the batch (all but routed experts and the embedding)
     routed: tuple[RoutedExperts, ...]
     dense_params: Mapping[str, int]  # params every token runs (all but routed experts), by GEMM precision
-    kv_bytes_per_token: int
+    kv_layers: tuple[tuple[int, int | None], ...]  # per layer: (KV bytes per token, sliding window or None)
     attention_decode_flops: int  # per token, per cached token, all layers
     attention_prefill_flops: int  # c: a causal prefill of n tokens costs c x n(n + 1)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return sum(n for n, _ in self.kv_layers)
+
+    def kv_bytes(self, context: int) -> int:
+        """KV bytes one sequence of `context` tokens holds: a sliding-window layer keeps its window."""
+        return sum(n * min(context, w or context) for n, w in self.kv_layers)
+
+    def attended(self, context: int) -> float:
+        """Cached tokens a decode step attends, as a fraction of `context` weighted by the layers' attention
+        FLOPs (1 without sliding windows)."""
+        total = sum(f for f, _ in self.attention_layers)
+        return sum(f * min(context, w or context) for f, w in self.attention_layers) / (total * context)
+
+    attention_layers: tuple[tuple[int, int | None], ...] = ()  # per layer: (decode FLOPs per cached token, window)
 
     def active_params(self) -> dict[str, float]:
         """Params one token runs, by GEMM precision: the dense ones plus top_k of each layer's routed experts."""
@@ -165,21 +185,23 @@ class ModelFigures:
 
 def attention_flops(spec: ModelSpec) -> tuple[int, int]:
     """(decode FLOPs per token per cached token, prefill coefficient c of n(n + 1)), summed over the layers."""
-    decode = prefill = 0
-    for layer in spec.layers:
-        a = layer.attention
-        if a.kind == "mla":  # absorbed decode: scores over latent + rope, values over the latent
-            decode += 2 * a.num_heads * (2 * a.kv_lora_rank + a.qk_rope_head_dim)
-        else:
-            decode += 2 * a.num_heads * (a.head_dim + a.v_head_dim)
-        prefill += a.num_heads * (a.head_dim + a.v_head_dim)
-    return decode, prefill
+    return sum(layer_decode_flops(layer) for layer in spec.layers), sum(
+        layer.attention.num_heads * (layer.attention.head_dim + layer.attention.v_head_dim) for layer in spec.layers)
 
 
-def spec_figures(spec: ModelSpec, cost: Callable[[LinearSpec], LinearCost], kv_bytes: int,
-                 lm_head_tied: bool) -> ModelFigures:
-    """A spec's figures, each linear priced by `cost`; embedding and norms BF16. `lm_head_tied`: a dense LM head
-    reads the embedding, which is stored once."""
+def layer_decode_flops(layer) -> int:
+    """A layer's decode attention FLOPs per token per cached token."""
+    a = layer.attention
+    if a.kind == "mla":  # absorbed decode: scores over latent + rope, values over the latent
+        return 2 * a.num_heads * (2 * a.kv_lora_rank + a.qk_rope_head_dim)
+    return 2 * a.num_heads * (a.head_dim + a.v_head_dim)
+
+
+def spec_figures(spec: ModelSpec, cost: Callable[[LinearSpec], LinearCost], kv_bytes: Mapping[int, int],
+                 lm_head_tied: bool, windows: bool = True) -> ModelFigures:
+    """A spec's figures, each linear priced by `cost`, its KV cache by `kv_bytes` (per layer, bytes per token);
+    embedding and norms BF16. `lm_head_tied`: a dense LM head reads the embedding, which is stored once.
+    `windows` False: every layer attends (and caches) the whole context, the sliding-window step's baseline."""
     norms = 2 * sum(spec.norms().values())
     resident = 2 * spec.vocab_size * spec.hidden_size + norms
     read = norms
@@ -206,7 +228,10 @@ def spec_figures(spec: ModelSpec, cost: Callable[[LinearSpec], LinearCost], kv_b
         resident += head.bytes
     resident += sum(cost(lin).bytes for lin in spec.extra_linears())
     decode, prefill = attention_flops(spec)
-    return ModelFigures(resident, read, tuple(routed), dict(dense), kv_bytes, decode, prefill)
+    window = {layer.index: layer.attention.sliding_window if windows else None for layer in spec.layers}
+    kv_layers = tuple((kv_bytes[layer.index], window[layer.index]) for layer in spec.layers)
+    attention = tuple((layer_decode_flops(layer), window[layer.index]) for layer in spec.layers)
+    return ModelFigures(resident, read, tuple(routed), dict(dense), kv_layers, decode, prefill, attention)
 
 
 # --- the roofline -------------------------------------------------------------------------------------------------
@@ -256,14 +281,14 @@ def decode_step(m: ModelFigures, device: Device, batch: int, context: int,
     """One decode step of `batch` sequences of `context` cached tokens (a verification step with speculation)."""
     per_sequence = 1 + (speculation.draft_tokens if speculation else 0)
     tokens = batch * per_sequence
-    memory = (m.read_bytes(tokens) + batch * context * m.kv_bytes_per_token) / device.hbm_bytes_per_second
+    memory = (m.read_bytes(tokens) + batch * m.kv_bytes(context)) / device.hbm_bytes_per_second
     per_token = sum(2 * n / peak_flops(device, p) for p, n in m.active_params().items())
-    per_token += context * m.attention_decode_flops / device.dense_bf16_flops
+    per_token += context * m.attended(context) * m.attention_decode_flops / device.dense_bf16_flops
     return DecodeStep(memory, tokens * per_token, batch * (speculation.tau if speculation else 1))
 
 
 def max_batch(m: ModelFigures, device: Device, context: int) -> int:
-    return max_concurrent_sequences(device, m.resident_bytes, m.kv_bytes_per_token, context)
+    return max_concurrent_sequences(device, m.resident_bytes, m.kv_bytes_per_token, context, m.kv_bytes(context))
 
 
 def prefill_seconds(m: ModelFigures, device: Device, tokens: int = PREFILL_TOKENS) -> float:
@@ -380,22 +405,32 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
              notes: Sequence[str] = ()) -> Scenario:
     """The waterfall of a model: `spec` and its per-linear `formats` and KV table, from `source_spec`."""
     bf16 = _cost({}, False)
-    kv_source = sum(kv_bytes_per_token(source_spec, None).values())
-    kv_bf16 = sum(kv_bytes_per_token(spec, None).values())
-    kv_served = sum(kv_bytes_per_token(spec, kv_table).values())
+    kv_source = kv_bytes_per_token(source_spec, None)
+    kv_bf16 = kv_bytes_per_token(spec, None)
+    kv_served = kv_bytes_per_token(spec, kv_table)
+    windowed = any(layer.attention.sliding_window for layer in source_spec.layers)
+    window_sizes = sorted({layer.attention.sliding_window for layer in source_spec.layers} - {None})
+    local = sum(1 for layer in source_spec.layers if layer.attention.sliding_window)
     quantized = {k: e for k, e in formats.items() if e["format"] != WeightFormat.DENSE}
     fp4 = {k: e for k, e in quantized.items() if e["format"] in BELOW_FP8_FORMATS}
     restructured = [a.attention.kind for a in source_spec.layers] != [b.attention.kind for b in spec.layers]
     served = _cost(formats, False)
     kinds = sorted({layer.attention.kind.upper() for layer in source_spec.layers})
     steps = [
-        Step("source", "source as served", "",
-             spec_figures(source_spec, bf16, kv_source, lm_head_tied),
+        Step("source", "source as served" + (", full attention" if windowed else ""), "",
+             spec_figures(source_spec, bf16, kv_source, lm_head_tied, windows=False),
              note=(f"BF16 weights and GEMMs, paged BF16 KV cache of its own {'/'.join(kinds)} attention, "
-                   "no speculation")),
+                   "no speculation" + ("; every layer attends and caches the whole context (the sliding-window "
+                                       "step's baseline)" if windowed else ""))),
+        Step("window", "sliding-window attention", "full attention on every layer",
+             spec_figures(source_spec, bf16, kv_source, lm_head_tied) if windowed else None,
+             note=(f"{local} of {len(source_spec.layers)} layers keep only their last "
+                   f"{'/'.join(map(str, window_sizes))} tokens (the serving engine frees the blocks leaving the "
+                   "window, as vLLM does)" if windowed else "not applied: every layer attends the whole context")),
         Step("mla", "MLA (KV structure)", "the paged GQA source (BF16)",
              spec_figures(spec, bf16, kv_bf16, lm_head_tied) if restructured else None,
-             note=(f"KV bytes/token {kv_source} -> {kv_bf16} (BF16); per layer in the MLA table" if restructured else
+             note=(f"KV bytes/token {sum(kv_source.values())} -> {sum(kv_bf16.values())} (BF16); per layer in the MLA "
+                   "table" if restructured else
                    "not applied: no MLA conversion" + (" (the source's own attention is MLA)"
                                                        if "MLA" in kinds else ""))),
         Step("fp8", "weights FP8", "BF16 weights",
@@ -409,7 +444,7 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
              note=_format_summary(fp4, BELOW_FP8_FORMATS) if fp4 else "not applied: no FP4 weights"),
         Step("kv", "KV-cache quantization", "a BF16 KV cache",
              spec_figures(spec, served, kv_served, lm_head_tied) if kv_served != kv_bf16 else None,
-             note=(f"KV bytes/token {kv_bf16} -> {kv_served}" if kv_served != kv_bf16
+             note=(f"KV bytes/token {sum(kv_bf16.values())} -> {sum(kv_served.values())}" if kv_served != kv_bf16
                    else "not applied: BF16 KV cache")),
     ]
     final = spec_figures(spec, served, kv_served, lm_head_tied)

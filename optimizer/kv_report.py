@@ -48,13 +48,23 @@ def kv_markdown(budget: dict) -> list[str]:
         streams = ", ".join(f"{name} {h}x{d}" for name, (h, d) in row["streams"].items())
         lines.append(f"| {layer} | {_layer_format(row)} | {streams} | {row['source_bytes_per_token']} | "
                      f"{row['bytes_per_token']} |")
-    lines += [f"| total | | | {before} | {after} ({after / before:.3f}x) |", "",
-              "### Maximum concurrent sequences", "",
-              (f"(HBM - weight bytes - activation reserve of {_reserve(budget)}) / (KV bytes per token x context); "
+    lines += [f"| total | | | {before} | {after} ({after / before:.3f}x) |", ""]
+    types = budget.get("by_layer_type", {})
+    if len(types) > 1 or any(t["window"] for t in types.values()):
+        lines += ["By layer type: a sliding-window layer keeps its last `window` tokens, a full-attention layer the "
+                  "whole context.", "", "| layer type | layers | bytes/token after | tokens kept |",
+                  "|---|---:|---:|---|"]
+        lines += [f"| {name} | {t['layers']} | {t['bytes_per_token']} | {t['window'] or 'context'} |"
+                  for name, t in types.items()]
+        lines.append("")
+    lines += ["### Maximum concurrent sequences", "",
+              (f"(HBM - weight bytes - activation reserve of {_reserve(budget)}) / KV bytes per sequence (each "
+               "layer's bytes per token x the tokens it keeps: the context, or its sliding window); "
                f"weights: source {budget['source_weight_bytes']} B, artifact {budget['weight_bytes']} B."), "",
-              "| device | context | before | after |", "|---|---:|---:|---:|"]
+              "| device | context | KV bytes/sequence after | before | after |", "|---|---:|---:|---:|---:|"]
     for row in budget["max_concurrent_sequences"]:
-        lines.append(f"| {row['device']} | {row['context']} | {row['source']} | {row['artifact']} |")
+        lines.append(f"| {row['device']} | {row['context']} | {row.get('sequence_bytes', '')} | {row['source']} | "
+                     f"{row['artifact']} |")
     return lines
 
 

@@ -153,3 +153,15 @@ def kv_bytes_per_token(spec: ModelSpec, table: Mapping | None = None) -> dict[in
     """Deployment KV bytes per token, per layer, for a format table (None: every layer BF16)."""
     return {layer.index: sum(s.bytes_per_token() for s in streams)
             for layer, streams in zip(spec.layers, resolve_kv_streams(spec, table), strict=True)}
+
+
+def kv_sequence_bytes(per_layer: Mapping[int, int], windows: Mapping[int, int | None], context: int) -> int:
+    """KV bytes one sequence of `context` tokens holds: each layer's bytes per token (`kv_bytes_per_token`)
+    times the tokens it keeps, its sliding window (`windows`, None: full attention) or the whole context. This
+    is what a serving engine that frees the blocks leaving a window holds (vLLM's, SGLang's)."""
+    return sum(n * min(context, windows.get(i) or context) for i, n in per_layer.items())
+
+
+def layer_windows(spec: ModelSpec) -> dict[int, int | None]:
+    """Each layer's sliding window (None: full attention)."""
+    return {layer.index: layer.attention.sliding_window for layer in spec.layers}

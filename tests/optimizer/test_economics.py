@@ -39,6 +39,15 @@ DEEPSEEK_V3 = {
     "vocab_size": 129280, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "norm_topk_prob": True,
     "tie_word_embeddings": False, "rope_theta": 10000,
 }
+# Gemma 3 27B's text model (google/gemma-3-27b-it's text_config): 62 layers, 5 of every 6 with a 1024-token window
+GEMMA3_27B = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 5376,
+    "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16,
+    "head_dim": 128, "query_pre_attn_scalar": 168, "sliding_window": 1024, "vocab_size": 262208,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+}
 USD = 10**6 / 3600  # the issue's 277.78
 
 
@@ -150,8 +159,9 @@ def test_the_waterfall_factors_multiply_to_the_total_against_honest_baselines(ll
     scn = config_scenario("8b", llama_8b, weights="nvfp4", kv="fp8", speculation=Speculation(2.5, 3))
     g = economics_report(scn, [gpu])["gpus"][gpu]
     rows = {r["step"]: r for r in g["waterfall"]}
-    assert [r["step"] for r in g["waterfall"]] == ["source", "mla", "fp8", "fp4", "kv", "speculation"]
+    assert [r["step"] for r in g["waterfall"]] == ["source", "window", "mla", "fp8", "fp4", "kv", "speculation"]
     assert not rows["mla"]["applied"] and rows["mla"]["factor"] == 1.0  # Llama has no MLA conversion
+    assert not rows["window"]["applied"] and rows["window"]["factor"] == 1.0  # nor sliding windows
     assert math.prod(_applied_factors(g["waterfall"])) == pytest.approx(g["total_factor"], rel=1e-12)
     assert g["total_factor"] == pytest.approx(rows["source"]["usd_per_mtok"] / g["usd_per_mtok_max_batch"], rel=1e-12)
     # FP4 is priced against FP8 on the same GPU, each at its own largest batch
@@ -276,3 +286,36 @@ def test_a_block_formats_deployed_bytes_are_what_its_packed_weight_holds(fmt):
     stored = quantize_weight(torch.randn(48, 172), fmt)
     cost = linear_cost(LinearSpec("m", "down", 172, 48, layer=0), fmt)
     assert cost.bytes == sum(t.numel() * t.element_size() for t in stored.values()) and cost.compute == "bf16"
+
+
+def test_gemma3_27b_sliding_windows_by_hand():
+    """KV per layer type and per sequence, checked by hand: 10 full-attention layers (every sixth) and 52 with
+    a 1024-token window, each caching 2 x 16 KV heads x 128 x 2 bytes = 8192 bytes a token (BF16). A sequence of
+    32K holds 10 x 8192 x 32768 + 52 x 8192 x 1024 bytes (2.91 GiB), not 62 x 8192 x 32768 (15.5 GiB); the
+    waterfall prices the windows against full attention on every layer."""
+    from kiln.runtime.kv_budget import kv_budget
+
+    spec = build_spec(GEMMA3_27B)
+    windows = [layer.attention.sliding_window for layer in spec.layers]
+    assert [i for i, w in enumerate(windows) if w is None] == list(range(5, 62, 6))  # 10 global layers
+    assert spec.layers[5].attention.rotary != spec.layers[0].attention.rotary  # 1M theta, linear x8 vs 10K
+    assert spec.layers[0].attention.softmax_scale == 168**-0.5
+    budget = kv_budget(spec, None, 0, 0)
+    assert budget["kv_bytes_per_token"] == 62 * 8192
+    assert budget["by_layer_type"] == {
+        "full attention": {"layers": 10, "bytes_per_token": 10 * 8192, "window": None},
+        "sliding window 1024": {"layers": 52, "bytes_per_token": 52 * 8192, "window": 1024}}
+    rows = {(r["device"], r["context"]): r for r in budget["max_concurrent_sequences"]}
+    assert rows[("H100-80GB", 32768)]["sequence_bytes"] == 10 * 8192 * 32768 + 52 * 8192 * 1024 == 3_120_562_176
+    assert rows[("H100-80GB", 4096)]["sequence_bytes"] == 10 * 8192 * 4096 + 52 * 8192 * 1024 == 771_751_936
+    from kiln.kernels.targets import H100
+    from kiln.runtime.kv_budget import activation_reserve_bytes
+
+    scn = config_scenario("27b", spec, weights="fp8")
+    g = economics_report(scn, ["h100"])["gpus"]["h100"]
+    steps = {r["step"]: r for r in g["waterfall"]}
+    # at the waterfall's 4K context, beside the same BF16 weights: 2.7x the sequences
+    free = H100.hbm_bytes - scn.steps[0].figures.resident_bytes - activation_reserve_bytes(H100)
+    assert steps["source"]["batch"] == free // (62 * 8192 * 4096)
+    assert steps["window"]["applied"] and steps["window"]["batch"] == free // 771_751_936
+    assert math.prod(_applied_factors(g["waterfall"])) == pytest.approx(g["total_factor"], rel=1e-12)
