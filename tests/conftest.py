@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +25,9 @@ torch.set_num_threads(1)
 ROOT, STORIES, CALIB_TEXT, EVAL_TEXT = PROJECT_ROOT, STORIES260K, CALIBRATION_TEXT, EVALUATION_TEXT
 
 needs_stories = pytest.mark.skipif(not (STORIES / "config.json").is_file(), reason="../shared/models absent")
+GEMMA3 = Path(os.environ.get("KILN_GEMMA3", Path.home() / ".cache" / "kiln" / "gemma-3-270m"))
+needs_gemma3 = pytest.mark.skipif(not (GEMMA3 / "config.json").is_file(),
+                                  reason="Gemma 3 270M not converted (../shared/models/gemma-3-270m/to_hf.py)")
 
 
 def untuned(name: str):

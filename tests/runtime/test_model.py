@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.engine import Engine, load_tokenizer
+from tests.conftest import GEMMA3, STORIES, needs_gemma3, needs_stories
 from tests.runtime.contiguous_kv_cache import ContiguousKVCache
-from tests.conftest import STORIES, needs_stories
 from tests.tiny_models import TINY_CONFIGS
 
 
@@ -107,3 +107,25 @@ def test_silu_and_sigmoid_give_the_same_bits_on_one_and_two_threads():
     y = x[0, 0, :3].clone().requires_grad_()
     silu(y).sum().backward()  # e^-x capped: no 0 * inf = NaN in the gradient far below zero
     assert torch.isfinite(y.grad).all()
+
+
+@needs_gemma3
+def test_gemma3_logits_equal_transformers_past_the_window():
+    """The real Gemma 3 270M (window 512 on 15 of its 18 layers), 700 tokens of evaluation text with its BOS: the
+    runtime's logits equal transformers' within 1e-4 of the largest, before and after position 512."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import EVAL_TEXT
+
+    tok = load_tokenizer(GEMMA3)
+    ids = tok.encode(EVAL_TEXT.read_text()[:6000])[:700]
+    assert ids[0] == 2 and len(ids) == 700  # <bos>
+    engine = Engine(load_checkpoint(GEMMA3).spec, load_file(GEMMA3 / "model.safetensors"), {}, tok)
+    hf = AutoModelForCausalLM.from_pretrained(GEMMA3, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = engine.model(torch.tensor([ids]), torch.arange(len(ids))[None])[0]
+    scale = ref.abs().max()
+    for part in (slice(0, 512), slice(512, None)):
+        assert (ours[part] - ref[part]).abs().max() <= 1e-4 * scale
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
