@@ -101,6 +101,12 @@ def eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(spread) if len(spread) == 3 else (0, 1, 2)
 
 
+def eagle3_carries(spec) -> bool:
+    """Whether an EAGLE-3 head (a Llama decoder layer, as vLLM and SGLang load it) fits the target's shape: not
+    with (1 + w) norms or sandwich norms (Gemma 3), which a Llama layer does not have."""
+    return not spec.norm_offset and not any(layer.output_norms for layer in spec.layers)
+
+
 def head_module(graph: ModelGraph, architecture: str = "mtp") -> ExtraModuleSpec:
     """The draft head's spec for `graph`.
 
@@ -110,7 +116,7 @@ def head_module(graph: ModelGraph, architecture: str = "mtp") -> ExtraModuleSpec
     lm_head (the full vocabulary: no draft vocabulary mapping)."""
     hidden = graph.spec.hidden_size
     if architecture == "eagle3":
-        if graph.spec.norm_offset or any(layer.output_norms for layer in graph.spec.layers):
+        if not eagle3_carries(graph.spec):
             raise KilnError(f"draft-head: an EAGLE-3 head is a Llama decoder layer as vLLM and SGLang load it; "
                             f"{graph.spec.model_type}'s (1 + w) and sandwich norms do not carry over; use "
                             "architecture: mtp")
@@ -164,8 +170,9 @@ class DraftHead(Pass):
     tree_width: int = 3  # greedy tree drafting: the top-3 tokens at each depth verified together (1: a chain)
     # eagle3: EAGLE-3, which `optimize export --format eagle3` writes for vLLM / SGLang; mtp: DeepSeek's MTP
     # shape, which drafts a little better on stories260K (benchmarks/results/speculative.md) but no serving
-    # engine loads beside a Llama target
-    architecture: str = "eagle3"
+    # engine loads beside a Llama target; auto: eagle3 where its Llama layer carries the target's norms, else
+    # mtp (Gemma 3's (1 + w) and sandwich norms)
+    architecture: str = "auto"
     train_steps: int = 1200
     batch_tokens: int = 2048
     lr: float = 2e-3
@@ -194,20 +201,26 @@ class DraftHead(Pass):
                     why="tokens each generation decodes")
         check_range("draft-head: lr", self.lr, 0, MAX_LR, low_open=True)
         check_range("draft-head: seed", self.seed, 0, MAX_SEED, integer=True)
-        if self.architecture not in ARCHITECTURES:
+        if self.architecture not in (*ARCHITECTURES, "auto"):
             raise KilnError(f"draft-head: architecture={self.architecture!r} is not allowed; choose one of "
-                            f"{', '.join(ARCHITECTURES)}")
+                            f"{', '.join(ARCHITECTURES)}, auto")
         tau = self.min_tau
         if isinstance(tau, bool) or not isinstance(tau, int | float) or not 1 <= tau <= self.draft_tokens + 1:
             raise KilnError(f"draft-head: min_tau must be >= 1 (tau counts the target's own token) and <= "
                             f"draft_tokens + 1 = {self.draft_tokens + 1} (every draft accepted), got {tau!r}")
+
+    def resolved(self, graph: ModelGraph) -> str:
+        """The architecture to attach: `architecture`, "auto" resolved for `graph`."""
+        if self.architecture != "auto":
+            return self.architecture
+        return "mtp" if not eagle3_carries(graph.spec) else "eagle3"
 
     def metrics(self) -> tuple[PassMetric, ...]:
         return (PassMetric("tau", self.min_tau, _tau(self.draft_tokens, TAU_PROMPTS, self.tree_width)),)
 
     def check(self, graph: ModelGraph, target) -> None:
         if not any(m.kind in DRAFT_KINDS for m in graph.spec.extra_modules):
-            head_module(graph, self.architecture)  # refuses a shape it cannot copy, before anything runs
+            head_module(graph, self.resolved(graph))  # refuses a shape it cannot copy, before anything runs
 
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
         result = PassResult(self.name)
@@ -220,7 +233,8 @@ class DraftHead(Pass):
         if ctx.runner is None:
             raise KilnError("draft-head trains on calibration text: give --calib-data (or keep ../shared's)")
         hidden = graph.spec.hidden_size
-        module = head_module(graph, self.architecture)
+        architecture = self.resolved(graph)
+        module = head_module(graph, architecture)
         started = time.perf_counter()
         calibration = [list(t) for t in ctx.runner.calibration_tokens]
         prompts = [t[:PROMPT_TOKENS] for t in calibration if len(t) >= PROMPT_TOKENS][: self.generated]
@@ -240,7 +254,7 @@ class DraftHead(Pass):
         seconds = time.perf_counter() - started
         params = sum(p.numel() for p in objective.parameters.values())
         tokens = sum(objective.batch_tokens(s) for s in range(self.train_steps))
-        result.changed[PREFIX] = (f"{self.architecture} draft head attached: {params} parameters"
+        result.changed[PREFIX] = (f"{architecture} draft head attached: {params} parameters"
                                   + (f", reading layers {list(module.aux_layers)}" if module.aux_layers else ""))
         result.metrics.update({"parameters": params, "train_steps": self.train_steps, "train_tokens": tokens,
                                "train_seconds": round(seconds, 1)})

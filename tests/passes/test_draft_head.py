@@ -91,3 +91,30 @@ def test_deepseek_v3_keeps_its_mtp_layer_as_the_draft(tmp_path, cli, generated_c
     plain = engine.generate_ids(prompts, 20)
     spec, stats = engine.speculative_ids(prompts, 20, 3)
     assert spec == plain and stats.steps > 0
+
+
+def test_gemma3_gets_an_mtp_head_that_drafts_losslessly(tiny_checkpoints):
+    """auto: Gemma 3's (1 + w) and sandwich norms do not fit an EAGLE-3 (Llama) layer, so the head takes the MTP
+    shape, a copy of the last Gemma layer; asked for EAGLE-3 explicitly, the pass refuses in one line."""
+    import torch
+
+    from kiln.kernels.targets import get_target
+    from kiln.optimizer.gate import engine_from_graph
+    from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.runner import RuntimeRunner
+    from kiln.passes.base import PassContext, Pipeline
+
+    graph = load_checkpoint(tiny_checkpoints["gemma3_text"])
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(3, 160, (40,), generator=gen).tolist() for _ in range(8)]
+    ctx = PassContext(get_target("hopper"), runner=RuntimeRunner(graph, tokens))
+    with pytest.raises(KilnError, match="EAGLE-3 head is a Llama decoder layer"):
+        Pipeline([DraftHead(architecture="eagle3", min_tau=1.0)]).run(graph, ctx)
+    (record,) = Pipeline([DraftHead(train_steps=3, generated=4, generated_tokens=8, min_tau=1.0)]).run(graph, ctx)
+    assert record.result.changed == {"draft_head": "mtp draft head attached: 47552 parameters"}
+    (module,) = graph.spec.extra_modules
+    assert module.kind == "draft_head" and len(module.layer.output_norms) == 2
+    engine = engine_from_graph(graph)
+    prompt = [tokens[0][:10]]
+    ids, stats = engine.speculative_ids(prompt, 12, 3, engine.drafter("head", tree_width=1))
+    assert ids == engine.generate_ids(prompt, max_new_tokens=12) and stats.tau >= 1.0
