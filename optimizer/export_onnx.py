@@ -459,7 +459,8 @@ class _Lowering:
         mean = g.op("ReduceMean", [g.op("Mul", [x, x], weight), g.const([axis], np.int64)], weight, keepdims=1)
         inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean, g.const(self.spec.rms_norm_eps)], weight)],
                                        weight)], weight)
-        w = g.initializer(weight, _float32(self.tensors[weight]))
+        # Gemma: the norm scales by (1 + w), added in fp32 here as the runtime adds it
+        w = g.initializer(weight, _float32(self.tensors[weight]) + np.float32(self.spec.norm_offset))
         return g.op("Mul", [w, g.op("Mul", [x, inv], weight)], weight)
 
     def heads(self, x: str, heads: int, dim: int, name: str) -> str:
@@ -558,7 +559,14 @@ class _Lowering:
                              name, 2, axis=1)
         else:
             gate, up = self.linear(lin["gate"], x, inputs), self.linear(lin["up"], x, inputs)
-        hidden = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate], name)], name), up], name)
+        if layer.mlp.activation == "gelu_tanh":  # x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): runtime.gelu_tanh
+            cube = g.op("Mul", [g.op("Mul", [gate, gate], name), gate], name)
+            inner = g.op("Add", [gate, g.op("Mul", [cube, g.const(0.044715)], name)], name)
+            twice_u = g.op("Mul", [inner, g.const(2 * 0.7978845608028654)], name)
+            act = g.op("Mul", [gate, g.op("Sigmoid", [twice_u], name)], name)
+        else:
+            act = g.op("Mul", [gate, g.op("Sigmoid", [gate], name)], name)
+        hidden = g.op("Mul", [act, up], name)
         return self.linear(lin["down"], hidden, {})
 
     def mask(self, positions: str, window: int | None) -> str:
@@ -587,6 +595,8 @@ def lower(spec: ModelSpec, formats: Mapping[str, Mapping], kv_table: Mapping | N
     low.embedding = g.initializer(spec.embedding, _float32(tensors[spec.embedding]))
     x = g.op("Reshape", [g.op("Gather", [low.embedding, "input_ids"], "embed", axis=0),
                          g.const([-1, spec.hidden_size], np.int64)], "embed")  # [B*T, C]
+    if spec.embedding_scale != 1.0:  # Gemma: rows times sqrt(hidden), an fp32 scalar
+        x = g.op("Mul", [x, g.const(spec.embedding_scale)], "embed")
     positions = g.op("Cast", ["position_ids"], "rotary", to=TensorProto.FLOAT)
     tables: dict[RotarySpec, tuple[str, str]] = {}
     masks: dict[int | None, str] = {}
@@ -597,9 +607,15 @@ def lower(spec: ModelSpec, formats: Mapping[str, Mapping], kv_table: Mapping | N
         if a.sliding_window not in masks:
             masks[a.sliding_window] = low.mask("position_ids", a.sliding_window)
         h = low.rms_norm(x, layer.norms[0])
-        x = g.op("Add", [x, low.attention(layer, h, tables[a.rotary], masks[a.sliding_window], layer_streams)],
-                 layer.prefix)
-        x = g.op("Add", [x, low.mlp(layer, low.rms_norm(x, layer.norms[1]))], layer.prefix)
+        attended = low.attention(layer, h, tables[a.rotary], masks[a.sliding_window], layer_streams)
+        mlp_norm = layer.norms[1]
+        if layer.output_norms:  # Gemma's sandwich: each sublayer's output normed before its residual add
+            attended = low.rms_norm(attended, layer.output_norms[0])
+        x = g.op("Add", [x, attended], layer.prefix)
+        out = low.mlp(layer, low.rms_norm(x, mlp_norm))
+        if layer.output_norms:
+            out = low.rms_norm(out, layer.output_norms[1])
+        x = g.op("Add", [x, out], layer.prefix)
     logits = low.linear(spec.lm_head, low.rms_norm(x, spec.final_norm), {})
     shape = g.op("Concat", [low.tokens_shape, g.const([spec.vocab_size], np.int64)], "logits", axis=0)
     g.nodes.append(helper.make_node("Reshape", [logits, shape], ["logits"], name="logits"))

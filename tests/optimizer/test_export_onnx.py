@@ -218,8 +218,9 @@ def test_structures_not_lowered_are_refused_in_one_line(model_type, match, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])  # q/k/v biases; per-head q/k RMSNorm
-def test_qwen_structures_lower(model_type, tmp_path):
+# q/k/v biases; per-head q/k RMSNorm; Gemma 3: (1 + w) and sandwich norms, scaled embedding, GeGLU, windows
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "gemma3_text"])
+def test_qwen_and_gemma_structures_lower(model_type, tmp_path):
     from tests.precision_helpers import tiny_with_tokenizer
 
     art = build(tiny_with_tokenizer(model_type, tmp_path), "hopper", "none", tmp_path / "art", gate=False).path
