@@ -51,8 +51,8 @@ def kv_markdown(budget: dict) -> list[str]:
     lines += [f"| total | | | {before} | {after} ({after / before:.3f}x) |", ""]
     types = budget.get("by_layer_type", {})
     if len(types) > 1 or any(t["window"] for t in types.values()):
-        lines += ["By layer type: a sliding-window layer keeps its last `window` tokens, a full-attention layer the "
-                  "whole context.", "", "| layer type | layers | bytes/token after | tokens kept |",
+        lines += [("By layer type: a sliding-window layer keeps its last `window` tokens, a full-attention layer "
+                   "the whole context."), "", "| layer type | layers | bytes/token after | tokens kept |",
                   "|---|---:|---:|---|"]
         lines += [f"| {name} | {t['layers']} | {t['bytes_per_token']} | {t['window'] or 'context'} |"
                   for name, t in types.items()]
