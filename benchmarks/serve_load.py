@@ -3,6 +3,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_load.py ARTIFACT [--clients 8] [--requests 48]
         [--duration 60] [--max-queue 32] [--max-num-seqs 8] [--ttft-slo 0.5] [--tpot-slo 0.05] [--check 12]
         [--burst 200] [--prefix-requests 24] [--prefix-tokens 200] [--json]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_load.py ARTIFACT --rates 0.25,0.5,1,2,4 [--rate-seconds 40]
+        [--trace FILE.jsonl] [--plot goodput.png] [--ttft-slo 1] [--tpot-slo 0.1] [--json]
 
 Starts the server as a subprocess on loopback and runs four phases:
 
@@ -22,6 +24,14 @@ Starts the server as a subprocess on loopback and runs four phases:
    baseline the server's throughput is compared with.
 
 Server memory is its peak RSS (VmHWM of /proc/PID/status). `--json` prints one JSON object instead of tables.
+
+Open loop (`--rates 0.25,0.5,1,2,4`): instead of the phases above, a goodput sweep. At each rate requests arrive
+as a Poisson process (exponential gaps, seeded) for `--rate-seconds`, whatever the server's state, so the
+offered load is a demand the server meets or not; each is one streaming request from the workload above or
+from `--trace FILE` (JSON lines: {"prompt": text or token ids, "max_tokens": n}, cycled). Per rate: offered
+rate, throughput (completed requests / s from the first arrival to the last completion), goodput (completed
+within both SLOs / s), SLO attainment (those / sent), 429s, lost, and p50/p90/p99 of TTFT and TPOT; `--plot
+FILE.png` draws goodput and throughput against offered load.
 """
 
 from __future__ import annotations
@@ -213,6 +223,121 @@ async def load_phase(url: str, requests: list[dict], clients: int, duration: flo
     return results, wall
 
 
+async def open_loop_phase(url: str, requests: list[dict], rate: float, seconds: float, seed: int):
+    """Poisson arrivals at `rate` per second for `seconds`: each request starts at its arrival time whatever
+    the others are doing (open loop). Returns the results in arrival order and the wall time from the first
+    arrival to the last completion."""
+    rng = random.Random(seed)
+    arrivals, t = [], rng.expovariate(rate)
+    while t < seconds:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    async with _client(max(1, len(arrivals))) as client:
+        start = time.perf_counter()
+
+        async def arrive(i: int, at: float) -> Result:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await stream_completion(client, url, requests[i % len(requests)])
+
+        results = await asyncio.gather(*(arrive(i, at) for i, at in enumerate(arrivals)))
+        wall = time.perf_counter() - start - (arrivals[0] if arrivals else 0.0)
+    return list(results), wall
+
+
+def trace_requests(path: Path) -> list[dict]:
+    """The requests of a trace file: one JSON object per line with "prompt" (text or token ids) and
+    "max_tokens"; greedy unless it gives a temperature."""
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            out.append({"prompt": entry["prompt"], "max_tokens": int(entry["max_tokens"]),
+                        "temperature": float(entry.get("temperature", 0))})
+        except (ValueError, KeyError, TypeError) as exc:
+            sys.exit(f"{path}:{n}: a trace line needs prompt and max_tokens ({type(exc).__name__}: {exc})")
+    if not out:
+        sys.exit(f"{path}: no requests")
+    return out
+
+
+def rate_row(rate: float, results: list[Result], wall: float, ttft_slo: float, tpot_slo: float) -> dict:
+    done = [r for r in results if r.completed]
+    good = [r for r in done if r.ttft is not None and r.ttft <= ttft_slo and (r.tpot is None or r.tpot <= tpot_slo)]
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    tpots = [r.tpot for r in done if r.tpot is not None]
+    wall = max(wall, 1e-9)
+    row = {"offered_rps": rate, "sent": len(results), "completed": len(done),
+           "rejected_429": sum(r.status == 429 for r in results), "lost": sum(r.lost for r in results),
+           "wall_s": wall, "throughput_rps": len(done) / wall, "goodput_rps": len(good) / wall,
+           "slo_attainment": len(good) / max(1, len(results)),
+           "tokens_per_s": sum(r.tokens for r in done) / wall}
+    for name, values in (("ttft", ttfts), ("tpot", tpots)):
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}_s"] = percentile(values, q)
+    return row
+
+
+def sweep(args, flags: list[str], logs: Path) -> None:
+    """The open-loop goodput sweep (`--rates`): one server, the rates in order, idle between them."""
+    requests = trace_requests(args.trace) if args.trace else workload(4096, args.seed)
+    rates = [float(r) for r in args.rates.split(",")]
+    if not rates or any(not r > 0 for r in rates):
+        sys.exit(f"--rates must be positive numbers, got {args.rates!r}")
+    server = ServerProcess(args.artifact, [*flags, "--ttft-slo", str(args.ttft_slo), "--tpot-slo",
+                                           str(args.tpot_slo)], logs)
+    rows = []
+    for i, rate in enumerate(rates):
+        results, wall = asyncio.run(open_loop_phase(server.url, requests, rate, args.rate_seconds, args.seed + i))
+        rows.append(rate_row(rate, results, wall, args.ttft_slo, args.tpot_slo))
+        server.wait_idle(timeout=120)
+        print(f"rate {rate:g}/s: {rows[-1]['completed']}/{rows[-1]['sent']} completed, goodput "
+              f"{rows[-1]['goodput_rps']:.2f}/s", file=sys.stderr, flush=True)
+    metrics = server.metrics()
+    server.stop()
+    report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rates": rows,
+              "server_slo": {k: v for k, v in metrics.items() if k.startswith("kiln_slo_")}}
+    if args.plot:
+        plot_sweep(rows, args.plot, args.ttft_slo, args.tpot_slo)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return
+    print(f"
+open-loop sweep: Poisson arrivals for {args.rate_seconds:g} s per rate; SLOs TTFT <= {args.ttft_slo:g} s, "
+          f"TPOT <= {args.tpot_slo * 1000:g} ms; --max-num-seqs {args.max_num_seqs} --max-queue {args.max_queue}")
+    print("| offered req/s | sent | completed | 429 | lost | throughput req/s | goodput req/s | SLO attainment | "
+          "TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | tokens/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    for r in rows:
+        print(f"| {r['offered_rps']:g} | {r['sent']} | {r['completed']} | {r['rejected_429']} | {r['lost']} | "
+              f"{r['throughput_rps']:.2f} | {r['goodput_rps']:.2f} | {r['slo_attainment']:.0%} | "
+              f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p90_s'])} / {_ms(r['ttft_p99_s'])} | "
+              f"{_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p90_s'])} / {_ms(r['tpot_p99_s'])} | {r['tokens_per_s']:.0f} |")
+    if report["server_slo"]:
+        print(f"server /metrics SLO counters after the sweep: {report['server_slo']}")
+
+
+def plot_sweep(rows: list[dict], path: Path, ttft_slo: float, tpot_slo: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    offered = [r["offered_rps"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(offered, offered, ":", color="grey", label="offered (ideal)")
+    ax.plot(offered, [r["throughput_rps"] for r in rows], "o-", label="throughput")
+    ax.plot(offered, [r["goodput_rps"] for r in rows], "s-", label=f"goodput (TTFT <= {ttft_slo:g} s, "
+                                                                     f"TPOT <= {tpot_slo * 1000:g} ms)")
+    ax.set_xlabel("offered load (requests / s, Poisson)")
+    ax.set_ylabel("requests / s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 async def burst_phase(url: str, count: int):
     body = {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}
     async with _client(count) as client:
@@ -290,10 +415,19 @@ def main() -> None:
     parser.add_argument("--prefix-requests", type=int, default=24)
     parser.add_argument("--prefix-tokens", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rates", help="open-loop sweep: Poisson arrival rates, requests/s, comma-separated")
+    parser.add_argument("--rate-seconds", type=float, default=40, help="seconds of arrivals per rate")
+    parser.add_argument("--trace", type=Path, help="open loop: JSON lines of {prompt, max_tokens} to send")
+    parser.add_argument("--plot", type=Path, help="open loop: PNG of goodput and throughput against offered load")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if not (args.artifact / "manifest.json").is_file():
         sys.exit(f"{args.artifact}: not an artifact directory (build one with `optimize build`)")
+    if args.rates:
+        flags = ["--max-queue", str(args.max_queue), "--max-num-seqs", str(args.max_num_seqs),
+                 "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        sweep(args, flags, Path(tempfile.mkdtemp(prefix="kiln-serve-load-")))
+        return
 
     from kiln.runtime.engine import load_tokenizer
 

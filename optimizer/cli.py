@@ -188,6 +188,7 @@ _MAX_QUEUE = _bounded("--max-queue", 1, 1 << 20, integer=True, why="each waiting
 _MAX_NUM_SEQS = _bounded("--max-num-seqs", 1, 4096, integer=True, why="each holds KV cache blocks")
 _MAX_BATCHED = _bounded("--max-num-batched-tokens", 1, 1 << 20, integer=True, why="a step's activations grow with it")
 _REQUEST_TIMEOUT = _bounded("--request-timeout", 0, low_open=True)
+_SLO = _bounded("--ttft-slo/--tpot-slo", 0, low_open=True)
 _RESAMPLES = _bounded("--resamples", 1, 100_000, integer=True, why="the bootstrap's time and memory grow with it")
 _GENERATE = _bounded("--generate", 0, 10_000, integer=True, why="each prompt is decoded by both models")
 _GENERATE_TOKENS = _bounded("--generate-tokens", 1, 1 << 16, integer=True, why="each is a decode step of both models")
@@ -580,13 +581,18 @@ def serve(
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step before serving: "
                                           "faster steps, minutes of compiling at startup")] = False,
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
+    ttft_slo: Annotated[float | None, typer.Option(callback=_SLO, help="SLO: seconds to the first token; "
+                                                   "/metrics counts the requests that met it (kiln_slo_*)")] = None,
+    tpot_slo: Annotated[float | None, typer.Option(callback=_SLO, help="SLO: seconds per output token after the "
+                                                   "first (kiln_slo_*)")] = None,
 ) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (continuous batching); SIGTERM drains, then exits 0."""
     from kiln.runtime.server import ServerConfig
     from kiln.runtime.server import serve as run_server
 
     run_server(artifact, ServerConfig(host, port, max_queue, max_num_seqs, max_num_batched_tokens, request_timeout,
-                                      prefix_caching, served_model_name, compile_decode=compile, device=device))
+                                      prefix_caching, served_model_name, compile_decode=compile, device=device,
+                                      ttft_slo=ttft_slo, tpot_slo=tpot_slo))
 
 
 @app.command()

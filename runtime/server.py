@@ -93,6 +93,9 @@ class ServerConfig:
     num_blocks: int | None = None  # KV blocks in the pool; None: the engine's default pool size
     compile_decode: bool = False  # Engine.compile_decode before serving (minutes of compiling at startup)
     device: str = "cpu"  # "cuda": packed weights, bf16 activations, KV pool and sampling on the GPU
+    # service-level objectives: /metrics then counts the finished requests that met each (kiln_slo_*)
+    ttft_slo: float | None = None  # seconds from arrival to the first token
+    tpot_slo: float | None = None  # seconds per output token after the first
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -103,6 +106,11 @@ class ServerConfig:
                 raise KilnError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             raise KilnError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout!r}")
+        for name in ("ttft_slo", "tpot_slo"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not 0 < value < float("inf")):
+                raise KilnError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise KilnError(f"num_blocks must be >= 1, got {self.num_blocks!r}")
 
@@ -141,10 +149,24 @@ OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 class ServerMetrics:
-    """Prometheus series in a registry of this server's own (two servers in a process never share one)."""
+    """Prometheus series in a registry of this server's own (two servers in a process never share one).
 
-    def __init__(self):
+    With SLOs (`ttft_slo`, `tpot_slo` seconds) it also counts finished requests against them, what a Prometheus
+    SLO rule divides: kiln_slo_requests_total (finished with a first token), kiln_slo_ttft_met_total,
+    kiln_slo_tpot_met_total (a one-token request meets TPOT) and kiln_slo_met_total (both): attainment =
+    met / requests, goodput = rate(kiln_slo_met_total)."""
+
+    def __init__(self, ttft_slo: float | None = None, tpot_slo: float | None = None):
         r = self.registry = CollectorRegistry()
+        self.ttft_slo, self.tpot_slo = ttft_slo, tpot_slo
+        self.slo = None
+        if ttft_slo is not None or tpot_slo is not None:
+            self.slo = {name: Counter(f"kiln_slo_{name}", help_text, registry=r) for name, help_text in (
+                ("requests", "Finished requests held to the SLOs (those with a first token)"),
+                ("ttft_met", f"Of those, first token within {ttft_slo} s" if ttft_slo else "TTFT SLO unset: all"),
+                ("tpot_met", f"Of those, time per output token within {tpot_slo} s" if tpot_slo
+                 else "TPOT SLO unset: all"),
+                ("met", "Of those, within both SLOs (goodput)"))}
         latency = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
         self.ttft = Histogram("kiln_time_to_first_token_seconds", "Arrival to first token", buckets=latency,
                               registry=r)
@@ -189,6 +211,13 @@ class ServerMetrics:
             self.tpot.observe(request.tpot)
         if request.finished_at is not None:
             self.e2e.observe(request.finished_at - request.arrival)
+        if self.slo is not None and request.ttft is not None:
+            ttft_ok = self.ttft_slo is None or request.ttft <= self.ttft_slo
+            tpot_ok = self.tpot_slo is None or request.tpot is None or request.tpot <= self.tpot_slo
+            self.slo["requests"].inc()
+            self.slo["ttft_met"].inc(ttft_ok)
+            self.slo["tpot_met"].inc(tpot_ok)
+            self.slo["met"].inc(ttft_ok and tpot_ok)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -464,7 +493,7 @@ class ServingState:
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_queue=config.max_queue,
                                    prefix_caching=config.prefix_caching, num_blocks=config.num_blocks,
                                    tokenizer=engine.tokenizer)
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(config.ttft_slo, config.tpot_slo)
         self.engine_loop = EngineLoop(self.scheduler, self.metrics, log)
         self.context = engine.spec.max_position_embeddings
         cache = self.scheduler.cache
