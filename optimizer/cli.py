@@ -791,7 +791,8 @@ def report_(
     gpu: Annotated[str, typer.Option("--gpu", help="GPUs to price, comma-separated: h100, h200, b200")] = \
         "h100,h200,b200",
     price_per_hour: Annotated[str | None, typer.Option(
-        "--price-per-hour", help="$ per GPU-hour: one number for every GPU, or pairs like h100=3.1,b200=6 (default: "
+        "--price-per-hour", help="$ per GPU-hour: one number for every GPU, pairs like h100=3.1,b200=6, or a tier "
+        "table (YAML/JSON: on-demand, reserved, spot with interruptions; examples/prices/tiers.yaml) (default: "
         "neocloud on-demand rates, H100 $3.40)")] = None,
     context: Annotated[int, typer.Option(help="decode context: KV tokens each sequence holds")] = 4096,
     weights: Annotated[str | None, typer.Option(help="config only: assumed weights bf16, fp8 (W8A8) or nvfp4")] = None,
@@ -815,7 +816,8 @@ def report_(
     prices = econ.parse_prices(price_per_hour, gpus)
     speculation = econ.Speculation(tau, draft_tokens) if tau is not None else None
     scenario = econ.load_scenario(target, weights, kv, speculation)
-    report = econ.economics_report(scenario, gpus, prices, context, gpus_per_replica)
+    tiers = econ.load_tiers(price_per_hour, gpus) if econ.is_tier_table(price_per_hour) else None
+    report = econ.economics_report(scenario, gpus, prices, context, gpus_per_replica, tiers)
     if output is not None:
         paths = econ.write_report(report, output, target)
         console.print(f"wrote {', '.join(map(str, paths))}")

@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kiln.kernels.errors import KilnError
+from kiln.kernels.errors import KilnError, clip
 from kiln.kernels.formats import ActivationFormat, KvFormat, WeightFormat
 from kiln.kernels.registry import WEIGHT_FORMATS
 from kiln.kernels.targets import B200, H100, H200, Device
@@ -601,11 +601,96 @@ def _positive_price(text: str, where: str) -> float:
     return value
 
 
+# --- capacity tiers -------------------------------------------------------------------------------------------------
+BASELINE_TIER = "on-demand"
+TIER_FIELDS = ("price", "interruptions_per_hour", "restart_minutes")
+MAX_TIERS = 64
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One way to rent a GPU-hour: its billed $/h; for spot capacity, the interruptions an hour and the minutes
+    of capacity each costs (rescheduling, reloading the weights, refilling the caches)."""
+
+    name: str
+    price: float
+    interruptions_per_hour: float = 0.0
+    restart_minutes: float = 0.0
+
+    @property
+    def available(self) -> float:
+        """The fraction of a billed hour that serves: 1 - interruptions/h x restart hours."""
+        return 1.0 - self.interruptions_per_hour * self.restart_minutes / 60.0
+
+    @property
+    def effective_price(self) -> float:
+        """$ per serving GPU-hour: the billed price over the fraction that serves."""
+        return self.price / self.available
+
+
+def is_tier_table(text: str | None) -> bool:
+    return text is not None and text.strip().lower().endswith((".yaml", ".yml", ".json"))
+
+
+def load_tiers(path: str | Path, gpus: Sequence[str]) -> dict[str, tuple[Tier, ...]]:
+    """A tier table (YAML or JSON): GPU -> tier name -> a price, or {price, interruptions_per_hour,
+    restart_minutes}. Every GPU priced needs an "on-demand" tier (neocloud on-demand: the baseline)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise KilnError(f"--price-per-hour: tier table {clip(path)} is not a file")
+    try:
+        data = yaml.safe_load(path.read_text()[:1 << 20])
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise KilnError(f"--price-per-hour: cannot read tier table {clip(path)}: {type(exc).__name__}") from None
+    if not isinstance(data, dict):
+        raise KilnError(f"--price-per-hour: tier table {clip(path)} must map GPUs ({', '.join(GPUS)}) to tiers")
+    unknown = [k for k in data if str(k).lower() not in GPUS]
+    if unknown:
+        raise KilnError(f"--price-per-hour: tier table names unknown GPU {str(unknown[0])[:40]!r}; choose from "
+                        f"{', '.join(GPUS)}")
+    table = {str(k).lower(): v for k, v in data.items()}
+    out = {}
+    for gpu in gpus:
+        entries = table.get(gpu)
+        if not isinstance(entries, dict) or BASELINE_TIER not in entries:
+            raise KilnError(f"--price-per-hour: tier table has no {BASELINE_TIER!r} tier for {gpu} (the baseline)")
+        if len(entries) > MAX_TIERS:
+            raise KilnError(f"--price-per-hour: {gpu} has {len(entries)} tiers; at most {MAX_TIERS}")
+        out[gpu] = tuple(_tier(gpu, str(name)[:60], entry) for name, entry in entries.items())
+    return out
+
+
+def _tier(gpu: str, name: str, entry) -> Tier:
+    where = f"--price-per-hour: {gpu} {name}"
+    fields = entry if isinstance(entry, dict) else {"price": entry}
+    unknown = [k for k in fields if k not in TIER_FIELDS]
+    if unknown:
+        raise KilnError(f"{where}: unknown field {str(unknown[0])[:40]!r}; known: {', '.join(TIER_FIELDS)}")
+    price = _positive_price(str(fields.get("price")), where)
+    extra = {}
+    for key in TIER_FIELDS[1:]:
+        value = fields.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value >= 0):
+            raise KilnError(f"{where}: {key} must be a non-negative number, got {str(value)[:40]!r}")
+        extra[key] = float(value)
+    tier = Tier(name, price, **extra)
+    if not tier.available > 0:
+        raise KilnError(f"{where}: {extra['interruptions_per_hour']:g} interruptions an hour of "
+                        f"{extra['restart_minutes']:g} minutes each leave no serving time")
+    return tier
+
+
 def parse_prices(text: str | None, gpus: Sequence[str]) -> dict[str, tuple[float, str]]:
-    """$/h per GPU and where it came from: "3.1" for every GPU, or "h100=3.1,b200=6" (others keep defaults)."""
+    """$/h per GPU and where it came from: "3.1" for every GPU, "h100=3.1,b200=6" (others keep defaults), or a
+    tier table's on-demand tier (`load_tiers`)."""
     prices = {k: (DEFAULT_PRICES[k], "default") for k in gpus}
     if text is None:
         return prices
+    if is_tier_table(text):
+        return {k: (next(t.price for t in tiers if t.name == BASELINE_TIER), "given")
+                for k, tiers in load_tiers(text, gpus).items()}
     if "=" not in text:
         value = _positive_price(text.strip(), "--price-per-hour")
         return {k: (value, "given") for k in gpus}
@@ -620,7 +705,8 @@ def parse_prices(text: str | None, gpus: Sequence[str]) -> dict[str, tuple[float
 
 
 def economics_report(scn: Scenario, gpus: Sequence[str] = tuple(GPUS), prices: Mapping | None = None,
-                     context: int = DEFAULT_CONTEXT, gpus_per_replica: int = 1) -> dict:
+                     context: int = DEFAULT_CONTEXT, gpus_per_replica: int = 1,
+                     tiers: Mapping[str, Sequence[Tier]] | None = None) -> dict:
     """The report as JSON data: per GPU, the served model's figures and the waterfall."""
     if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
         raise KilnError(f"--context must be a positive number of tokens, got {context!r}")
@@ -643,11 +729,43 @@ def economics_report(scn: Scenario, gpus: Sequence[str] = tuple(GPUS), prices: M
         row = {"device": device.name, "price_per_hour": price, "price": origin,
                **gpu_figures(served.figures, device, hourly, context, served.speculation)}
         waterfall = price_steps(scn.steps, device, hourly, context)
+        row["capacity_tiers"] = tier_rows((tiers or {}).get(key, ()), waterfall[-1], price)
+        waterfall.append(capacity_step(row["capacity_tiers"], waterfall[-1]))
         first, last = waterfall[0]["usd_per_mtok"], waterfall[-1]["usd_per_mtok"]
         row["waterfall"] = waterfall
         row["total_factor"] = first / last if first is not None and last is not None else None
         out["gpus"][key] = row
     return out
+
+
+def tier_rows(tiers: Sequence[Tier], served: dict, on_demand: float) -> list[dict]:
+    """Each tier's $/Mtok for the served model at its largest batch: the on-demand cost x effective price /
+    on-demand price (the tokens/s a GPU-hour yields do not depend on how it is rented)."""
+    rows = []
+    for t in tiers:
+        cost = None if served["usd_per_mtok"] is None else served["usd_per_mtok"] * t.effective_price / on_demand
+        rows.append({"tier": t.name, "price_per_hour": t.price, "interruptions_per_hour": t.interruptions_per_hour,
+                     "restart_minutes": t.restart_minutes, "available": t.available,
+                     "effective_price_per_hour": t.effective_price, "usd_per_mtok": cost,
+                     "factor_vs_on_demand": on_demand / t.effective_price})
+    return rows
+
+
+def capacity_step(tiers: list[dict], served: dict) -> dict:
+    """The waterfall's last step: the cheapest tier per serving hour against neocloud on-demand."""
+    row = {"step": "capacity", "label": "capacity tier", "against": "neocloud on-demand", "batch": served["batch"],
+           "tokens_per_s": served["tokens_per_s"]}
+    best = min(tiers, key=lambda t: t["effective_price_per_hour"]) if tiers else None
+    if best is None or best["tier"] == BASELINE_TIER or served["usd_per_mtok"] is None:
+        return {**row, "applied": False, "factor": 1.0, "usd_per_mtok": served["usd_per_mtok"],
+                "note": ("not applied: one price per GPU (--price-per-hour takes a tier table)" if best is None
+                         else "not applied: on-demand is the cheapest tier given")}
+    spot = (f", {best['interruptions_per_hour']:g} interruptions/h x {best['restart_minutes']:g} min lost "
+            f"({best['available']:.1%} serving)" if best["interruptions_per_hour"] else "")
+    return {**row, "label": f"capacity tier ({best['tier']})", "applied": True, "usd_per_mtok": best["usd_per_mtok"],
+            "factor": best["factor_vs_on_demand"],
+            "note": f"{best['tier']} at ${best['price_per_hour']:.2f}/h{spot}: ${best['effective_price_per_hour']:.2f} "
+                    f"per serving hour against on-demand's; the other tiers in the capacity table"}
 
 
 def _num(value: float | None, digits: int = 3) -> str:
@@ -729,6 +847,14 @@ def economics_markdown(report: dict, png: str | None = WATERFALL_PNG) -> list[st
     lines += ["", *[f"- {note}" for note in waterfall_notes(report)]]
     if png:
         lines += ["", f"![waterfall]({png})"]
+    if any(g["capacity_tiers"] for g in report["gpus"].values()):
+        lines += ["", "### Capacity tiers (the served model at its largest batch; baseline: neocloud on-demand)", "",
+                  ("| GPU | tier | $/h billed | interruptions/h | restart min | serving | $/h serving | $/Mtok | "
+                   "vs on-demand |"), "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {g['device']} | {t['tier']} | {t['price_per_hour']:.2f} | {t['interruptions_per_hour']:g} | "
+                  f"{t['restart_minutes']:g} | {t['available']:.1%} | {t['effective_price_per_hour']:.2f} | "
+                  f"{_num(t['usd_per_mtok'])} | x{t['factor_vs_on_demand']:.2f} |"
+                  for g in report["gpus"].values() for t in g["capacity_tiers"]]
     if report["mla_layers"]:
         lines += ["", "### MLA per layer (KV bytes/token: the source's BF16 GQA cache -> as served)", "",
                   "| layer | attention | before | after | ratio |", "|---:|---|---:|---:|---:|"]
@@ -753,6 +879,16 @@ def economics_tables(report: dict) -> list:
             table.add_column(col, justify="left" if col in ("", "step", "against") else "right")
         for r in rows:
             table.add_row(*r)
+        tables.append(table)
+    if any(g["capacity_tiers"] for g in report["gpus"].values()):
+        table = Table(title="capacity tiers: the served model at its largest batch (baseline: neocloud on-demand)")
+        for col in ("GPU", "tier", "$/h billed", "serving", "$/h serving", "$/Mtok", "vs on-demand"):
+            table.add_column(col, justify="left" if col in ("GPU", "tier") else "right")
+        for g in report["gpus"].values():
+            for t in g["capacity_tiers"]:
+                table.add_row(g["device"], t["tier"], f"{t['price_per_hour']:.2f}", f"{t['available']:.1%}",
+                              f"{t['effective_price_per_hour']:.2f}", _num(t["usd_per_mtok"]),
+                              f"x{t['factor_vs_on_demand']:.2f}")
         tables.append(table)
     return tables
 

@@ -159,7 +159,9 @@ def test_the_waterfall_factors_multiply_to_the_total_against_honest_baselines(ll
     scn = config_scenario("8b", llama_8b, weights="nvfp4", kv="fp8", speculation=Speculation(2.5, 3))
     g = economics_report(scn, [gpu])["gpus"][gpu]
     rows = {r["step"]: r for r in g["waterfall"]}
-    assert [r["step"] for r in g["waterfall"]] == ["source", "window", "mla", "fp8", "fp4", "kv", "speculation"]
+    assert [r["step"] for r in g["waterfall"]] == ["source", "window", "mla", "fp8", "fp4", "kv", "speculation",
+                                                   "capacity"]
+    assert not rows["capacity"]["applied"] and rows["capacity"]["factor"] == 1.0  # one price, no tier table
     assert not rows["mla"]["applied"] and rows["mla"]["factor"] == 1.0  # Llama has no MLA conversion
     assert not rows["window"]["applied"] and rows["window"]["factor"] == 1.0  # nor sliding windows
     assert math.prod(_applied_factors(g["waterfall"])) == pytest.approx(g["total_factor"], rel=1e-12)
@@ -319,3 +321,38 @@ def test_gemma3_27b_sliding_windows_by_hand():
     assert steps["source"]["batch"] == free // (62 * 8192 * 4096)
     assert steps["window"]["applied"] and steps["window"]["batch"] == free // 771_751_936
     assert math.prod(_applied_factors(g["waterfall"])) == pytest.approx(g["total_factor"], rel=1e-12)
+
+
+def test_capacity_tiers_by_hand(llama_8b, tmp_path):
+    """A spot tier at $1.60 that loses 10 minutes to each of 0.1 interruptions an hour serves 59 minutes of 60:
+    $1.60 / (1 - 0.1 x 10/60) = $1.6271 a serving hour, x2.0896 against $3.40 on-demand; the waterfall's last
+    step takes the cheapest tier, and every tier's $/Mtok is on-demand's x its price / on-demand's."""
+    from kiln.kernels.errors import KilnError
+    from kiln.optimizer.economics import load_tiers, parse_prices
+
+    table = tmp_path / "tiers.yaml"
+    table.write_text("h100:\n  on-demand: 3.40\n  reserved-1y: 2.40\n"
+                     "  spot: {price: 1.60, interruptions_per_hour: 0.1, restart_minutes: 10}\n")
+    tiers = load_tiers(table, ["h100"])
+    assert parse_prices(str(table), ["h100"]) == {"h100": (3.40, "given")}
+    scn = config_scenario("8b", llama_8b, weights="fp8")
+    g = economics_report(scn, ["h100"], parse_prices(str(table), ["h100"]), tiers=tiers)["gpus"]["h100"]
+    rows = {t["tier"]: t for t in g["capacity_tiers"]}
+    on_demand = g["usd_per_mtok_max_batch"]
+    assert rows["on-demand"]["usd_per_mtok"] == pytest.approx(on_demand)
+    assert rows["reserved-1y"]["usd_per_mtok"] == pytest.approx(on_demand * 2.40 / 3.40)
+    assert rows["spot"]["effective_price_per_hour"] == pytest.approx(1.60 / (1 - 0.1 * 10 / 60))
+    assert rows["spot"]["factor_vs_on_demand"] == pytest.approx(3.40 * (1 - 1 / 60) / 1.60)
+    last = g["waterfall"][-1]
+    assert last["step"] == "capacity" and last["applied"] and last["label"] == "capacity tier (spot)"
+    assert last["factor"] == pytest.approx(rows["spot"]["factor_vs_on_demand"])
+    assert math.prod(_applied_factors(g["waterfall"])) == pytest.approx(g["total_factor"], rel=1e-12)
+    for text, message in (("h100:\n  reserved-1y: 2.4\n", "no 'on-demand' tier"),
+                          ("h100:\n  on-demand: -1\n", "positive number of dollars"),
+                          (("h100:\n  on-demand: 3\n  spot: {price: 1, interruptions_per_hour: 6, "
+                            "restart_minutes: 10}\n"), "leave no serving time"),
+                          ("a100:\n  on-demand: 3\n", "unknown GPU"),
+                          ("h100:\n  on-demand: {price: 3, discount: 1}\n", "unknown field")):
+        table.write_text(text)
+        with pytest.raises(KilnError, match=message):
+            load_tiers(table, ["h100"])
