@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,6 +91,16 @@ def calibration_record(path: Path | str, observation: list[list[int]], tuning: l
     if len(observation) != len(tuning):
         record |= {"observation": counts(observation), "tuning": counts(tuning)}
     return record
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far (getrusage's ru_maxrss: KiB on Linux, bytes on macOS)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Path | None, *,
@@ -201,6 +212,8 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         "evaluation": eval_info,
         "calibration": calib_info,
         "build_seconds": round(build_seconds, 3) if timings else None,
+        # the process's peak resident memory up to the passes' end (the artifact is then written tensor by tensor)
+        "peak_rss_bytes": peak_rss_bytes() if timings else None,
         "reproducible": reproducible,
         # the thread count follows the machine's load when OMP_NUM_THREADS is unset, and the stored weights do not
         # depend on it: a reproducible build leaves it out, as it leaves out timings

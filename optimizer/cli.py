@@ -319,6 +319,11 @@ def build(
     stages = timing_table()
     if stages is not None:
         console.print(stages)
+    from kiln.optimizer.build import peak_rss_bytes
+
+    peak = peak_rss_bytes()
+    if peak is not None:
+        console.print(f"peak RSS: {peak / 1e9:.2f} GB (this process, the build and the gate)")
     out.print(f"wrote {result.path}")
 
 

@@ -39,8 +39,11 @@ def test_build_inspect_eval_generate(cli, generated_checkpoint, tmp_path):
     quantizable = [n for n in info["layers"] if n != "lm_head"]
     assert quantizable and all(info["layers"][n] == "fp8_e4m3" for n in quantizable)
     # the built-in recipe: AWQ, GPTQ, then end-to-end tuning of the FP8 grid points (the model fits the budget)
-    (record,) = json.loads((out / "manifest.json").read_text())["passes"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    (record,) = manifest["passes"]
     assert sorted(record["result"]["changed"]) == sorted(quantizable)
+    # the build's peak RSS, recorded and printed (a reproducible build leaves it out, as it leaves timings)
+    assert 10**8 < manifest["peak_rss_bytes"] < 10**11 and "peak RSS:" in stderr + stdout
     assert all(v == "fp8_e4m3 (awq+gptq+tuned)" for v in record["result"]["changed"].values())
     assert any(n.startswith("tuned 200 steps") for n in record["result"]["notes"])
     code, stdout, _ = cli("eval", out, "--data", SAMPLE_TEXT, "--json", "--force")
@@ -70,6 +73,7 @@ def test_two_builds_are_byte_identical(cli, generated_checkpoint, tmp_path):
     assert all(v.endswith("(awq+gptq+tuned)") for v in record["result"]["changed"].values())
     # the thread count follows the machine's load unless OMP_NUM_THREADS is set: not part of a reproducible build
     assert "threads" not in manifest["numerics"] and "torch" in manifest["numerics"]
+    assert manifest["peak_rss_bytes"] is None
 
 
 def built_on_one_and_two_threads(tmp_path, passes: list[dict], *args: str) -> None:
