@@ -303,8 +303,7 @@ def sweep(args, flags: list[str], logs: Path) -> None:
     if args.json:
         print(json.dumps(report, indent=2, default=str))
         return
-    print(f"
-open-loop sweep: Poisson arrivals for {args.rate_seconds:g} s per rate; SLOs TTFT <= {args.ttft_slo:g} s, "
+    print(f"\nopen-loop sweep: Poisson arrivals for {args.rate_seconds:g} s per rate; SLOs TTFT <= {args.ttft_slo:g} s, "
           f"TPOT <= {args.tpot_slo * 1000:g} ms; --max-num-seqs {args.max_num_seqs} --max-queue {args.max_queue}")
     print("| offered req/s | sent | completed | 429 | lost | throughput req/s | goodput req/s | SLO attainment | "
           "TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | tokens/s |")
