@@ -297,7 +297,7 @@ def sweep(args, flags: list[str], logs: Path) -> None:
     metrics = server.metrics()
     server.stop()
     report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rates": rows,
-              "server_slo": {k: v for k, v in metrics.items() if k.startswith("kiln_slo_")}}
+              "server_slo": {k: v for k, v in metrics.items() if k.startswith("kiln_slo_") and k.endswith("_total")}}
     if args.plot:
         plot_sweep(rows, args.plot, args.ttft_slo, args.tpot_slo)
     if args.json:
