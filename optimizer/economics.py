@@ -153,6 +153,7 @@ class ModelFigures:
     kv_layers: tuple[tuple[int, int | None], ...]  # per layer: (KV bytes per token, sliding window or None)
     attention_decode_flops: int  # per token, per cached token, all layers
     attention_prefill_flops: int  # c: a causal prefill of n tokens costs c x n(n + 1)
+    attention_layers: tuple[tuple[int, int | None], ...] = ()  # per layer: (decode FLOPs per cached token, window)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -166,9 +167,9 @@ class ModelFigures:
         """Cached tokens a decode step attends, as a fraction of `context` weighted by the layers' attention
         FLOPs (1 without sliding windows)."""
         total = sum(f for f, _ in self.attention_layers)
+        if not total:
+            return 1.0
         return sum(f * min(context, w or context) for f, w in self.attention_layers) / (total * context)
-
-    attention_layers: tuple[tuple[int, int | None], ...] = ()  # per layer: (decode FLOPs per cached token, window)
 
     def active_params(self) -> dict[str, float]:
         """Params one token runs, by GEMM precision: the dense ones plus top_k of each layer's routed experts."""
