@@ -170,7 +170,10 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
         log(f"gate data: {len(tokens)} paragraphs of {eval_data}")
         progress = progress_factory(len(tokens)) if progress_factory else None
         with stage("gate baseline"):
-            gate_fn = AccuracyGate(engine_from_graph(graph, device=place, onednn_head=False), tokens, progress)
+            embedding = graph.tensors[graph.embedding]  # held first: the baseline and every candidate share it
+            gate_fn = AccuracyGate(engine_from_graph(graph, device=place, onednn_head=False), tokens, progress,
+                                   keep=(embedding,))
+            del embedding
         check_native_text(gate_fn.baseline.perplexity, graph.spec.vocab_size, f"the gate text {Path(eval_data).name}",
                           force, log)
         eval_info = {"data": Path(eval_data).name, **data_file(eval_data), "paragraphs": len(tokens),

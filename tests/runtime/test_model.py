@@ -129,3 +129,31 @@ def test_gemma3_logits_equal_transformers_past_the_window():
     for part in (slice(0, 512), slice(512, None)):
         assert (ours[part] - ref[part]).abs().max() <= 1e-4 * scale
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@needs_gemma3
+@pytest.mark.slow
+def test_gemma3_generates_2k_tokens_past_the_window_as_transformers_scores_them():
+    """2,048 greedy tokens through the scheduler and the paged cache, four times the 512-token window: every one
+    is transformers' own argmax at its position (teacher-forced over the whole text), or within 1e-3 nats of it
+    (a near-tie fp32 rounding may break either way)."""
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(GEMMA3)
+    # 160 blocks of 16: the paged cache still holds a window layer's whole history (the default pool holds 1,808)
+    engine = Engine(load_checkpoint(GEMMA3).spec, load_file(GEMMA3 / "model.safetensors"), {}, tok,
+                    kv_cache_blocks=160)
+    prompt = tok.encode("Once upon a time, there was a little girl named Lily.")
+    (out,) = engine.generate_ids([prompt], max_new_tokens=2048, stop_ids=())  # () : EOS does not stop it
+    generated = out[0]
+    assert len(generated) == 2048
+    hf = AutoModelForCausalLM.from_pretrained(GEMMA3, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        hidden = hf.model(ids).last_hidden_state[0, len(prompt) - 1: -1]  # the states that predict each token
+        worst = 0.0
+        for start in range(0, len(generated), 64):  # [64, 262144] log-probs at a time
+            lp = torch.log_softmax(hf.lm_head(hidden[start:start + 64]).float(), dim=-1)
+            chosen = lp.gather(1, torch.tensor(generated[start:start + 64])[:, None])[:, 0]
+            worst = max(worst, float((lp.max(dim=-1).values - chosen).max()))
+    assert worst <= 1e-3
