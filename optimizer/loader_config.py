@@ -212,7 +212,7 @@ def _gqa_attention(cfg, prefix: str, i: int, qk_norm: bool) -> AttentionSpec:
     layer_types = getattr(cfg, "layer_types", None)
     if getattr(cfg, "sliding_window", None) and (layer_types is None or layer_types[i] == "sliding_attention"):
         window = int(cfg.sliding_window)
-    # Gemma scales scores by query_pre_attn_scalar^-0.5 (its head_dim for the released sizes but 27B's)
+    # Gemma scales scores by query_pre_attn_scalar^-0.5 (its head_dim in every released size but 27B: 168 of 128)
     scalar = getattr(cfg, "query_pre_attn_scalar", None) if cfg.model_type == "gemma3_text" else None
     return AttentionSpec(
         kind="mha" if kv_heads == heads else "gqa",
