@@ -103,7 +103,7 @@ HEAD_CHUNK = 128
 at SmolLM2's 49K vocabulary (under glibc's 32 MiB, so reused from the heap: see calibration.data.
 FORWARD_BATCH_TOKENS), whatever the amount of text scored. Larger vocabularies take fewer (`head_rows`)."""
 HEAD_CHUNK_BYTES = 32 << 20
-"""Bytes of one chunk's fp32 log-probs: [32, 262144] at Gemma 3's vocabulary, 64 rows at 128K."""
+"""Bytes of one chunk's fp32 log-probs: [32, 262144] at Gemma 3's vocabulary, 65 rows at Llama 3's 128,256."""
 
 
 def head_rows(vocab_size: int) -> int:
