@@ -57,7 +57,7 @@ from kiln.kernels.formats import ActivationFormat, KvFormat, WeightFormat
 from kiln.kernels.registry import WEIGHT_FORMATS
 from kiln.kernels.targets import B200, H100, H200, Device
 from kiln.runtime.kv_budget import ACTIVATION_RESERVE_FRACTION, max_concurrent_sequences
-from kiln.runtime.kv_format import kv_bytes_per_token
+from kiln.runtime.kv_format import kv_bytes_per_token, kv_sequence_bytes
 from kiln.runtime.spec import LinearSpec, ModelSpec
 
 USD_PER_MTOK = 10**6 / 3600  # 277.78: $/Mtok = USD_PER_MTOK x $/h / (tokens/s)
@@ -161,7 +161,8 @@ class ModelFigures:
 
     def kv_bytes(self, context: int) -> int:
         """KV bytes one sequence of `context` tokens holds: a sliding-window layer keeps its window."""
-        return sum(n * min(context, w or context) for n, w in self.kv_layers)
+        return kv_sequence_bytes(dict(enumerate(n for n, _ in self.kv_layers)),
+                                 dict(enumerate(w for _, w in self.kv_layers)), context)
 
     def attended(self, context: int) -> float:
         """Cached tokens a decode step attends, as a fraction of `context` weighted by the layers' attention
