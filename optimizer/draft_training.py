@@ -30,7 +30,7 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.draft import draft_module
-from kiln.runtime.model import Transformer, Weights
+from kiln.runtime.model import QuantLinear, Transformer, Weights
 from kiln.runtime.spec import ExtraModuleSpec
 
 FEATURE_WEIGHT = 1.0
@@ -62,6 +62,10 @@ class DraftDistillation:
         self.target = Transformer(spec, weights=weights).eval()
         for p in self.target.parameters():
             p.requires_grad_(False)
+        if module.draft_vocab:
+            head = f"{module.linears['lm_head'].name}.weight"
+            if head not in weights.tensors:
+                weights.tensors[head] = draft_head_rows(self.target, init[module.draft_vocab])
         self.module = draft_module(module, weights, self.target)
         self.spec = module
         m = self.module
@@ -83,7 +87,9 @@ class DraftDistillation:
             own.update({name: norm.weight for name, norm in zip(module.layer.output_norms, outs, strict=True)})
         for lin in module.layer.linears():
             own[f"{lin.name}.weight"] = _find_linear(layer_modules, lin.name, module)
-        missing = sorted(set(init) - set(own))
+        # a draft vocabulary's head (the target's lm_head rows at its ids) and its d2t stay as given
+        frozen = {head, module.draft_vocab} if module.draft_vocab else set()
+        missing = sorted(set(init) - set(own) - frozen)
         if missing:
             raise KilnError(f"draft head: no trainable tensor for {missing[0]}")
         self.parameters: dict[str, torch.nn.Parameter] = {}
@@ -114,7 +120,10 @@ class DraftDistillation:
                 self._features[i] = self.target.features(b.tokens, b.positions, collect=aux)
         feats, inputs = self._features[i] if aux else (self._features[i], self._features[i])
         with torch.no_grad():
-            teacher = torch.log_softmax(self.target.lm_head(self.target.norm(feats)), dim=-1)
+            # over the draft vocabulary when the head has one (EAGLE-3's training): the head's own lm_head is
+            # the target's rows there, so these are the target's logits restricted to it
+            head = self.target.lm_head if self.module.vocab_ids is None else self.module.head
+            teacher = torch.log_softmax(head(self.target.norm(feats)), dim=-1)
             scale = inputs.pow(2).mean().sqrt()
             noise = (torch.rand(inputs.shape, generator=self.generator) - 0.5) * NOISE * scale
         # step 1: (f_t + noise, token t+1) at position t -> f̂_{t+1}, the distribution of token t+2
@@ -132,11 +141,21 @@ class DraftDistillation:
 
     def _terms(self, out: torch.Tensor, target_features: torch.Tensor, teacher: torch.Tensor,
                valid: torch.Tensor) -> torch.Tensor:
-        logp = torch.log_softmax(self.module.logits(out[valid]), dim=-1)
+        logp = torch.log_softmax(self.module.draft_logits(out[valid]), dim=-1)
         kl = kl_terms(teacher[valid], logp).sum(-1).mean()
         scale = target_features[valid].pow(2).mean().sqrt().clamp_min(1e-6)
         regression = F.smooth_l1_loss(out[valid] / scale, target_features[valid] / scale)
         return kl + FEATURE_WEIGHT * regression
+
+
+def draft_head_rows(target: Transformer, d2t: torch.Tensor) -> torch.Tensor:
+    """The rows of the target's lm_head, as the runtime computes with it, at a draft vocabulary's target ids
+    (draft id i -> i + d2t[i]): the draft head's own lm_head, which then scores exactly what the target does."""
+    head = target.lm_head
+    if not isinstance(head, QuantLinear) or head.input_quantizer is not None:
+        raise KilnError("draft-head: a draft vocabulary copies rows of the target's lm_head, whose activations "
+                        "are quantized here; keep the lm_head's activations unquantized or set draft_vocab: 0")
+    return head.weight.detach()[torch.arange(d2t.numel()) + d2t].clone()
 
 
 def _find_linear(block, name: str, module: ExtraModuleSpec) -> torch.nn.Parameter:

@@ -4,8 +4,9 @@ ModelOpt's speculative export (`modelopt.torch.export.export_speculative_decodin
 
     model.safetensors   fc.weight [C, 3C], layers.0.{input_layernorm, hidden_norm, post_attention_layernorm}.weight,
                         layers.0.self_attn.{q,k,v}_proj.weight [.., 2C], o_proj, layers.0.mlp.{gate,up,down}_proj,
-                        norm.weight, lm_head.weight (the target's: the full vocabulary, so no d2t)
-    config.json         LlamaForCausalLMEagle3, the layer's dims, draft_vocab_size = vocab_size, the target's rope,
+                        norm.weight, lm_head.weight (the target's, the full vocabulary; or, with a draft
+                        vocabulary, the head's own [D, C] with d2t [D] int64 and t2d [V] bool)
+    config.json         LlamaForCausalLMEagle3, the layer's dims, draft_vocab_size (D, or vocab_size), the target's rope,
                         eagle_config (ModelOpt's, eagle_aux_hidden_state_layer_ids as ModelOpt counts them: the
                         output of layer i) and a top-level eagle_aux_hidden_state_layer_ids as vLLM counts them
                         (before layer j: i + 1)
@@ -54,6 +55,12 @@ def eagle3_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats: d
     if quantized:
         raise KilnError(f"--format eagle3 writes the head unquantized; {quantized[0]} is quantized")
     out = {n[len(prefix):]: tensors[n].contiguous() for n in names}
+    if module.draft_vocab:  # its own lm_head over the draft vocabulary, d2t (which vLLM reads), t2d beside it
+        d2t = out["d2t"]
+        t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(d2t.numel()) + d2t] = True
+        out["t2d"] = t2d
+        return out
     head = spec.lm_head
     if formats.get(head.name, {}).get("format", "dense") != "dense":
         raise KilnError("--format eagle3 copies the target's lm_head into the draft, and it is quantized here")
@@ -75,7 +82,8 @@ def eagle3_config(spec: ModelSpec, source: dict, dtype: torch.dtype) -> dict:
         "intermediate_size": mlp.linears["gate"].out_features, "max_position_embeddings": spec.max_position_embeddings,
         "num_attention_heads": attention.num_heads, "num_key_value_heads": attention.num_kv_heads,
         "head_dim": attention.head_dim, "num_hidden_layers": 1, "rms_norm_eps": spec.rms_norm_eps,
-        "vocab_size": spec.vocab_size, "draft_vocab_size": spec.vocab_size,
+        "vocab_size": spec.vocab_size,
+        "draft_vocab_size": module.linears["lm_head"].out_features if module.draft_vocab else spec.vocab_size,
         "rope_theta": source.get("rope_theta", (source.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         "rope_scaling": source.get("rope_scaling"), "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."), "attention_bias": False, "attention_dropout": 0.0,

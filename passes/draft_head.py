@@ -107,14 +107,20 @@ def eagle3_carries(spec) -> bool:
     return not spec.norm_offset and not any(layer.output_norms for layer in spec.layers)
 
 
-def head_module(graph: ModelGraph, architecture: str = "mtp") -> ExtraModuleSpec:
+def head_module(graph: ModelGraph, architecture: str = "mtp", draft_vocab: int = 0) -> ExtraModuleSpec:
     """The draft head's spec for `graph`.
 
     "mtp": eh_proj, enorm, hnorm and a decoder layer shaped like the target's last (`draft_layer`).
     "eagle3": EAGLE-3 as vLLM and SGLang load it: fc over three target layers' outputs, a decoder layer whose
     q/k/v read [input_layernorm(embedding), hidden_norm(hidden)] (2 x hidden), a final norm; the target's
-    lm_head (the full vocabulary: no draft vocabulary mapping)."""
-    hidden = graph.spec.hidden_size
+    lm_head, or with `draft_vocab` its own lm_head over that many tokens and their d2t offsets."""
+    hidden, vocab = graph.spec.hidden_size, graph.spec.vocab_size
+    if draft_vocab and architecture != "eagle3":
+        raise KilnError("draft-head: draft_vocab is EAGLE-3's draft vocabulary; set architecture: eagle3 or "
+                        "draft_vocab: 0")
+    if draft_vocab >= vocab:
+        raise KilnError(f"draft-head: draft_vocab {draft_vocab} is not smaller than the vocabulary's {vocab}; "
+                        "0 drafts over the whole vocabulary")
     if architecture == "eagle3":
         if not eagle3_carries(graph.spec):
             raise KilnError(f"draft-head: an EAGLE-3 head is a Llama decoder layer as vLLM and SGLang load it; "
@@ -125,10 +131,13 @@ def head_module(graph: ModelGraph, architecture: str = "mtp") -> ExtraModuleSpec
                 for role, lin in layer.attention.linears.items()}
         layer = dataclasses.replace(layer, attention=dataclasses.replace(layer.attention, linears=wide))
         aux = eagle3_aux_layers(len(graph.spec.layers))
+        linears = {"fc": LinearSpec(f"{PREFIX}.fc", "draft_proj", len(aux) * hidden, hidden, layer.index)}
+        if draft_vocab:
+            linears["lm_head"] = LinearSpec(f"{PREFIX}.lm_head", "draft_proj", hidden, draft_vocab, layer.index)
         return ExtraModuleSpec(
-            "eagle3", PREFIX, layer,
-            {"fc": LinearSpec(f"{PREFIX}.fc", "draft_proj", len(aux) * hidden, hidden, layer.index)},
-            (f"{PREFIX}.layers.0.hidden_norm.weight", f"{PREFIX}.norm.weight"), aux_layers=aux)
+            "eagle3", PREFIX, layer, linears,
+            (f"{PREFIX}.layers.0.hidden_norm.weight", f"{PREFIX}.norm.weight"), aux_layers=aux,
+            draft_vocab=f"{PREFIX}.d2t" if draft_vocab else None)
     layer = draft_layer(graph)
     return ExtraModuleSpec(
         "draft_head", PREFIX, layer,
@@ -136,11 +145,26 @@ def head_module(graph: ModelGraph, architecture: str = "mtp") -> ExtraModuleSpec
         (f"{PREFIX}.enorm.weight", f"{PREFIX}.hnorm.weight"))
 
 
+def draft_vocabulary(token_lists: Sequence[Sequence[int]], size: int, vocab: int) -> tuple[torch.Tensor, float]:
+    """EAGLE-3's draft vocabulary: the `size` tokens most frequent in `token_lists` (ties: the lower id; too
+    few distinct tokens: the lowest unseen ids fill it), as d2t offsets (draft id i -> target id i + d2t[i], the
+    ids ascending), and the fraction of the lists' tokens it holds."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for t in token_lists:
+        counts += torch.bincount(torch.as_tensor(t, dtype=torch.long), minlength=vocab)[:vocab]
+    order = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))  # stable: ties by id
+    ids = torch.tensor(sorted(order[:size]), dtype=torch.long)
+    total = int(counts.sum())
+    return ids - torch.arange(size), (int(counts[ids].sum()) / total if total else 0.0)
+
+
 def attach(graph: ModelGraph, module: ExtraModuleSpec, tensors: dict[str, torch.Tensor]) -> None:
-    """Put the head's tensors (stored in the embedding's dtype) and spec into `graph`."""
+    """Put the head's tensors (floating ones stored in the embedding's dtype; the d2t ids as int64) and spec
+    into `graph`."""
     dtype = graph.tensors[graph.embedding].dtype
     for name, value in tensors.items():
-        graph.tensors[name] = value.detach().to(dtype).contiguous()
+        value = value.detach()
+        graph.tensors[name] = (value.to(dtype) if value.is_floating_point() else value).contiguous()
     graph.set_spec(dataclasses.replace(graph.spec, extra_modules=(*graph.spec.extra_modules, module)))
 
 
@@ -180,6 +204,10 @@ class DraftHead(Pass):
     generated_tokens: int = 128
     min_tau: float = 1.5  # the gate's floor on tau
     seed: int = 0
+    # EAGLE-3's draft vocabulary: the head scores only the `draft_vocab` tokens most frequent in its training
+    # text (its own lm_head: the target's rows there, frozen), which cuts each draft step's lm_head by
+    # vocab / draft_vocab; 0: the whole vocabulary through the target's lm_head
+    draft_vocab: int = 0
 
     name: ClassVar[str] = "draft-head"
     exclusive: ClassVar[str | None] = "draft module"  # the runtime drafts with one; a second would replace it
@@ -201,6 +229,8 @@ class DraftHead(Pass):
                     why="tokens each generation decodes")
         check_range("draft-head: lr", self.lr, 0, MAX_LR, low_open=True)
         check_range("draft-head: seed", self.seed, 0, MAX_SEED, integer=True)
+        check_range("draft-head: draft_vocab", self.draft_vocab, 0, 1 << 24, integer=True,
+                    why="0: the whole vocabulary")
         if self.architecture not in (*ARCHITECTURES, "auto"):
             raise KilnError(f"draft-head: architecture={self.architecture!r} is not allowed; choose one of "
                             f"{', '.join(ARCHITECTURES)}, auto")
@@ -220,7 +250,8 @@ class DraftHead(Pass):
 
     def check(self, graph: ModelGraph, target) -> None:
         if not any(m.kind in DRAFT_KINDS for m in graph.spec.extra_modules):
-            head_module(graph, self.resolved(graph))  # refuses a shape it cannot copy, before anything runs
+            # refuses a shape it cannot copy, or a draft vocabulary it cannot have, before anything runs
+            head_module(graph, self.resolved(graph), self.draft_vocab)
 
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
         result = PassResult(self.name)
@@ -234,7 +265,6 @@ class DraftHead(Pass):
             raise KilnError("draft-head trains on calibration text: give --calib-data (or keep ../shared's)")
         hidden = graph.spec.hidden_size
         architecture = self.resolved(graph)
-        module = head_module(graph, architecture)
         started = time.perf_counter()
         calibration = [list(t) for t in ctx.runner.calibration_tokens]
         prompts = [t[:PROMPT_TOKENS] for t in calibration if len(t) >= PROMPT_TOKENS][: self.generated]
@@ -246,18 +276,33 @@ class DraftHead(Pass):
             context = graph.spec.max_position_embeddings
             new = max(0, min(self.generated_tokens, context - PROMPT_TOKENS))
             generations = [p + g for p, g in zip(prompts, ctx.runner.generate(graph, prompts, new), strict=True)]
-        objective = ctx.runner.draft_distillation(graph, module, init_tensors(module, hidden, self.seed, graph.spec.norm_offset),
-                                                  generations, self.batch_tokens)
+        module = head_module(graph, architecture, self.draft_vocab)
+        init = init_tensors(module, hidden, self.seed, graph.spec.norm_offset)
+        coverage = None
+        if module.draft_vocab:
+            init[module.draft_vocab], coverage = draft_vocabulary([*calibration, *generations], self.draft_vocab,
+                                                                  graph.spec.vocab_size)
+        objective = ctx.runner.draft_distillation(graph, module, init, generations, self.batch_tokens)
         history = tune(list(objective.parameters.values()), objective.loss, self.train_steps, self.lr,
                        log=ctx.log)
-        attach(graph, module, objective.parameters)
+        trained = dict(objective.parameters)
+        if module.draft_vocab:  # the frozen head rows and the id map ship with it
+            trained[f"{module.linears['lm_head'].name}.weight"] = objective.module.head.weight
+            trained[module.draft_vocab] = init[module.draft_vocab]
+        attach(graph, module, trained)
         seconds = time.perf_counter() - started
         params = sum(p.numel() for p in objective.parameters.values())
         tokens = sum(objective.batch_tokens(s) for s in range(self.train_steps))
         result.changed[PREFIX] = (f"{architecture} draft head attached: {params} parameters"
-                                  + (f", reading layers {list(module.aux_layers)}" if module.aux_layers else ""))
+                                  + (f", reading layers {list(module.aux_layers)}" if module.aux_layers else "")
+                                  + (f", drafting over {self.draft_vocab} tokens" if module.draft_vocab else ""))
         result.metrics.update({"parameters": params, "train_steps": self.train_steps, "train_tokens": tokens,
                                "train_seconds": round(seconds, 1)})
+        if coverage is not None:
+            result.metrics.update({"draft_vocab": self.draft_vocab, "draft_vocab_coverage": round(coverage, 5)})
+            result.notes.append(f"draft vocabulary: the {self.draft_vocab} of {graph.spec.vocab_size} tokens most "
+                                f"frequent in the training text, {coverage:.2%} of its tokens; a token outside it "
+                                "is never drafted (the target still emits it)")
         if history:
             result.metrics["final_loss"] = history[-1]
         result.notes.append(f"self-distilled on the calibration text and {len(generations)} "

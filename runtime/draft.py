@@ -17,6 +17,8 @@ module's output f̂ stands in for feature[t+1] when it drafts the next token, so
     x   = [input_layernorm(embed(token[t+1])), hidden_norm(h)]         # [2C]: q/k/v take 2C
     h'  = h + attention(x);  out = h' + mlp(post_attention_layernorm(h'))
     logits = lm_head(norm(out)); out is the next step's h
+    with a draft vocabulary (`draft_vocab`: EAGLE-3's d2t), lm_head is the head's own [D, C] and scores D
+    tokens; the drafter sees them at their target ids and -inf elsewhere
 
 `project(features)` maps what the target gives (its features, or the aux layers' outputs) to the module's
 input; a chained step passes the module's own output unprojected.
@@ -39,6 +41,7 @@ from kiln.runtime.model import (
     scale_embedding,
 )
 from kiln.runtime.spec import ExtraModuleSpec
+from kiln.runtime.weights import need_tensor
 
 DRAFT_KINDS = ("mtp", "draft_head", "eagle3")
 
@@ -83,8 +86,12 @@ class DraftModule(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_tokens)), self.hnorm(features)], -1))
         return self.block(x, self.rotary(positions), positions, cache, 0)
 
+    vocab_ids = None  # the whole vocabulary
+
     def logits(self, draft_features: torch.Tensor) -> torch.Tensor:
         return self.head(self.head_norm(draft_features))
+
+    draft_logits = logits
 
 
 class Eagle3Module(nn.Module):
@@ -104,6 +111,8 @@ class Eagle3Module(nn.Module):
         self.head = weights.linear(module.linears["lm_head"]) if "lm_head" in module.linears else target.lm_head
         self.embed = target.embed
         self.embedding_scale = target.spec.embedding_scale
+        self.vocab_size = target.spec.vocab_size
+        self.vocab_ids = (draft_vocab_ids(module, weights, self.vocab_size) if module.draft_vocab else None)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return scale_embedding(F.embedding(tokens, self.embed), self.embedding_scale)
@@ -121,5 +130,31 @@ class Eagle3Module(nn.Module):
         h = hidden + self.attention(x, self.rotary(positions), positions, cache, 0)
         return h + self.mlp(self.post_norm(h))
 
-    def logits(self, draft_features: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, draft_features: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (the whole vocabulary when the head has none)."""
         return self.head(self.norm(draft_features))
+
+    def logits(self, draft_features: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary: a draft vocabulary's scores at their target ids, -inf elsewhere
+        (as vLLM's Eagle3LlamaForCausalLM.compute_logits), so a drafter never proposes a token outside it."""
+        logits = self.draft_logits(draft_features)
+        if self.vocab_ids is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.vocab_ids] = logits
+        return out
+
+
+def draft_vocab_ids(module: ExtraModuleSpec, weights: Weights, vocab_size: int) -> torch.Tensor:
+    """The target ids of an EAGLE-3 draft vocabulary (draft id i -> i + d2t[i]), checked: each inside the
+    vocabulary, strictly increasing (so none is drafted twice)."""
+    d2t = need_tensor(weights.tensors, module.draft_vocab)
+    ids = torch.arange(d2t.numel()) + d2t.long()
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.numel():
+        raise KilnError(f"{module.draft_vocab}: a draft id maps to target id {int(outside[0])}, outside the "
+                        f"vocabulary of {vocab_size}")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise KilnError(f"{module.draft_vocab}: the draft vocabulary's target ids must be strictly increasing "
+                        "(EAGLE-3's d2t maps each draft id to a distinct target id, in order)")
+    return ids

@@ -147,6 +147,9 @@ class ExtraModuleSpec:
     tensors: tuple[str, ...] = ()  # any other tensor it holds (DeepSeek MTP: its copy of the embedding)
     # EAGLE-3: the target layers whose outputs (before the final norm) it reads, concatenated, in this order
     aux_layers: tuple[int, ...] = ()
+    # EAGLE-3 with a draft vocabulary: the int64 tensor of d2t offsets (draft id i drafts target id i + d2t[i]),
+    # which its own lm_head [draft vocab, hidden] scores; None: its head scores the whole vocabulary
+    draft_vocab: str | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,8 @@ class ModelSpec:
                 names.add(layer.mlp.score_correction_bias)
         for module in self.extra_modules:
             names.update((*module.norms, *module.tensors))
+            if module.draft_vocab:
+                names.add(module.draft_vocab)
         return names
 
     def to_json(self) -> dict:
@@ -257,7 +262,7 @@ def spec_from_json(data: dict) -> ModelSpec:
         extras = tuple(ExtraModuleSpec(e["kind"], e["name"],
                                        _layer_from_json(e["layer"]) if e["layer"] is not None else None,
                                        _linears_from_json(e["linears"]), tuple(e["norms"]), tuple(e["tensors"]),
-                                       tuple(e.get("aux_layers", ())))
+                                       tuple(e.get("aux_layers", ())), e.get("draft_vocab"))
                        for e in data["extra_modules"])
         spec = ModelSpec(**{**data, "lm_head": _linear_from_json(data["lm_head"]),
                             "layers": tuple(_layer_from_json(layer) for layer in data["layers"]),
@@ -592,9 +597,18 @@ def check_spec(spec: ModelSpec) -> None:
                 raise _inconsistent(f"{path}.aux_layers", f"must name layers of the {len(spec.layers)}, got "
                                     f"{_show(list(module.aux_layers))}")
             _linear_shape(lin["fc"], f"{path}.linears.fc", len(module.aux_layers) * C, C)
-            if "lm_head" in lin:
+            if module.draft_vocab is not None:
+                _need(lin, path, "lm_head")  # what scores the draft vocabulary
+                if not 1 <= lin["lm_head"].out_features <= V:
+                    raise _inconsistent(f"{path}.linears.lm_head", f"scores {lin['lm_head'].out_features} draft "
+                                        f"tokens; a draft vocabulary holds 1 to the vocabulary's {V}")
+                _linear_shape(lin["lm_head"], f"{path}.linears.lm_head", C, None)
+            elif "lm_head" in lin:
                 _linear_shape(lin["lm_head"], f"{path}.linears.lm_head", C, V)
         else:
+            if module.draft_vocab is not None:
+                raise _inconsistent(f"{path}.draft_vocab", f"only an EAGLE-3 module drafts over a draft "
+                                    f"vocabulary, not a {module.kind} module")
             _roles(lin, path, ("eh_proj", "head"))
             _need(lin, path, "eh_proj")
             _linear_shape(lin["eh_proj"], f"{path}.linears.eh_proj", 2 * C, C)

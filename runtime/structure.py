@@ -157,6 +157,10 @@ def check_tensors(spec: ModelSpec, formats: Mapping[str, Mapping], kv_table: Map
             plain(name, (C,), "a norm weight")
         for name in module.tensors:
             plain(name, (V, C), f"a tensor of extra module {clip(module.name, 40)}")
+        if module.draft_vocab:
+            d2t = need_tensor(tensors, module.draft_vocab)
+            check_dtype(module.draft_vocab, d2t, "a draft vocabulary's d2t offsets", torch.int64)
+            check_shape(module.draft_vocab, d2t, (module.linears["lm_head"].out_features,))
     _check_kv_tensors(spec, kv_table, tensors)
 
 

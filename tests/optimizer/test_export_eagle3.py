@@ -51,6 +51,26 @@ def eagle3_artifact(tmp_path_factory, generated_checkpoint):
     return ckpt, art
 
 
+DRAFT_VOCAB = 48
+
+
+@pytest.fixture(scope="module")
+def eagle3_vocab_artifact(tmp_path_factory, eagle3_artifact):
+    """The same target with an EAGLE-3 head over a draft vocabulary of DRAFT_VOCAB tokens."""
+    from kiln.optimizer.build import build
+
+    ckpt, _ = eagle3_artifact
+    root = tmp_path_factory.mktemp("eagle3_vocab")
+    text = root / "text.txt"
+    text.write_text("\n\n".join(f"Once upon a time there was a cat number {i}. It sat on mat {i % 7} and was "
+                                f"happy with the {i % 5} dogs." for i in range(80)))
+    recipe = Recipe("eagle3", (DraftHead(architecture="eagle3", train_steps=3, generated=4, generated_tokens=8,
+                                         min_tau=1.0, draft_vocab=DRAFT_VOCAB),))
+    art = build(ckpt, "hopper", recipe, root / "art", eval_data=text, calib_data=text, paragraphs=20,
+                force=True).path
+    return ckpt, art
+
+
 def test_eagle3_export_matches_modelopts_layout(eagle3_artifact, tmp_path):
     mtsp = pytest.importorskip("modelopt.torch.speculative", reason="nvidia-modelopt (the anchors extra)")
     import copy
@@ -93,14 +113,17 @@ def _rope(x, positions, theta, dim):
     return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
 
 
-def test_exported_head_run_as_vllm_does_gives_the_runtimes_draft(eagle3_artifact, tmp_path):
+@pytest.mark.parametrize("which", ["whole vocabulary", "draft vocabulary"])
+def test_exported_head_run_as_vllm_does_gives_the_runtimes_draft(which, request, tmp_path):
     """vLLM's Eagle3 forward, written out from the exported files and transformers' target, against Kiln's
-    runtime head on the same prompt: the same draft logits."""
+    runtime head on the same prompt: the same draft logits (with a draft vocabulary, scattered to their target
+    ids through d2t and -inf elsewhere, as vLLM's compute_logits)."""
     from transformers import LlamaForCausalLM
 
     from kiln import runtime
 
-    ckpt, art = eagle3_artifact
+    fixture = "eagle3_artifact" if which == "whole vocabulary" else "eagle3_vocab_artifact"
+    ckpt, art = request.getfixturevalue(fixture)
     out = export(art, "eagle3", tmp_path / "e")
     w, config = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
     target = LlamaForCausalLM.from_pretrained(ckpt).eval()
@@ -124,15 +147,73 @@ def test_exported_head_run_as_vllm_does_gives_the_runtimes_draft(eagle3_artifact
         mlp = (F.silu(m @ w["layers.0.mlp.gate_proj.weight"].T) * (m @ w["layers.0.mlp.up_proj.weight"].T))
         h = h + mlp @ w["layers.0.mlp.down_proj.weight"].T
         want = _rms(h, w["norm.weight"]) @ w["lm_head.weight"].T
+        if "d2t" in w:
+            targets = torch.arange(config["draft_vocab_size"]) + w["d2t"]
+            full = want.new_full((want.shape[0], config["vocab_size"]), float("-inf"))
+            full[:, targets] = want
+            want = full
         engine = runtime.load(art)
         module = engine.draft_module()
         positions = torch.arange(tokens.shape[1])[None]
         _, collected = engine.model.features(tokens, positions, collect=module.aux_layers)
         got = module.logits(module(module.project(collected[:, :-1]), tokens[:, 1:], positions[:, :-1]))[0]
-    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = ~torch.isinf(want)
+    assert torch.allclose(got[finite], want[finite], atol=1e-4, rtol=1e-4), (got[finite] - want[finite]).abs().max()
+
+
+def test_a_draft_vocabulary_is_the_most_frequent_tokens_and_the_targets_own_rows(eagle3_vocab_artifact, tmp_path):
+    """d2t names DRAFT_VOCAB distinct target ids ascending (t2d marks the same ones); the head's lm_head is
+    the target's lm_head at those rows exactly; the config says the draft vocabulary's size; speculative
+    decoding over it is still exactly plain greedy decoding."""
+    from transformers import LlamaForCausalLM
+
+    from kiln import runtime
+
+    ckpt, art = eagle3_vocab_artifact
+    out = export(art, "eagle3", tmp_path / "e")
+    w, config = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == DRAFT_VOCAB and config["vocab_size"] > DRAFT_VOCAB
+    assert w["d2t"].dtype == torch.int64 and w["d2t"].shape == (DRAFT_VOCAB,)
+    ids = torch.arange(DRAFT_VOCAB) + w["d2t"]
+    assert bool((ids[1:] > ids[:-1]).all()) and 0 <= int(ids[0]) and int(ids[-1]) < config["vocab_size"]
+    assert torch.equal(w["t2d"].nonzero()[:, 0], ids)
+    target = LlamaForCausalLM.from_pretrained(ckpt).eval()
+    assert torch.equal(w["lm_head.weight"], target.lm_head.weight.detach()[ids].to(w["lm_head.weight"].dtype))
+    engine = runtime.load(art)
+    record = [r for r in engine.manifest["passes"] if r["name"] == "draft-head"][0]
+    assert record["result"]["metrics"]["draft_vocab"] == DRAFT_VOCAB
+    assert 0.5 < record["result"]["metrics"]["draft_vocab_coverage"] <= 1.0
+    prompts = [[1, 17, 42, 9], [1, 5, 33, 7, 101]]
+    plain = engine.generate_ids(prompts, 12)
+    for width in (1, 3):
+        spec, stats = engine.speculative_ids(prompts, 12, 3, engine.drafter("head", tree_width=width))
+        assert spec == plain and stats.steps > 0
 
 
 def test_only_an_eagle3_head_exports_so(eagle3_artifact, tmp_path, plain_artifact):
     with pytest.raises(KilnError, match="no draft head"):
         export(plain_artifact, "eagle3", tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_d2t_outside_the_vocabulary_or_out_of_order_is_refused():
+    """The runtime refuses a d2t whose ids leave the vocabulary or repeat (an artifact's tensors may come from
+    hostile hands; the structure check has already held its dtype and shape)."""
+    from types import SimpleNamespace
+
+    from kiln.runtime.draft import draft_vocab_ids
+    from kiln.runtime.spec import ExtraModuleSpec
+
+    module = ExtraModuleSpec("eagle3", "draft_head", None, {}, (), draft_vocab="draft_head.d2t")
+
+    def ids(offsets):
+        return draft_vocab_ids(module, SimpleNamespace(tensors={"draft_head.d2t": torch.tensor(offsets)}), 10)
+
+    assert ids([0, 2, 5]).tolist() == [0, 3, 7]
+    with pytest.raises(KilnError, match="target id 10, outside the vocabulary of 10"):
+        ids([0, 0, 8])
+    with pytest.raises(KilnError, match="target id -1"):
+        ids([-1, 0])
+    with pytest.raises(KilnError, match="strictly increasing"):
+        ids([3, 1])

@@ -118,3 +118,29 @@ def test_gemma3_gets_an_mtp_head_that_drafts_losslessly(tiny_checkpoints):
     prompt = [tokens[0][:10]]
     ids, stats = engine.speculative_ids(prompt, 12, 3, engine.drafter("head", tree_width=1))
     assert ids == engine.generate_ids(prompt, max_new_tokens=12) and stats.tau >= 1.0
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_tokens_by_hand():
+    """Counts over the lists: token 5 four times, 2 three times, 9 and 7 twice (ties: the lower id), 1 once; a
+    vocabulary of 3 holds {2, 5, 7} as d2t offsets from 0, 1, 2, and 9 of the 12 tokens."""
+    import torch
+
+    from kiln.passes.draft_head import draft_vocabulary
+
+    d2t, coverage = draft_vocabulary([[5, 5, 2, 9, 7], [2, 5, 1, 9], [5, 2, 7]], 3, vocab=12)
+    assert (torch.arange(3) + d2t).tolist() == [2, 5, 7]
+    assert coverage == pytest.approx(9 / 12)
+    d2t, coverage = draft_vocabulary([[3, 3]], 3, vocab=12)  # too few distinct tokens: the lowest unseen fill
+    assert (torch.arange(3) + d2t).tolist() == [0, 1, 3] and coverage == 1.0
+
+
+def test_a_draft_vocabulary_is_eagle3s_and_smaller_than_the_vocabulary(generated_checkpoint):
+    from kiln.optimizer.loader import load_checkpoint
+
+    graph = load_checkpoint(generated_checkpoint)
+    with pytest.raises(KilnError, match="draft_vocab is EAGLE-3's"):
+        DraftHead(architecture="mtp", draft_vocab=8).check(graph, "hopper")
+    with pytest.raises(KilnError, match="not smaller than the vocabulary"):
+        DraftHead(architecture="eagle3", draft_vocab=graph.spec.vocab_size).check(graph, "hopper")
+    with pytest.raises(KilnError, match="draft_vocab"):
+        DraftHead(draft_vocab=-1)
