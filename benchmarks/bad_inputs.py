@@ -591,6 +591,13 @@ def bounds_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
         Case("bounds: serve --port 70000", ["serve", a, "--port", "70000"], 2),
         Case("bounds: report on a config.json declaring 10^9 layers", ["report", str(huge_config)], 2,
              setup=write_huge_config, check=fast(60)),
+        Case("bounds: report --workload nope (unknown preset)", ["report", a, "--workload", "nope"], 2, check=fast(60)),
+        Case("bounds: report --workload with a negative rate",
+             ["report", a, "--workload", "rate=-1,prompt=2048,output=256,ttft=1,tpot=0.05"], 2, check=fast(60)),
+        Case("bounds: report --workload rate=1,prompt (malformed)", ["report", a, "--workload", "rate=1,prompt"], 2,
+             check=fast(60)),
+        Case("bounds: report --workload chat --link-gbps nan",
+             ["report", a, "--workload", "chat", "--link-gbps", "nan"], 2, check=fast(60)),
     ]
     cases += [Case(f"bounds: recipe YAML {entry}", ["build", ckpt, "--recipe", str(w.recipes / f"{name}.yaml"),
                                                       "-o", str(out(f"bounds-{name}"))], 2, setup=write_recipes,

@@ -810,19 +810,34 @@ def report_(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="directory to write report.md and "
                                                 "economics_waterfall.png into")] = None,
+    workload: Annotated[str | None, typer.Option(
+        help="serving section: chat (2048 in, 256 out, TTFT 1 s, TPOT 50 ms, 100 req/s), long-prompt (16384 in, "
+        "128 out, TTFT 2 s, TPOT 50 ms, 20 req/s), or rate=R,prompt=P,output=O,ttft=S,tpot=S (req/s, tokens, "
+        "seconds): co-located with chunked prefill against prefill and decode pools")] = None,
+    rate: Annotated[float | None, typer.Option(help="serving: requests/s in all (replaces the workload's)")] = None,
+    link_gbps: Annotated[float | None, typer.Option(
+        "--link-gbps", help="serving: KV link between the pools, gigabits/s per GPU (default 400: one NDR "
+        "InfiniBand NIC, 50 GB/s)")] = None,
 ) -> None:
     """Economics: weight and KV bytes, concurrency, decode roofline tokens/s and $/Mtok per GPU, and what each pass
-    buys against its honest baseline."""
+    buys against its honest baseline; with --workload, co-located against disaggregated serving."""
     from kiln.optimizer import economics as econ
 
     if output is not None:  # before any work: never an artifact, the input, or a directory of the user's
         econ.check_report_output(output, target)
     gpus = econ.parse_gpus(gpu)
     prices = econ.parse_prices(price_per_hour, gpus)
+    served = None
+    if workload is not None:
+        from kiln.optimizer.serving_model import parse_workload
+
+        served = parse_workload(workload, rate)
+    elif rate is not None:
+        raise KilnError("--rate sets a --workload's arrival rate; give one (chat, long-prompt or rate=..,prompt=..)")
     speculation = econ.Speculation(tau, draft_tokens) if tau is not None else None
     scenario = econ.load_scenario(target, weights, kv, speculation)
     tiers = econ.load_tiers(price_per_hour, gpus) if econ.is_tier_table(price_per_hour) else None
-    report = econ.economics_report(scenario, gpus, prices, context, gpus_per_replica, tiers)
+    report = econ.economics_report(scenario, gpus, prices, context, gpus_per_replica, tiers, served, link_gbps)
     if output is not None:
         paths = econ.write_report(report, output, target)
         console.print(f"wrote {', '.join(map(str, paths))}")

@@ -41,6 +41,9 @@ BF16) -> weights FP4 (and FP6: against FP8 on the same silicon) -> KV quantizati
 factor is the ratio of $/Mtok before and after its step; the factors multiply to the total. MLA comes first (the
 issue lists it last) because it rewrites the linears the later steps quantize: the weight steps then price the
 artifact's own linears and formats, with nothing guessed for linears the source had and the artifact has not.
+
+With a workload (`--workload`), a serving section sizes co-located serving with chunked prefill against prefill and
+decode pools on each GPU (serving_model), and the waterfall ends with its "disaggregation" step.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import io
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kiln.kernels.errors import KilnError, clip
@@ -284,7 +287,7 @@ def decode_step(m: ModelFigures, device: Device, batch: int, context: int,
     per_sequence = 1 + (speculation.draft_tokens if speculation else 0)
     tokens = batch * per_sequence
     memory = (m.read_bytes(tokens) + batch * m.kv_bytes(context)) / device.hbm_bytes_per_second
-    per_token = sum(2 * n / peak_flops(device, p) for p, n in m.active_params().items())
+    per_token = gemm_seconds_per_token(m, device)
     per_token += context * m.attended(context) * m.attention_decode_flops / device.dense_bf16_flops
     return DecodeStep(memory, tokens * per_token, batch * (speculation.tau if speculation else 1))
 
@@ -295,8 +298,19 @@ def max_batch(m: ModelFigures, device: Device, context: int) -> int:
 
 def prefill_seconds(m: ModelFigures, device: Device, tokens: int = PREFILL_TOKENS) -> float:
     """FLOP-bound time of a `tokens`-token prompt: its GEMMs and its causal attention."""
-    gemms = sum(2 * n * tokens / peak_flops(device, p) for p, n in m.active_params().items())
-    return gemms + m.attention_prefill_flops * tokens * (tokens + 1) / device.dense_bf16_flops
+    return gemm_seconds_per_token(m, device) * tokens + prefill_attention_seconds(m, device, tokens)
+
+
+def gemm_seconds_per_token(m: ModelFigures, device: Device) -> float:
+    """Compute time of one token through every GEMM it runs (active params, each at its precision's dense peak)."""
+    return sum(2 * n / peak_flops(device, p) for p, n in m.active_params().items())
+
+
+def prefill_attention_seconds(m: ModelFigures, device: Device, tokens: int, offset: int = 0) -> float:
+    """Compute time of the causal attention of prompt tokens offset + 1 .. offset + tokens (a chunk after `offset`
+    cached ones): c x (n(n + 1) - o(o + 1)) FLOPs, n = offset + tokens; the chunks of a prompt add up to its whole."""
+    n = offset + tokens
+    return m.attention_prefill_flops * (n * (n + 1) - offset * (offset + 1)) / device.dense_bf16_flops
 
 
 def usd_per_mtok(price_per_hour: float, tokens_per_second: float) -> float:
@@ -708,14 +722,24 @@ def parse_prices(text: str | None, gpus: Sequence[str]) -> dict[str, tuple[float
 
 def economics_report(scn: Scenario, gpus: Sequence[str] = tuple(GPUS), prices: Mapping | None = None,
                      context: int = DEFAULT_CONTEXT, gpus_per_replica: int = 1,
-                     tiers: Mapping[str, Sequence[Tier]] | None = None) -> dict:
-    """The report as JSON data: per GPU, the served model's figures and the waterfall."""
+                     tiers: Mapping[str, Sequence[Tier]] | None = None, workload=None,
+                     link_gbps: float | None = None) -> dict:
+    """The report as JSON data: per GPU, the served model's figures and the waterfall; with a `workload`
+    (serving_model.Workload), the serving section (co-located against disaggregated) and the waterfall's
+    disaggregation step. `link_gbps`: the KV link, gigabits/s per GPU (default serving_model.DEFAULT_LINK_GBPS)."""
     if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
         raise KilnError(f"--context must be a positive number of tokens, got {context!r}")
     if isinstance(gpus_per_replica, bool) or not isinstance(gpus_per_replica, int) or gpus_per_replica <= 0:
         raise KilnError(f"--gpus-per-replica must be a positive integer, got {gpus_per_replica!r}")
     prices = prices or parse_prices(None, gpus)
     served = scn.served
+    if workload is None and link_gbps is not None:
+        raise KilnError("--link-gbps prices the KV transfer of a --workload; give one")
+    if workload is not None:
+        from kiln.optimizer import serving_model
+
+        link_gbps = serving_model.DEFAULT_LINK_GBPS if link_gbps is None else link_gbps
+        link = serving_model.link_bytes_per_second(link_gbps)
     out = {
         "target": scn.name, "kind": scn.kind, "model_type": scn.model_type, "decode_context": context,
         "gpus_per_replica": gpus_per_replica,
@@ -733,10 +757,19 @@ def economics_report(scn: Scenario, gpus: Sequence[str] = tuple(GPUS), prices: M
         waterfall = price_steps(scn.steps, device, hourly, context)
         row["capacity_tiers"] = tier_rows((tiers or {}).get(key, ()), waterfall[-1], price)
         waterfall.append(capacity_step(row["capacity_tiers"], waterfall[-1]))
+        if workload is not None:
+            row["serving"] = serving_model.serving_section(served.figures, device, hourly, workload, link)
+            waterfall.append(serving_model.disaggregation_step(row["serving"], waterfall[-1]))
         first, last = waterfall[0]["usd_per_mtok"], waterfall[-1]["usd_per_mtok"]
         row["waterfall"] = waterfall
         row["total_factor"] = first / last if first is not None and last is not None else None
         out["gpus"][key] = row
+    if workload is not None:
+        unit = "GPU" if gpus_per_replica == 1 else f"{gpus_per_replica}-GPU replica"
+        out["serving"] = {"workload": {**asdict(workload), "describe": workload.describe()}, "unit": unit,
+                          "link_gbps": link_gbps, "link_bytes_per_s": link,
+                          "assumptions": list(serving_model.SERVING_ASSUMPTIONS),
+                          "not_modelled": list(serving_model.SERVING_NOT_MODELLED)}
     return out
 
 
@@ -857,6 +890,10 @@ def economics_markdown(report: dict, png: str | None = WATERFALL_PNG) -> list[st
                   f"{t['restart_minutes']:g} | {t['available']:.1%} | {t['effective_price_per_hour']:.2f} | "
                   f"{_num(t['usd_per_mtok'])} | x{t['factor_vs_on_demand']:.2f} |"
                   for g in report["gpus"].values() for t in g["capacity_tiers"]]
+    if "serving" in report:
+        from kiln.optimizer.serving_model import serving_markdown
+
+        lines += serving_markdown(report)
     if report["mla_layers"]:
         lines += ["", "### MLA per layer (KV bytes/token: the source's BF16 GQA cache -> as served)", "",
                   "| layer | attention | before | after | ratio |", "|---:|---|---:|---:|---:|"]
@@ -892,14 +929,28 @@ def economics_tables(report: dict) -> list:
                               f"{t['effective_price_per_hour']:.2f}", _num(t["usd_per_mtok"]),
                               f"x{t['factor_vs_on_demand']:.2f}")
         tables.append(table)
+    if "serving" in report:
+        from kiln.optimizer.serving_model import serving_rows, serving_title
+
+        head, rows = serving_rows(report)
+        verdicts = "\n".join(f"{g['device']}: {g['serving']['verdict']}" for g in report["gpus"].values())
+        table = Table(title=serving_title(report), caption=verdicts, caption_justify="left")
+        for col in head:
+            table.add_column(col, justify="left" if col in ("GPU", "deployment") else "right")
+        for r in rows:
+            table.add_row(*r)
+        tables.append(table)
     return tables
 
 
 def not_modelled_text(report: dict) -> str:
     """What the command prints under its tables."""
+    serving = report.get("serving")
     return "\n".join(["Steps: " + "; ".join(waterfall_notes(report)) + ".",
                       "Not modelled: " + "; ".join(report["not_modelled"]) + ".",
-                      "Assumptions: " + "; ".join(report["assumptions"]) + ".", report["price_note"]])
+                      "Assumptions: " + "; ".join(report["assumptions"]) + ".", report["price_note"],
+                      *([f"Serving model assumptions: {'; '.join(serving['assumptions'])}.",
+                         f"Serving model, not modelled: {'; '.join(serving['not_modelled'])}."] if serving else [])])
 
 
 def waterfall_png(report: dict) -> bytes:
