@@ -590,6 +590,13 @@ def serve(
                                                    "/metrics counts the requests that met it (kiln_slo_*)")] = None,
     tpot_slo: Annotated[float | None, typer.Option(callback=_SLO, help="SLO: seconds per output token after the "
                                                    "first (kiln_slo_*)")] = None,
+    speculative: Annotated[bool, typer.Option(help="speculative decoding in the running batch: each step drafts "
+                                              "for every decoding request and verifies in one target forward "
+                                              "(greedy output unchanged; /metrics kiln_spec_decode_*)")] = False,
+    draft: Annotated[str, typer.Option(help="speculative drafter: auto, head, prompt-lookup")] = "auto",
+    draft_tokens: Annotated[int, typer.Option(callback=_DRAFT_TOKENS, help="speculative: tokens drafted per step")] = 4,
+    tree_width: Annotated[int | None, typer.Option(callback=_TREE_WIDTH, help="speculative, head: candidates per "
+                                                   "depth verified as a tree (default: the artifact's; 1: a chain)")] = None,
 ) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (continuous batching); SIGTERM drains, then exits 0."""
     from kiln.runtime.server import ServerConfig
@@ -597,7 +604,9 @@ def serve(
 
     run_server(artifact, ServerConfig(host, port, max_queue, max_num_seqs, max_num_batched_tokens, request_timeout,
                                       prefix_caching, served_model_name, compile_decode=compile, device=device,
-                                      ttft_slo=ttft_slo, tpot_slo=tpot_slo))
+                                      ttft_slo=ttft_slo, tpot_slo=tpot_slo,
+                                      speculative=draft if speculative else None, draft_tokens=draft_tokens,
+                                      tree_width=tree_width))
 
 
 @app.command()

@@ -44,6 +44,16 @@ from kiln.kernels.errors import KilnError
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.paged_kv_cache import PagedKVCache
 from kiln.runtime.sampling import check_repetition_penalty, penalize_repeats, probabilities
+from kiln.runtime.speculative import (
+    SpeculativeStats,
+    accept_row,
+    check_draft_tokens,
+    draft_tree,
+    keep_path,
+    penalized_nodes,
+    target_features,
+    verification_batch,
+)
 
 
 class QueueFull(KilnError):
@@ -127,12 +137,23 @@ class StepEvent:
 class Scheduler:
     def __init__(self, engine, cache: PagedKVCache | None = None, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_queue: int | None = 1024, prefix_caching: bool = True,
-                 num_blocks: int | None = None, tokenizer=None):
+                 num_blocks: int | None = None, tokenizer=None, drafter=None, draft_tokens: int = 4):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise KilnError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.engine = engine
+        # a drafter that reads the target's features needs them at every position, which a prefix-cache hit
+        # skips computing: prefix caching is off with one
+        self.drafter = drafter
+        self.draft_tokens = check_draft_tokens(draft_tokens) if drafter is not None else 0
+        needs_features = drafter is not None and drafter.needs_features
+        if needs_features and cache is not None and cache.prefix_caching:
+            raise KilnError("a draft head reads the target's features at every prompt position; give a cache "
+                            "without prefix caching")
         self.cache = cache if cache is not None else engine.new_kv_cache(
-            num_blocks or engine.kv_cache_blocks, prefix_caching=prefix_caching)
+            num_blocks or engine.kv_cache_blocks, prefix_caching=prefix_caching and not needs_features)
+        self.speculative = SpeculativeStats()
+        self._drafting: set[Hashable] = set()  # requests the drafter has started on
+        self._prompt_features: dict[Hashable, list[torch.Tensor]] = {}  # what it reads, gathered over chunks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_queue = max_queue
@@ -206,7 +227,10 @@ class Scheduler:
                 "prefix_hit_rate": cache.prefix_hit_rate, "prefix_queried_tokens": cache.prefix_queried,
                 "prefix_hit_tokens": cache.prefix_hits, "preemptions": self.num_preemptions,
                 "steps": self.num_steps, "prompt_tokens_computed": self.prompt_tokens_computed,
-                "generated_tokens": self.generated_tokens}
+                "generated_tokens": self.generated_tokens,
+                **({"spec_verifications": self.speculative.steps, "spec_draft_tokens": self.speculative.drafted,
+                    "spec_accepted_tokens": self.speculative.accepted, "spec_emitted_tokens": self.speculative.emitted}
+                   if self.drafter is not None else {})}
 
     # --- one iteration -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -223,9 +247,13 @@ class Scheduler:
         if not plan:
             return events
         self.num_steps += 1
-        self.last_step_tokens = sum(n for _, n in plan)
+        self.last_step_tokens = sum(n + self._width(r, drafts) for r, n, drafts in plan)
         try:
-            sampled = self._forward(plan)
+            verify = [(r, drafts) for r, n, drafts in plan if r.id in self._drafting]
+            rest = [(r, n) for r, n, _ in plan if r.id not in self._drafting]
+            if verify:
+                events += self._verify(verify)
+            sampled = self._forward(rest)
         except BaseException:
             for request in list(self.running):  # a failed step leaves no request holding blocks
                 self._finish(request, "abort")
@@ -236,6 +264,8 @@ class Scheduler:
             now = time.perf_counter()
             for request, token in zip(requests, tokens, strict=True):
                 events.append(self._append(request, token, now))
+                if self.drafter is not None and not request.finished:
+                    self._start_drafting(request)
         return events
 
     def _admit(self) -> None:
@@ -250,9 +280,11 @@ class Scheduler:
             request.num_computed = request.cached_tokens
             self.running.append(request)
 
-    def _plan(self) -> list[tuple[Request, int]]:
-        """(request, tokens to run) for this step: decoders first, then prompt chunks, within the budget;
-        preempts from the back of the running list while the step's blocks do not fit."""
+    def _plan(self) -> list[tuple[Request, int, int]]:
+        """(request, tokens to run, drafts to verify after them) for this step: decoders first, then prompt
+        chunks, within the budget (a decoder the drafter has started on drafts up to `draft_tokens`, each
+        costing the drafter's tree width in tokens); preempts from the back of the running list while the
+        step's blocks do not fit."""
         while True:
             budget, plan = self.max_num_batched_tokens, []
             decoding = [r for r in self.running if len(r.tokens) - r.num_computed == 1]
@@ -261,15 +293,26 @@ class Scheduler:
                 n = min(len(request.tokens) - request.num_computed, budget)
                 if n <= 0:
                     break
-                plan.append((request, n))
-                budget -= n
-            needed = sum(max(0, self.cache.blocks_for(r.num_computed + n) - len(self.cache.block_tables[r.id]))
-                         for r, n in plan)
+                drafts = 0
+                if request.id in self._drafting:
+                    width = self._width(request, 1)
+                    left = request.params.max_tokens - len(request.output_ids) - 1  # the target adds one
+                    drafts = max(0, min(self.draft_tokens, left, (budget - n) // width))
+                plan.append((request, n, drafts))
+                budget -= n + self._width(request, drafts)
+            needed = sum(max(0, self.cache.blocks_for(r.num_computed + n + self._width(r, d))
+                             - len(self.cache.block_tables[r.id])) for r, n, d in plan)
             if needed <= self.cache.num_free_blocks or not self.running:
                 return plan
             self._preempt(self.running[-1])
 
+    def _width(self, request: Request, drafts: int) -> int:
+        """Tokens a verification of `drafts` drafts adds for `request`: a greedy tree's alternatives too."""
+        greedy = request.params.temperature <= 0
+        return drafts * (getattr(self.drafter, "tree_width", 1) if greedy else 1)
+
     def _preempt(self, request: Request) -> None:
+        self._stop_drafting(request)
         self.cache.commit(request.id, request.tokens)
         self.cache.free_sequence(request.id)
         self.running.remove(request)
@@ -282,8 +325,11 @@ class Scheduler:
         """Run the planned tokens; the logits after each request whose tokens are now all computed."""
         model, cache = self.engine.model, self.cache
         sampled = []
-        ones = [(r, n) for r, n in plan if n == 1]
-        chunks = [(r, n) for r, n in plan if n > 1]
+        # the one-token rows are decoders: a prompt chunk cut to one token by the budget is a chunk (its logits
+        # are not sampled unless it ends the prompt); with a drafter every row here is a prompt on its way to
+        # the drafter, and the chunk path gathers what it reads
+        ones = [(r, n) for r, n in plan if n == 1 and len(r.tokens) - r.num_computed == 1 and self.drafter is None]
+        chunks = [(r, n) for r, n in plan if (r, n) not in ones]
         device = cache.device
         if ones:
             ids = [r.id for r, _ in ones]
@@ -300,7 +346,12 @@ class Scheduler:
                 tokens[i, :n] = torch.tensor(r.tokens[r.num_computed: r.num_computed + n])
             positions = starts.unsqueeze(1) + torch.arange(T)
             positions = cache.prepare([r.id for r, _ in chunks], positions, torch.arange(T) < lengths.unsqueeze(1))
-            features = model.features(tokens.to(device), positions, cache)
+            if self.drafter is not None and self.drafter.needs_features:
+                features, read = target_features(model, tokens.to(device), positions, cache, self.drafter)
+                for i, (r, n) in enumerate(chunks):  # the drafter reads every prompt position's
+                    self._prompt_features.setdefault(r.id, []).append(read[i, :n])
+            else:
+                features = model.features(tokens.to(device), positions, cache)
             done = [i for i, (r, n) in enumerate(chunks) if r.num_computed + n == len(r.tokens)]
             logits = None
             if done:
@@ -378,12 +429,83 @@ class Scheduler:
     def _finish(self, request: Request, reason: str, tokens: list[int] | None = None) -> StepEvent:
         request.finish_reason = reason
         request.finished_at = time.perf_counter()
+        self._stop_drafting(request)
         if request in self.running:
             self.running.remove(request)
             self.cache.free_sequence(request.id)
         elif request in self.waiting:
             self.waiting.remove(request)
         return StepEvent(request, tokens or [], self._emit(request), True)
+
+    # --- speculative decoding ------------------------------------------------------------------------------
+    def _start_drafting(self, request: Request) -> None:
+        """The request's prompt (or, readmitted, prompt and output so far) is computed and its next token
+        sampled: the drafter starts on it, from the features gathered over its chunks."""
+        read = self._prompt_features.pop(request.id, None)
+        features = torch.cat(read) if read else None
+        self.drafter.start(request.id, list(request.tokens), features)
+        self._drafting.add(request.id)
+
+    def _stop_drafting(self, request: Request) -> None:
+        self._prompt_features.pop(request.id, None)
+        if request.id in self._drafting:
+            self._drafting.discard(request.id)
+            self.drafter.finish(request.id)
+
+    def _verify(self, rows: list[tuple[Request, int]]) -> list[StepEvent]:
+        """One speculative step for decoding requests: the drafter proposes up to their draft counts (requests
+        grouped by sampling settings; a seeded request alone, with its own generator), one target forward
+        verifies [last token, drafts] for all, and each request emits its accepted drafts and the target's next
+        token (greedy: exactly plain decoding's tokens; sampling: the target's distribution)."""
+        model, cache, drafter = self.engine.model, self.cache, self.drafter
+        groups: dict[tuple, list[tuple[Request, int]]] = {}
+        for request, count in rows:
+            p = request.params
+            key = (p.temperature if p.temperature > 0 else 0.0, p.top_p if p.temperature > 0 else 1.0,
+                   request.id if request.generator is not None else None)
+            groups.setdefault(key, []).append((request, count))
+        drafts, probs, nodes = {}, {}, {}
+        for (temperature, top_p, _), members in groups.items():
+            ids = [r.id for r, _ in members]
+            generator = members[0][0].generator
+            k = max(count for _, count in members)
+            proposal = drafter.propose(ids, [r.tokens for r, _ in members], max(k, 1), temperature, top_p,
+                                       generator)
+            tree = temperature <= 0 and proposal.siblings is not None
+            for i, (r, count) in enumerate(members):
+                drafts[r.id] = list(proposal.tokens[i][:count])
+                probs[r.id] = proposal.probs[i][:count] if proposal.probs[i] is not None else None
+                nodes[r.id] = draft_tree(drafts[r.id], proposal.siblings[i][:count] if tree else None)
+        ids = [r.id for r, _ in rows]
+        position = {r.id: r.num_computed for r, _ in rows}  # where the last token goes
+        last = {r.id: r.tokens[-1] for r, _ in rows}
+        tokens, prepared = verification_batch(cache, ids, nodes, position, last)
+        features, read = target_features(model, tokens, prepared, cache, drafter)
+        logits = model.lm_head(model.norm(features))
+        events, now = [], time.perf_counter()
+        stats = self.speculative
+        for i, (request, _) in enumerate(rows):
+            node_tokens, parents = nodes[request.id]
+            row_logits = penalized_nodes(logits[i, :len(node_tokens)], request.tokens, node_tokens, parents,
+                                         request.penalty)
+            path, emitted = accept_row(row_logits, drafts[request.id], probs[request.id], nodes[request.id],
+                                       request.params.temperature, request.params.top_p, request.generator)
+            stats.steps += 1
+            stats.drafted += len(node_tokens) - 1
+            stats.accepted += len(path)
+            before = len(request.output_ids)
+            for token in emitted:
+                events.append(self._append(request, token, now))
+                if request.finished:
+                    break
+            stats.emitted += len(request.output_ids) - before
+            if request.finished:
+                continue
+            keep_path(cache, request.id, position[request.id], path)
+            request.num_computed = position[request.id] + len(path) + 1
+            cache.commit(request.id, request.tokens)
+            drafter.accept(request.id, len(path), emitted, read[i, [0, *path]] if drafter.needs_features else None)
+        return events
 
     def run(self) -> None:
         """Step until every request has finished."""

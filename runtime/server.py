@@ -71,6 +71,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 from starlette.exceptions import HTTPException
 
 from kiln.kernels.errors import KilnError
+from kiln.runtime.speculative import check_draft_tokens, check_tree_width
 
 FALLBACK_CHAT_FORMAT = "{role}: {content}\n"  # per message; the prompt then ends with "assistant:"
 RETRY_AFTER_SECONDS = 1
@@ -96,6 +97,12 @@ class ServerConfig:
     # service-level objectives: /metrics then counts the finished requests that met each (kiln_slo_*)
     ttft_slo: float | None = None  # seconds from arrival to the first token
     tpot_slo: float | None = None  # seconds per output token after the first
+    # speculative decoding: None, or the drafter ("head": the artifact's draft head or MTP layer; "prompt-lookup";
+    # "auto": the head when there is one), proposing up to draft_tokens a step (a tree of tree_width per depth
+    # for greedy requests; None: the width the artifact was gated with)
+    speculative: str | None = None
+    draft_tokens: int = 4
+    tree_width: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -113,6 +120,11 @@ class ServerConfig:
                 raise KilnError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise KilnError(f"num_blocks must be >= 1, got {self.num_blocks!r}")
+        if self.speculative not in (None, "auto", "head", "prompt-lookup"):
+            raise KilnError(f"--speculative must be auto, head or prompt-lookup, got {self.speculative!r}")
+        check_draft_tokens(self.draft_tokens)
+        if self.tree_width is not None:
+            check_tree_width(self.tree_width)
 
 
 # --- errors in OpenAI's shape --------------------------------------------------------------------------------
@@ -189,6 +201,14 @@ class ServerMetrics:
         self.preemptions = Counter("kiln_preemptions", "Requests preempted (blocks given back, recomputed later)",
                                    registry=r)
         self._preemptions_seen = 0
+        # speculative decoding (vLLM's spec_decode counters): acceptance = accepted / draft tokens, tokens per
+        # verification = emitted / verifications
+        self.spec = {name: Counter(f"kiln_spec_decode_{name}", help_text, registry=r) for name, help_text in (
+            ("num_verifications", "Verification forwards, per request row"),
+            ("num_draft_tokens", "Draft tokens verified"),
+            ("num_accepted_tokens", "Draft tokens accepted"),
+            ("num_emitted_tokens", "Tokens emitted by verifications (accepted drafts and the target's own)"))}
+        self._spec_seen = dict.fromkeys(self.spec, 0)
 
     def observe_state(self, scheduler) -> None:
         stats = scheduler.stats()
@@ -199,6 +219,11 @@ class ServerMetrics:
         if stats["preemptions"] > self._preemptions_seen:
             self.preemptions.inc(stats["preemptions"] - self._preemptions_seen)
             self._preemptions_seen = stats["preemptions"]
+        for name, key in (("num_verifications", "spec_verifications"), ("num_draft_tokens", "spec_draft_tokens"),
+                          ("num_accepted_tokens", "spec_accepted_tokens"), ("num_emitted_tokens", "spec_emitted_tokens")):
+            if stats.get(key, 0) > self._spec_seen[name]:
+                self.spec[name].inc(stats[key] - self._spec_seen[name])
+                self._spec_seen[name] = stats[key]
 
     def observe_finished(self, request) -> None:
         self.prompt_tokens.inc(len(request.prompt_ids))
@@ -489,10 +514,12 @@ class ServingState:
         self.log = log
         self.tokenizer = engine.tokenizer
         self.warned_no_chat_template = False
+        drafter = (engine.drafter(config.speculative, tree_width=config.tree_width)
+                   if config.speculative is not None else None)
         self.scheduler = Scheduler(engine, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_queue=config.max_queue,
                                    prefix_caching=config.prefix_caching, num_blocks=config.num_blocks,
-                                   tokenizer=engine.tokenizer)
+                                   tokenizer=engine.tokenizer, drafter=drafter, draft_tokens=config.draft_tokens)
         self.metrics = ServerMetrics(config.ttft_slo, config.tpot_slo)
         self.engine_loop = EngineLoop(self.scheduler, self.metrics, log)
         self.context = engine.spec.max_position_embeddings
@@ -921,6 +948,13 @@ def serve(artifact: Path | str, config: ServerConfig, announce: Callable[[str], 
         engine.compile_decode(mode="reduce-overhead" if engine.device.type == "cuda" else None)
     model_id = config.served_model_name or artifact.resolve().name
     app = create_app(engine, config, model_id)
+    drafter = app.state.kiln.scheduler.drafter
+    if drafter is not None:
+        say(f"speculative decoding: {type(drafter).__name__}, up to {config.draft_tokens} drafts a step"
+            + (f", a tree of {drafter.tree_width} per depth for greedy requests"
+               if getattr(drafter, "tree_width", 1) > 1 else "")
+            + ("; prefix caching off (the head reads every prompt position's features)"
+               if drafter.needs_features and config.prefix_caching else ""))
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
                                lifespan="on", timeout_graceful_shutdown=30)
     server = _graceful_server_class()(uv_config, app.state.kiln, say)

@@ -295,7 +295,7 @@ class SpeculativeStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-def _penalized(logits: torch.Tensor, seen: list[int], tokens: Sequence[int], parents: Sequence[int],
+def penalized_nodes(logits: torch.Tensor, seen: list[int], tokens: Sequence[int], parents: Sequence[int],
                penalty: float) -> torch.Tensor:
     """Per verified node, the repetition penalty over what plain decoding would have seen there: the context
     plus the node's ancestors' tokens (and its own)."""
@@ -348,7 +348,72 @@ def speculative_generate(engine, prompts: Sequence[Sequence[int]], max_new_token
     return results, stats
 
 
-def _features(model, tokens, positions, cache, drafter) -> tuple[torch.Tensor, torch.Tensor]:
+def verification_batch(cache: PagedKVCache, rows: Sequence[Hashable], nodes: Mapping, position: Mapping,
+                       last: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's verification forward for `rows`: (tokens [B, W], positions prepared in `cache`).
+
+    Row r feeds [last[r], its draft nodes] (`nodes[r]`: (tokens, parents) from `draft_tree`, node 0 standing
+    for last[r]) from position[r], the position of last[r]. A chain runs at consecutive positions; when any row
+    has a tree, each node is written at its own slot, rotated at its depth's position and attending to its
+    ancestors only."""
+    width = max(len(t) for t, _ in nodes.values())
+    tree = any(p != j - 1 for t, parents in nodes.values() for j, p in enumerate(parents) if j)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    depth = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        node_tokens, parents = nodes[r]
+        n = len(node_tokens)
+        tokens[i, :n] = torch.tensor([last[r], *node_tokens[1:]])
+        positions[i] = position[r] + torch.arange(width).clamp(max=n - 1)
+        for j in range(1, n):
+            depth[i, j] = depth[i, parents[j]] + 1
+        depth[i, n:] = depth[i, n - 1]
+        valid[i, :n] = True
+    if not tree:
+        prepared = cache.prepare(list(rows), positions, valid)
+        return tokens.to(prepared.device), prepared
+    rope = torch.stack([position[r] + depth[i] for i, r in enumerate(rows)])
+    ends = [position[r] + len(nodes[r][0]) for r in rows]
+    S = max(max(cache.lengths[r] for r in rows), *ends)
+    attend = torch.zeros(len(rows), 1, width, S, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        L, (node_tokens, parents) = position[r], nodes[r]
+        attend[i, 0, :, :L] = True
+        for j in range(len(node_tokens)):
+            a = j
+            while a >= 0:
+                attend[i, 0, j, L + a] = True
+                a = parents[a]
+        attend[i, 0, len(node_tokens):, :L + 1] = True  # padding rows: anything valid
+    prepared = cache.prepare(list(rows), positions, valid, rope_positions=rope, attend=attend)
+    return tokens.to(prepared.device), prepared
+
+
+def accept_row(logits: torch.Tensor, drafts: Sequence[int], draft_probs: torch.Tensor | None, nodes,
+               temperature: float, top_p: float, generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """One row's verification: (the accepted nodes' indices in `nodes` = (tokens, parents), the tokens it
+    emits: the accepted drafts, then the target's own). Greedy follows the tree; sampling the rejection rule
+    along the chain."""
+    node_tokens, parents = nodes
+    if temperature <= 0:
+        path, bonus = accept_tree(node_tokens, parents, logits)
+        return path, [*(node_tokens[j] for j in path), bonus]
+    n, emitted = accept_sampled(drafts, draft_probs, probabilities(logits, temperature, top_p), generator)
+    return list(range(1, n + 1)), emitted
+
+
+def keep_path(cache: PagedKVCache, row: Hashable, position: int, path: Sequence[int]) -> None:
+    """Keep [last, accepted nodes] in `cache` at position..position + len(path) (a tree's path moves to
+    consecutive positions); the rejected drafts roll back."""
+    n = len(path)
+    if list(path) != list(range(1, n + 1)):
+        cache.move(row, [position + j for j in path], [position + 1 + j for j in range(n)])
+    cache.truncate(row, position + n + 1)
+
+
+def target_features(model, tokens, positions, cache, drafter) -> tuple[torch.Tensor, torch.Tensor]:
     """(the target's last features, what the drafter reads: the same, or its layers' outputs concatenated)."""
     if drafter.feature_layers:
         return model.features(tokens, positions, cache, collect=drafter.feature_layers)
@@ -405,54 +470,17 @@ def _run_wave(engine, model, cache, prompts, rows, max_new_tokens, drafter, k, t
             tree = temperature <= 0 and proposal.siblings is not None
             nodes = {r: draft_tree(drafts[r], proposal.siblings[i][:budget[r]] if tree else None)
                      for i, r in enumerate(active)}
-            tree = tree and any(len(t) > len(drafts[r]) + 1 for r, (t, _) in nodes.items())
-            width = max(len(t) for t, _ in nodes.values())
-            tokens = torch.zeros(len(active), width, dtype=torch.long)
-            positions = torch.zeros(len(active), width, dtype=torch.long)
-            depth = torch.zeros(len(active), width, dtype=torch.long)
-            valid = torch.zeros(len(active), width, dtype=torch.bool)
-            for i, r in enumerate(active):
-                node_tokens, parents = nodes[r]
-                n = len(node_tokens)
-                tokens[i, :n] = torch.tensor([last[r], *node_tokens[1:]])
-                positions[i] = position[r] + torch.arange(width).clamp(max=n - 1)
-                for j in range(1, n):
-                    depth[i, j] = depth[i, parents[j]] + 1
-                depth[i, n:] = depth[i, n - 1]
-                valid[i, :n] = True
-            if tree:  # each node at its own slot, run at its depth's position, seeing its ancestors only
-                rope = torch.stack([position[r] + depth[i] for i, r in enumerate(active)])
-                ends = [position[r] + len(nodes[r][0]) for r in active]
-                S = max(max(cache.lengths[r] for r in active), *ends)
-                attend = torch.zeros(len(active), 1, width, S, dtype=torch.bool)
-                for i, r in enumerate(active):
-                    L, (node_tokens, parents) = position[r], nodes[r]
-                    attend[i, 0, :, :L] = True
-                    for j in range(len(node_tokens)):
-                        a = j
-                        while a >= 0:
-                            attend[i, 0, j, L + a] = True
-                            a = parents[a]
-                    attend[i, 0, len(node_tokens):, :L + 1] = True  # padding rows: anything valid
-                rope = cache.prepare(active, positions, valid, rope_positions=rope, attend=attend)
-                features, drafted_from = _features(model, tokens.to(rope.device), rope, cache, drafter)
-            else:
-                positions = cache.prepare(active, positions, valid)
-                features, drafted_from = _features(model, tokens.to(positions.device), positions, cache, drafter)
+            tokens, prepared = verification_batch(cache, active, nodes, position, last)
+            features, drafted_from = target_features(model, tokens, prepared, cache, drafter)
             logits = model.lm_head(model.norm(features))
             still = []
             for i, r in enumerate(active):
                 d = drafts[r]
                 node_tokens, parents = nodes[r]
-                row_logits = _penalized(logits[i, :len(node_tokens)], [*prompts[r], *results[r][0]],
+                row_logits = penalized_nodes(logits[i, :len(node_tokens)], [*prompts[r], *results[r][0]],
                                         node_tokens, parents, penalty)
-                if temperature <= 0:
-                    path, bonus = accept_tree(node_tokens, parents, row_logits)
-                    n, emitted = len(path), [*(node_tokens[j] for j in path), bonus]
-                else:
-                    n, emitted = accept_sampled(d, draft_probs[r], probabilities(row_logits, temperature, top_p),
-                                                generator)
-                    path = list(range(1, n + 1))
+                path, emitted = accept_row(row_logits, d, draft_probs[r], nodes[r], temperature, top_p, generator)
+                n = len(path)
                 stats.steps += 1
                 stats.drafted += len(node_tokens) - 1
                 stats.accepted += n
@@ -465,9 +493,7 @@ def _run_wave(engine, model, cache, prompts, rows, max_new_tokens, drafter, k, t
                     cache.free_sequence(r)
                     live.discard(r)
                     continue
-                if path != list(range(1, n + 1)):  # a tree's accepted path moves to consecutive positions
-                    cache.move(r, [position[r] + j for j in path], [position[r] + 1 + j for j in range(n)])
-                cache.truncate(r, position[r] + n + 1)  # [last, d1..dn] stay; rejected drafts roll back
+                keep_path(cache, r, position[r], path)
                 position[r] += n + 1
                 last[r] = emitted[-1]
                 kept = drafted_from[i, [0, *path]] if drafter.needs_features else None

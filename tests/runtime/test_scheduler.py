@@ -79,6 +79,24 @@ def test_chunked_prefill_keeps_the_budget_and_the_decoders_going(stories):
     assert [a.output_ids, b.output_ids] == expected
 
 
+def test_a_prompt_chunk_cut_to_one_token_is_not_sampled(stories):
+    """Six prompts of 20 under a budget of 16: at the fourth step three decoders and a chunk of 13 leave one
+    token of budget, and the fourth prompt's first chunk is that one token; it is a prompt chunk (no token
+    sampled after it), not a decoder."""
+    engine, texts = stories
+    prompts = [t[:20] for t in texts[:6]]
+    expected = [_alone(engine, p, 8, stop_ids=()) for p in prompts]
+    scheduler = Scheduler(engine, max_num_seqs=6, max_num_batched_tokens=16, num_blocks=60, prefix_caching=False)
+    requests = [scheduler.add_request(p, SamplingParams(max_tokens=8, stop_ids=())) for p in prompts]
+    chunks = []
+    while scheduler.has_work():
+        plan = scheduler._plan()
+        chunks += [(r.id, n) for r, n, _ in plan if len(r.tokens) - r.num_computed > 1]
+        scheduler.step()
+    assert (3, 1) in chunks  # the case this test is for
+    assert [r.output_ids for r in requests] == expected
+
+
 def test_preemption_recomputes_and_continues_identically(stories):
     engine, texts = stories
     prompts = [t[:20] for t in texts[:6]]

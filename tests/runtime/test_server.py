@@ -385,3 +385,33 @@ def test_chat_messages_use_the_chat_template_when_there_is_one(artifact):
                          "{% if add_generation_prompt %}[assistant]{% endif %}")
     expected = tok("[system] Be kind. [user] Hi [assistant]", add_special_tokens=False)["input_ids"]
     assert state.chat_prompt(messages) == expected
+
+
+def test_speculative_serving_gives_the_same_greedy_text_and_counts_its_drafts(artifact, tmp_path, cli):
+    """`serve --speculative --draft prompt-lookup`: greedy completions (one alone, then four at once) are plain
+    decoding's; /metrics counts verifications, drafts and acceptances. A drafter the artifact lacks is one line."""
+    from kiln import runtime
+
+    engine = runtime.load(artifact)
+    paragraphs = [p.strip() for p in EVAL_TEXT.read_text().split("\n\n")[:4]]
+    prompts = [" ".join(p.split()[:n]) for p, n in zip(paragraphs, (30, 12, 40, 20), strict=True)]
+    expected = [engine.generate(p, 48, temperature=0)[0].text for p in prompts]
+    server = Server(artifact, tmp_path, "--speculative", "--draft", "prompt-lookup", "--draft-tokens", "3").wait()
+    try:
+        got = server.post("/v1/completions", {"prompt": prompts[0], "max_tokens": 48, "temperature": 0})
+        assert got.json()["choices"][0]["text"] == expected[0]
+        with httpx.Client(timeout=60) as http:
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                texts = list(pool.map(lambda p: http.post(f"{server.url}/v1/completions", json={
+                    "prompt": p, "max_tokens": 48, "temperature": 0}).json()["choices"][0]["text"], prompts))
+        assert texts == expected
+        m = server.idle_metrics()
+        assert m["kiln_spec_decode_num_verifications_total"] > 0
+        assert 0 < m["kiln_spec_decode_num_accepted_tokens_total"] <= m["kiln_spec_decode_num_draft_tokens_total"]
+        assert "speculative decoding: PromptLookupDrafter, up to 3 drafts a step" in server.logs()
+    finally:
+        server.stop()
+    code, _, stderr = cli("serve", artifact, "--speculative", "--draft", "head")
+    assert code != 0 and "no draft head" in stderr and stderr.strip().count("\n") == 0
