@@ -3,7 +3,7 @@ without speculation, and the break-even concurrency (issue #19, item 4).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/speculative_serving.py ARTIFACT [--concurrency 1,4,8,16,32]
         [--requests-per-client 2] [--max-tokens 64] [--draft head] [--draft-tokens 4] [--tree-width W]
-        [--max-num-batched-tokens 1024] [--json]
+        [--max-num-batched-tokens 1024] [--json] [--out FILE.json] [--machine TEXT]
 
 Two servers on loopback, one after the other: `optimize serve ARTIFACT` and the same with `--speculative`.
 At each concurrency C, C closed-loop clients each stream --requests-per-client greedy completions, one after
@@ -94,6 +94,19 @@ def measure(server: ServerProcess, concurrency: list[int], per_client: int, max_
     return out
 
 
+def tree_width_of(banner: str) -> int:
+    """The tree width the server's startup line names (1: a chain)."""
+    marker = ", a tree of "
+    return int(banner.split(marker)[1].split()[0]) if marker in banner else 1
+
+
+def commit() -> str:
+    import subprocess
+
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact", type=Path)
@@ -105,6 +118,8 @@ def main() -> None:
     parser.add_argument("--tree-width", type=int, help="the head's tree width (default: the artifact's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", type=Path, help="write the measurement as JSON (`optimize report --speculation`)")
+    parser.add_argument("--machine", default="", help="where this runs, recorded in --out")
     args = parser.parse_args()
     concurrency = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
     if not concurrency or min(concurrency) < 1 or args.requests_per_client < 1 or args.max_tokens < 2:
@@ -139,8 +154,15 @@ def main() -> None:
                      "speedup": speedup, "tau": tau, "acceptance": acceptance, "plain_tpot_p50_ms": p["tpot_p50_ms"],
                      "spec_tpot_p50_ms": s["tpot_p50_ms"], "plain_ttft_p50_ms": p["ttft_p50_ms"],
                      "spec_ttft_p50_ms": s["ttft_p50_ms"], "identical": f"{same}/{len(p['texts'])}"})
+    width = args.tree_width or tree_width_of(spec["banner"])
+    measurement = {"rows": rows, "break_even": break_even, "banner": spec["banner"], "draft_tokens": args.draft_tokens,
+                   "tree_width": width, "verified_per_sequence": args.draft_tokens * width,
+                   "machine": args.machine, "command": " ".join(sys.argv), "commit": commit()}
+    if args.out:
+        args.out.write_text(json.dumps(measurement, indent=2) + "\n")
+        log(f"wrote {args.out}")
     if args.json:
-        print(json.dumps({"rows": rows, "break_even": break_even, "banner": spec["banner"]}, indent=2))
+        print(json.dumps(measurement, indent=2))
     else:
         print(f"server: {spec['banner']}")
         print("| concurrency | plain tokens/s | speculative tokens/s | speedup | tau | acceptance | TPOT p50 ms "

@@ -814,6 +814,9 @@ def report_(
     tau: Annotated[float | None, typer.Option(callback=_TAU, help="speculation: mean tokens a verification step yields (overrides "
                                               "an artifact's recorded tau)")] = None,
     draft_tokens: Annotated[int, typer.Option(callback=_DRAFT_TOKENS, help="speculation: draft tokens verified per step")] = 3,
+    speculation: Annotated[Path | None, typer.Option(help="speculation measured under load (benchmarks/"
+                                                     "speculative_serving.py --out FILE.json): its tau below the "
+                                                     "break-even concurrency, off from there")] = None,
     gpus_per_replica: Annotated[int, typer.Option(callback=_GPUS_PER_REPLICA, help="GPUs serving one copy of the model (their HBM, bandwidth "
                                                   "and FLOPs added up; price multiplied)")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
@@ -843,7 +846,10 @@ def report_(
         served = parse_workload(workload, rate)
     elif rate is not None:
         raise KilnError("--rate sets a --workload's arrival rate; give one (chat, long-prompt or rate=..,prompt=..)")
-    speculation = econ.Speculation(tau, draft_tokens) if tau is not None else None
+    if tau is not None and speculation is not None:
+        raise KilnError("give --tau or --speculation, not both")
+    speculation = (econ.Speculation(tau, draft_tokens) if tau is not None
+                   else econ.load_speculation(speculation) if speculation is not None else None)
     scenario = econ.load_scenario(target, weights, kv, speculation)
     tiers = econ.load_tiers(price_per_hour, gpus) if econ.is_tier_table(price_per_hour) else None
     report = econ.economics_report(scenario, gpus, prices, context, gpus_per_replica, tiers, served, link_gbps)

@@ -49,6 +49,7 @@ decode pools on each GPU (serving_model), and the waterfall ends with its "disag
 from __future__ import annotations
 
 import io
+import json
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -244,6 +245,10 @@ def spec_figures(spec: ModelSpec, cost: Callable[[LinearSpec], LinearCost], kv_b
 class Speculation:
     tau: float  # mean tokens a verification step yields per sequence (accepted drafts + the bonus token)
     draft_tokens: int = DEFAULT_DRAFT_TOKENS  # k: the step verifies k + 1 tokens a sequence
+    # measured (`load_speculation`): the smallest batch at which speculation was slower than plain decoding; a
+    # server turns it off from there, so a step of that batch or more decodes plainly (None: it always paid)
+    break_even: int | None = None
+    source: str = ""  # where tau and the break-even were measured
 
     def __post_init__(self):
         if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or self.draft_tokens < 1:
@@ -283,7 +288,10 @@ class DecodeStep:
 
 def decode_step(m: ModelFigures, device: Device, batch: int, context: int,
                 speculation: Speculation | None = None) -> DecodeStep:
-    """One decode step of `batch` sequences of `context` cached tokens (a verification step with speculation)."""
+    """One decode step of `batch` sequences of `context` cached tokens (a verification step with speculation,
+    below its measured break-even batch)."""
+    if speculation is not None and speculation.break_even is not None and batch >= speculation.break_even:
+        speculation = None
     per_sequence = 1 + (speculation.draft_tokens if speculation else 0)
     tokens = batch * per_sequence
     memory = (m.read_bytes(tokens) + batch * m.kv_bytes(context)) / device.hbm_bytes_per_second
@@ -466,14 +474,49 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
     final = spec_figures(spec, served, kv_served, lm_head_tied)
     steps.append(Step("speculation", "speculation", "no speculation, at the same max batch",
                       final if speculation else None, speculation,
-                      note=(f"tau {speculation.tau:g} tokens per verification of {speculation.draft_tokens} drafts"
-                            if speculation else "not applied: no draft head (no tau recorded)")))
+                      note=speculation_note(speculation)))
     layers = ()
     if restructured:
         before, after = kv_bytes_per_token(source_spec, None), kv_bytes_per_token(spec, kv_table)
         layers = tuple({"layer": i, "attention": spec.layers[i].attention.kind,
                         "source_bytes_per_token": before[i], "bytes_per_token": after[i]} for i in sorted(after))
     return Scenario(name, kind, spec.model_type, tuple(steps), layers, tuple(notes))
+
+
+def speculation_note(speculation: Speculation | None) -> str:
+    if speculation is None:
+        return "not applied: no draft head (no tau recorded)"
+    note = f"tau {speculation.tau:g} tokens per verification of {speculation.draft_tokens} drafts"
+    if speculation.break_even is not None:
+        note += (f", measured below the break-even batch {speculation.break_even}: from that batch on it is off and "
+                 "the step decodes plainly (factor 1.00)")
+    return note + (f" ({speculation.source})" if speculation.source else "")
+
+
+def load_speculation(path: Path | str) -> Speculation:
+    """A measured speculation (`benchmarks/speculative_serving.py --out FILE.json`): the tau measured at the
+    largest concurrency below the break-even (the largest measured when it never broke even), the tokens a
+    verification checks per sequence, the break-even concurrency, and where it was measured."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        rows = sorted(((int(r["concurrency"]), float(r["tau"])) for r in data["rows"]), key=lambda r: r[0])
+        break_even = data["break_even"]
+        nodes = data["verified_per_sequence"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KilnError(f"--speculation {path}: not a speculative_serving.py measurement ({type(exc).__name__}: "
+                        f"{exc})"[:300]) from None
+    if break_even is not None and (isinstance(break_even, bool) or not isinstance(break_even, int) or break_even < 1):
+        raise KilnError(f"--speculation {path}: break_even must be a positive integer or null, got {break_even!r}")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise KilnError(f"--speculation {path}: verified_per_sequence must be a positive integer, got {nodes!r}")
+    paid = [(c, tau) for c, tau in rows if break_even is None or c < break_even]
+    if not paid:
+        raise KilnError(f"--speculation {path}: speculation did not pay at any measured concurrency (break-even "
+                        f"{break_even}); there is no tau to price")
+    concurrency, tau = paid[-1]
+    where = f"measured at concurrency {concurrency}" + (f", {data['machine']}" if data.get("machine") else "")
+    return Speculation(tau, nodes, break_even, where)
 
 
 # --- targets: an artifact, or a Hugging Face config ------------------------------------------------------------------

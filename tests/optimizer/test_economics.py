@@ -196,6 +196,51 @@ def test_a_recorded_tau_is_read_from_a_kept_pass_gate_metric():
     assert _speculation_of({"passes": [{**passes[0], "decision": "reverted"}]}) is None
 
 
+def _measured(tmp_path, rows, break_even, nodes=12):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({"rows": [{"concurrency": c, "tau": t} for c, t in rows], "break_even": break_even,
+                                "verified_per_sequence": nodes, "machine": "2-core CPU"}))
+    return path
+
+
+def test_a_measured_speculation_prices_tau_below_its_break_even_and_turns_off_from_it(tmp_path, llama_8b):
+    """tau is the one measured at the largest concurrency below the break-even (2.6 at 4 here, not 2.9 at 1
+    nor 2.4 at 8); a step at the break-even batch or beyond decodes plainly."""
+    from kiln.optimizer.economics import GPUS, load_speculation
+
+    spec = load_speculation(_measured(tmp_path, [(1, 2.9), (4, 2.6), (8, 2.4), (16, 2.3)], 8))
+    assert (spec.tau, spec.draft_tokens, spec.break_even) == (2.6, 12, 8)
+    assert "measured at concurrency 4, 2-core CPU" in spec.source
+    dense = config_scenario("8b", llama_8b, weights="fp8").served.figures
+    for batch in (1, 7):
+        plain = decode_step(dense, GPUS["h100"], batch, 4096)
+        assert decode_step(dense, GPUS["h100"], batch, 4096, spec).tokens_per_second != plain.tokens_per_second
+    for batch in (8, 64):
+        plain = decode_step(dense, GPUS["h100"], batch, 4096)
+        assert decode_step(dense, GPUS["h100"], batch, 4096, spec) == plain
+    # never broke even: the largest concurrency's tau, always on
+    assert load_speculation(_measured(tmp_path, [(1, 2.9), (4, 2.6)], None)) == Speculation(
+        2.6, 12, None, "measured at concurrency 4, 2-core CPU")
+
+
+def test_the_report_takes_a_measured_speculation_and_refuses_a_bad_one(tmp_path, cli):
+    llama_8b_config = tmp_path / "config.json"
+    llama_8b_config.write_text(json.dumps(LLAMA_8B))
+    path = _measured(tmp_path, [(1, 2.9), (4, 2.6), (8, 2.4)], 8)
+    code, out, err = cli("report", llama_8b_config, "--weights", "fp8", "--speculation", path, "--json")
+    assert code == 0, err
+    step = [s for s in json.loads(out)["gpus"]["h100"]["waterfall"] if s["step"] == "speculation"][0]
+    assert step["factor"] == pytest.approx(1.0) and "break-even batch 8" in step["note"]  # max batch >= 8: off
+    for bad, message in (("{}", "not a speculative_serving.py measurement"),
+                         (json.dumps({"rows": [{"concurrency": 1, "tau": 1.2}], "break_even": 1,
+                                      "verified_per_sequence": 4}), "did not pay at any measured concurrency")):
+        path.write_text(bad)
+        code, _, err = cli("report", llama_8b_config, "--speculation", path)
+        assert code != 0 and message in err and err.strip().count("\n") == 0
+    code, _, err = cli("report", llama_8b_config, "--speculation", path, "--tau", "2")
+    assert code != 0 and "not both" in err
+
+
 def test_report_json_on_a_small_artifact_and_the_build_writes_the_section(cli, plain_artifact):
     report_md = (plain_artifact / "report.md").read_text()
     assert "## Economics" in report_md and "### Not modelled" in report_md and WATERFALL_PNG in report_md
