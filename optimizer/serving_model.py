@@ -224,17 +224,23 @@ class RooflineCost(IterationCost):
 @dataclass(frozen=True)
 class MeasuredCost(IterationCost):
     """A device described by measured rates (the CPU check): Kiln's scheduler runs the decode rows and the prompt
-    chunk as two forwards, each a fixed cost plus a cost per row or token (context-independent: short contexts)."""
+    chunk as two forwards, each a fixed cost plus a cost per row or token, the chunk's causal attention a cost per
+    (query, key) pair; the decode rows' context is left out (short contexts)."""
 
     decode_fixed: float
     decode_per_row: float
     prefill_fixed: float
     prefill_per_token: float
+    prefill_per_pair: float = 0.0  # x ((o + n)(o + n + 1) - o(o + 1)) for n tokens after o, as the roofline's
 
     def seconds(self, decode_rows: float, context: float, prefill_tokens: int = 0, prefill_offset: int = 0) -> float:
-        decode = min(decode_rows, 1.0) * self.decode_fixed + decode_rows * self.decode_per_row  # a mean below 1 row:
-        prefill = self.prefill_fixed + prefill_tokens * self.prefill_per_token if prefill_tokens else 0.0  # (share)
-        return decode + prefill
+        # a mean below one row pays that share of the decode forward's fixed cost
+        decode = min(decode_rows, 1.0) * self.decode_fixed + decode_rows * self.decode_per_row
+        if not prefill_tokens:
+            return decode
+        n, o = prefill_offset + prefill_tokens, prefill_offset
+        return (decode + self.prefill_fixed + prefill_tokens * self.prefill_per_token
+                + self.prefill_per_pair * (n * (n + 1) - o * (o + 1)))
 
 
 # --- co-located with chunked prefill ----------------------------------------------------------------------------------
@@ -305,7 +311,8 @@ class ColocatedState:
 
 def colocated_state(cost: IterationCost, rate: float, classes: Sequence[RequestClass], budget: int,
                     max_sequences: float) -> ColocatedState:
-    """The steady state of one co-located replica (module docstring): the fixed point of TPOT, then TTFT."""
+    """The steady state of one co-located replica (module docstring): the fixed point of TPOT, then TTFT.
+    `max_sequences`: the running sequences it holds (the KV that fits on a GPU; max_num_seqs on Kiln's server)."""
     decode_steps = sum(c.share * (c.output_tokens - 1) for c in classes)  # decode iterations a request takes
     context = (sum(c.share * (c.output_tokens - 1) * (c.prompt_tokens + c.output_tokens / 2) for c in classes)
                / decode_steps if decode_steps else 0.0)
@@ -313,8 +320,8 @@ def colocated_state(cost: IterationCost, rate: float, classes: Sequence[RequestC
     for _ in range(FIXED_POINT_STEPS):
         others = rate * decode_steps * tpot
         if others > max_sequences:
-            return ColocatedState(rate, budget, f"the decode batch outgrows the {max_sequences:.0f} sequences whose "
-                                                "KV fits")
+            return ColocatedState(rate, budget, f"the decode batch outgrows the {max_sequences:.0f} sequences a "
+                                                "replica holds")
         chunk = math.floor(budget - others)
         if chunk < 1:
             return ColocatedState(rate, budget, f"{others:.0f} decode rows fill the {budget}-token budget")
@@ -399,7 +406,7 @@ def decode_state(cost: IterationCost, rate: float, prompt: int, output: int, max
     for _ in range(FIXED_POINT_STEPS):
         others = rate * (output - 1) * tpot
         if others > max_sequences:
-            return DecodeState(rate, f"the decode batch outgrows the {max_sequences:.0f} sequences whose KV fits")
+            return DecodeState(rate, f"the decode batch outgrows the {max_sequences:.0f} sequences a GPU holds")
         new = cost.seconds(1 + others, context)
         if abs(new - tpot) <= 1e-9 * new:
             return DecodeState(rate, None, new, rate * (output - 1) * new)
@@ -444,8 +451,8 @@ def _bound(gpus: int | None, state: Callable[[int], object], w: Workload, none: 
     if gpus is None:
         return none
     if gpus == 1:
-        return "one GPU is the least"
-    return f"{gpus - 1} GPU{'s' if gpus > 2 else ''}: " + ", ".join(state(gpus - 1).misses(w))
+        return "a single GPU suffices"
+    return f"with {gpus - 1} GPU{'s' if gpus > 2 else ''}, " + ", ".join(state(gpus - 1).misses(w))
 
 
 @dataclass(frozen=True)
@@ -598,11 +605,11 @@ def verdict(w: Workload, co: Colocated, dis: Disaggregated, winner: str | None, 
                       f"{s.chunk} tokens")
         parts.append(f"Co-located: {s.decode_rows:.0f} decode rows a GPU ride along with prefill chunks that fill "
                      f"{s.prefill_share:.0%} of the time; TPOT {_seconds(s.tpot)} mean, {_seconds(s.slowest)} behind "
-                     f"a chunk; TTFT {_seconds(s.ttft[0])}; bound by {co.bound}{shrink}")
+                     f"a chunk; TTFT {_seconds(s.ttft[0])}; bound: {co.bound}{shrink}")
     if dis.gpus is not None:
         parts.append(f"Disaggregated: the decode pool batches {dis.decode.decode_rows:.0f} rows a GPU at TPOT "
-                     f"{_seconds(dis.decode.tpot)} (bound by {dis.decode_bound}); prefill GPUs "
-                     f"{dis.prefill.utilisation:.0%} busy, a prompt in {_seconds(dis.prefill.service)} (bound by "
+                     f"{_seconds(dis.decode.tpot)} (bound: {dis.decode_bound}); prefill GPUs "
+                     f"{dis.prefill.utilisation:.0%} busy, a prompt in {_seconds(dis.prefill.service)} (bound: "
                      f"{dis.prefill_bound}); the KV transfer adds {_seconds(transfer)} to TTFT")
     parts.append(f"Unrounded, one GPU carries {co.capacity:.3g} req/s co-located and {dis.capacity:.3g} "
                  f"disaggregated (a prefill GPU {dis.prefill_capacity:.3g}, a decode GPU {dis.decode_capacity:.3g})")
