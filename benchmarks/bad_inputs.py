@@ -552,7 +552,9 @@ def bounds_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
     ckpt, a, text = str(w.ckpt), str(w.a), str(w.text)
     gate = ["gate", a, "--baseline", ckpt, "--data", text, "--min-recovery", "0.9", "--generate", "0"]
     huge_config, one_line = w.tmp / "billion-layers" / "config.json", w.tmp / "no-newline-200MB.txt"
+    not_measured, root = w.tmp / "not-a-measurement.json", w.tmp
     fields = {"tune-lr-inf": "{pass: weight-quant, tune_lr: .inf}",
+              "draft-vocab-negative": "{pass: draft-head, draft_vocab: -5}",
               "heal-lr-inf": "{pass: mla, kv_fraction: 0.5, heal_lr: .inf}",
               "tree-width-2.5": "{pass: draft-head, tree_width: 2.5}",
               "seed-x": "{pass: draft-head, seed: 'x'}"}
@@ -560,6 +562,9 @@ def bounds_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
     def write_recipes() -> None:
         for name, entry in fields.items():
             (w.recipes / f"{name}.yaml").write_text(f"passes:\n  - {entry}\n")
+
+    def write_not_measured() -> None:
+        not_measured.write_text(json.dumps({"rows": "many"}))
 
     def write_huge_config() -> None:
         huge_config.parent.mkdir(exist_ok=True)
@@ -598,6 +603,14 @@ def bounds_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
              check=fast(60)),
         Case("bounds: report --workload chat --link-gbps nan",
              ["report", a, "--workload", "chat", "--link-gbps", "nan"], 2, check=fast(60)),
+        Case("bounds: report --speculation on a file that is no measurement",
+             ["report", a, "--speculation", str(not_measured)], 2, setup=write_not_measured, check=fast(60)),
+        Case("bounds: report --speculation on a missing file", ["report", a, "--speculation", str(root / "nope.json")],
+             2, check=fast(60)),
+        Case("bounds: serve --speculative --draft head without a draft head", ["serve", a, "--speculative", "--draft",
+                                                                               "head"], 2, check=fast(60)),
+        Case("bounds: serve --speculative --draft-tokens 99", ["serve", a, "--speculative", "--draft-tokens", "99"], 2,
+             check=fast(60)),
     ]
     cases += [Case(f"bounds: recipe YAML {entry}", ["build", ckpt, "--recipe", str(w.recipes / f"{name}.yaml"),
                                                       "-o", str(out(f"bounds-{name}"))], 2, setup=write_recipes,

@@ -499,11 +499,15 @@ def load_speculation(path: Path | str) -> Speculation:
     verification checks per sequence, the break-even concurrency, and where it was measured."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text()
+    except OSError as exc:
+        raise KilnError(f"--speculation {path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    try:
+        data = json.loads(text)
         rows = sorted(((int(r["concurrency"]), float(r["tau"])) for r in data["rows"]), key=lambda r: r[0])
         break_even = data["break_even"]
         nodes = data["verified_per_sequence"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise KilnError(f"--speculation {path}: not a speculative_serving.py measurement ({type(exc).__name__}: "
                         f"{exc})"[:300]) from None
     if break_even is not None and (isinstance(break_even, bool) or not isinstance(break_even, int) or break_even < 1):
