@@ -307,5 +307,8 @@ class DraftHead(Pass):
             result.metrics["final_loss"] = history[-1]
         result.notes.append(f"self-distilled on the calibration text and {len(generations)} "
                             f"of the target's own continuations: {self.train_steps} steps, {tokens} tokens, "
-                            f"{seconds:.0f} s; lm_head and final norm shared with the target")
+                            f"{seconds:.0f} s; "
+                            + ("its own final norm; its lm_head the target's rows over the draft vocabulary"
+                               if module.draft_vocab else "its own final norm; the target's lm_head"
+                               if architecture == "eagle3" else "lm_head and final norm shared with the target"))
         return result
