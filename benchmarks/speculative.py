@@ -292,14 +292,14 @@ def note(spec, costs: dict, args) -> list[str]:
                        f"in the target's layers; proposing costs {r['propose_ms'] / plain['step_ms']:.2f} plain "
                        f"steps; a speculative step costs {r['step_ms'] / plain['step_ms']:.2f} plain steps and emits "
                        f"{r['tokens_per_seq_step']:.2f} tokens a sequence.")
-    out.append(f"- This model is small ({len(spec.layers)} layers of width {spec.hidden_size}): on the CPU a "
-               "forward's cost is mostly per-call overhead (Python, paged-cache bookkeeping, small kernels), nearly "
-               "flat in the tokens it processes (the verification/decode ratios above). Speculation pays while tau "
+    out.append(f"- This model has {len(spec.layers)} layers of width {spec.hidden_size}. On the CPU a batch-1 forward "
+               "costs about as much for k+1 tokens as for one (the verification/decode ratios above): it is bound by "
+               "reading the weights (fp32 here) or, for a tiny model, by per-call overhead. Speculation pays while tau "
                "exceeds a speculative step's cost in plain steps (one verification, the drafter's forwards, the "
-               "per-row acceptance loop in Python). As the batch grows a plain step spreads its overhead over more "
-               "rows, while verification processes k+1 tokens a row and acceptance runs row by row, so that ratio "
-               "grows until speculation costs. These figures measure this runtime on one CPU thread; they do not "
-               "predict a GPU serving a large model, where decoding is bound by weight reads, not per-call overhead.")
+               "per-row acceptance loop in Python). As the batch grows a plain step becomes compute-bound and spreads "
+               "its fixed costs over more rows, while verification multiplies the tokens by k+1 (a tree's by more) "
+               "and acceptance runs row by row, so that ratio grows until speculation costs. These figures measure "
+               "this runtime on one CPU thread, not a GPU serving a large model.")
     return out
 
 
