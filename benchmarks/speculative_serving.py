@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serve_load import ServerProcess, _client, percentile, stream_completion  # noqa: E402
+from serve_load import ServerProcess, _client, percentile, stream_completion
 
-from kiln.optimizer.defaults import EVALUATION_TEXT  # noqa: E402
+from kiln.optimizer.defaults import EVALUATION_TEXT
 
 PROMPT_WORDS = 16
 SPEC_COUNTERS = ("num_verifications", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens")
@@ -103,7 +103,7 @@ def tree_width_of(banner: str) -> int:
 def commit() -> str:
     import subprocess
 
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
     return out.stdout.strip()
 
 

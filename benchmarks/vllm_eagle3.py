@@ -2,7 +2,7 @@
 length against Kiln's tau, and greedy output against plain greedy decoding (issue #17).
 
     python benchmarks/vllm_eagle3.py ARTIFACT [--target CHECKPOINT] [--vllm-python ~/vllm-venv/bin/python]
-        [--prompts 16] [--new-tokens 64] [--draft-tokens 4] [--out FILE.md]
+        [--prompts 16] [--new-tokens 64] [--draft-tokens 4] [--out FILE.md] [--json FILE.json]
 
 The head is exported with `optimize export ARTIFACT --format eagle3` (its d2t draft vocabulary included) and run
 as vLLM's `speculative_config={"method": "eagle3", "model": HEAD, "num_speculative_tokens": k}` beside
@@ -94,6 +94,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--out", type=Path, help="also write the Markdown table here")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--vllm-side", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vllm_side:
@@ -116,7 +117,7 @@ def main() -> int:
                                        "max_model_len": min(kiln["max_model_len"], 1024)}))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
         run = subprocess.run([str(args.vllm_python), __file__, "--vllm-side", str(request), str(result)], env=env,
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, check=False)
         if run.returncode != 0:
             tail = [line for line in run.stderr.splitlines() if "Error" in line][-3:]
             raise SystemExit("vLLM failed: " + (" | ".join(tail) or run.stderr[-600:]))
@@ -125,17 +126,22 @@ def main() -> int:
     drafts, accepted = m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_accepted_tokens"]
     per_position = m.get("vllm:spec_decode_num_accepted_tokens_per_pos")
     same = sum(a == b for a, b in zip(kiln["plain"], vllm["tokens"], strict=True))
-    lines = [f"EAGLE-3 head of `{args.artifact}` beside dense `{target}`; {len(kiln['prompts'])} prompts of "
-             f"{PROMPT_TOKENS} tokens, {args.new_tokens} new, EOS ignored, greedy, k={args.draft_tokens} (chain)", "",
-             "| engine | verification steps | drafts accepted | acceptance length | by draft position |",
-             "|---|---:|---:|---:|---|",
-             f"| Kiln runtime | {kiln['steps']} | {kiln['accepted']} of {kiln['drafted']} | {kiln['tau']:.3f} | - |",
-             f"| vLLM (CPU), eagle3 | {drafts:.0f} | {accepted:.0f} of {m['vllm:spec_decode_num_draft_tokens']:.0f} | "
-             f"{1 + accepted / drafts:.3f} | {per_position} |", "",
-             f"vLLM's speculative outputs equal Kiln's plain greedy decoding on {same}/{len(kiln['plain'])} prompts "
-             f"(all {args.new_tokens} tokens); vLLM loaded in {vllm['load_seconds']:.0f} s and generated in "
-             f"{vllm['generate_seconds']:.1f} s."]
+    header = (f"EAGLE-3 head of `{args.artifact}` beside dense `{target}`; {len(kiln['prompts'])} prompts of "
+              f"{PROMPT_TOKENS} tokens, {args.new_tokens} new, EOS ignored, greedy, k={args.draft_tokens} (chain)")
+    kiln_row = f"| Kiln runtime | {kiln['steps']} | {kiln['accepted']} of {kiln['drafted']} | {kiln['tau']:.3f} | - |"
+    vllm_row = (f"| vLLM (CPU), eagle3 | {drafts:.0f} | {accepted:.0f} of {m['vllm:spec_decode_num_draft_tokens']:.0f} "
+                f"| {1 + accepted / drafts:.3f} | {per_position} |")
+    summary = (f"vLLM's speculative outputs equal Kiln's plain greedy decoding on {same}/{len(kiln['plain'])} prompts "
+               f"(all {args.new_tokens} tokens); vLLM loaded in {vllm['load_seconds']:.0f} s and generated in "
+               f"{vllm['generate_seconds']:.1f} s.")
+    lines = [header, "", "| engine | verification steps | drafts accepted | acceptance length | by draft position |",
+             "|---|---:|---:|---:|---|", kiln_row, vllm_row, "", summary]
     print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps({
+            "kiln": {k: kiln[k] for k in ("steps", "accepted", "drafted", "tau")},
+            "vllm": {"steps": drafts, "accepted": accepted, "acceptance_length": 1 + accepted / drafts,
+                     "per_position": per_position}, "identical": same, "prompts": len(kiln["plain"])}) + "\n")
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
     return 0 if same == len(kiln["plain"]) else 1

@@ -229,7 +229,7 @@ def test_the_report_takes_a_measured_speculation_and_refuses_a_bad_one(tmp_path,
     path = _measured(tmp_path, [(1, 2.9), (4, 2.6), (8, 2.4)], 8)
     code, out, err = cli("report", llama_8b_config, "--weights", "fp8", "--speculation", path, "--json")
     assert code == 0, err
-    step = [s for s in json.loads(out)["gpus"]["h100"]["waterfall"] if s["step"] == "speculation"][0]
+    step = next(s for s in json.loads(out)["gpus"]["h100"]["waterfall"] if s["step"] == "speculation")
     assert step["factor"] == pytest.approx(1.0) and "break-even batch 8" in step["note"]  # max batch >= 8: off
     for bad, message in (("{}", "not a speculative_serving.py measurement"),
                          (json.dumps({"rows": [{"concurrency": 1, "tau": 1.2}], "break_even": 1,

@@ -181,7 +181,7 @@ def test_a_draft_vocabulary_is_the_most_frequent_tokens_and_the_targets_own_rows
     target = LlamaForCausalLM.from_pretrained(ckpt).eval()
     assert torch.equal(w["lm_head.weight"], target.lm_head.weight.detach()[ids].to(w["lm_head.weight"].dtype))
     engine = runtime.load(art)
-    record = [r for r in engine.manifest["passes"] if r["name"] == "draft-head"][0]
+    record = next(r for r in engine.manifest["passes"] if r["name"] == "draft-head")
     assert record["result"]["metrics"]["draft_vocab"] == DRAFT_VOCAB
     assert 0.5 < record["result"]["metrics"]["draft_vocab_coverage"] <= 1.0
     prompts = [[1, 17, 42, 9], [1, 5, 33, 7, 101]]

@@ -115,3 +115,34 @@ def test_vllm_runs_a_deepseek_layout_mla_conversion_with_kilns_figures(vllm_pyth
     result = check(vllm_python, artifact, tmp_path, "hf", disable_ops=("rotary_embedding",))
     assert abs(result["relative"]) < 0.005, result
     assert all(p["near_tie"] for p in result["partings"]), result["partings"]
+
+
+def test_vllm_runs_an_eagle3_head_over_a_draft_vocabulary_losslessly(vllm_python, tmp_path):
+    """A draft-head build (EAGLE-3, a draft vocabulary of 128 of the 512 tokens) exported with --format eagle3
+    runs as vLLM's speculative method eagle3 beside the checkpoint: vLLM's greedy output is Kiln's plain greedy
+    decoding, and its acceptance length is Kiln's tau on the same prompts within 0.1."""
+    if shared_dir() is None:
+        pytest.skip("needs ../shared for stories260K's tokenizer")
+    checkpoint = tmp_path / "ckpt"  # four layers: an EAGLE-3 head reads three
+    make_tiny_checkpoint("llama", checkpoint, overrides={
+        "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "num_hidden_layers": 4, "vocab_size": 512, "initializer_range": 0.1, "bos_token_id": 1,
+        "eos_token_id": 2})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES260K / name, checkpoint / name)
+    recipe = tmp_path / "eagle3.yaml"
+    recipe.write_text("passes:\n  - {pass: draft-head, architecture: eagle3, draft_vocab: 128, train_steps: 40, "
+                      "generated: 16, generated_tokens: 32, min_tau: 1.0}\n")
+    art = tmp_path / "art"
+    build = subprocess.run([OPTIMIZE, "build", str(checkpoint), "--recipe", str(recipe), "--no-gate", "--calib-tokens",
+                            "4096", "-o", str(art)], capture_output=True, text=True, env=ENV, check=False, timeout=900)
+    assert build.returncode == 0, build.stderr[-2000:]
+    out = tmp_path / "eagle3.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_eagle3.py"), str(art), "--vllm-python",
+                           str(vllm_python), "--prompts", "4", "--new-tokens", "24", "--json", str(out)],
+                          capture_output=True, text=True, env=ENV, check=False, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["identical"] == figures["prompts"] == 4
+    assert figures["kiln"]["steps"] == figures["vllm"]["steps"]
+    assert abs(figures["kiln"]["tau"] - figures["vllm"]["acceptance_length"]) < 0.1
