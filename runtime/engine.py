@@ -264,11 +264,13 @@ class Engine:
         return self._draft
 
     def drafter(self, kind: str = "auto", corpus: Sequence[Sequence[int]] | None = None,
-                tree_width: int | None = None):
+                tree_width: int | None = None, num_blocks: int | None = None):
         """A drafter for speculative decoding: "head" (the artifact's MTP layer or draft head), "prompt-lookup",
         "trigram" (a table of `corpus`), or "auto" (head when the artifact has one, else prompt lookup).
         `tree_width` > 1 (head, greedy): the top-`tree_width` tokens at each depth are verified as a tree;
-        None: the width the artifact's draft-head pass was gated with, else 1."""
+        None: the width the artifact's draft-head pass was gated with, else 1. `num_blocks`: the head's own KV
+        pool, one layer's (default: twice the engine's block count, room for a scheduler on the engine's pool and
+        every sequence's drafts past its end)."""
 
         if tree_width is None:
             tree_width = next((p["config"].get("tree_width", 1) for p in self.manifest.get("passes") or ()
@@ -284,8 +286,8 @@ class Engine:
                                 "or use --draft prompt-lookup")
             streams = resolve_kv_streams(
                 dataclasses.replace(self.spec, layers=(module.spec.layer,), extra_modules=()), {})[0]
-            return DraftHeadDrafter(module, self.kv_cache_blocks, self.kv_block_size, streams, tree_width,
-                                       self.dtype, self.device)
+            return DraftHeadDrafter(module, num_blocks or 2 * self.kv_cache_blocks, self.kv_block_size, streams,
+                                    tree_width, self.dtype, self.device)
         if kind == "prompt-lookup":
             return PromptLookupDrafter()
         if kind == "trigram":

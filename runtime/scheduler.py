@@ -151,6 +151,12 @@ class Scheduler:
                             "without prefix caching")
         self.cache = cache if cache is not None else engine.new_kv_cache(
             num_blocks or engine.kv_cache_blocks, prefix_caching=prefix_caching and not needs_features)
+        own = getattr(getattr(drafter, "cache", None), "num_blocks", None)  # a draft head's own KV pool
+        need = self.cache.num_blocks + max_num_seqs * -(-self.draft_tokens // self.cache.block_size)
+        if own is not None and own < need:
+            raise KilnError(f"the draft head's KV pool has {own} blocks; {max_num_seqs} sequences on {self.cache.num_blocks} "
+                            f"blocks drafting {self.draft_tokens} tokens past their ends need {need}: "
+                            f"engine.drafter(\"head\", num_blocks={need})")
         self.speculative = SpeculativeStats()
         self._drafting: set[Hashable] = set()  # requests the drafter has started on
         self._prompt_features: dict[Hashable, list[torch.Tensor]] = {}  # what it reads, gathered over chunks

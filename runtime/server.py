@@ -514,7 +514,10 @@ class ServingState:
         self.log = log
         self.tokenizer = engine.tokenizer
         self.warned_no_chat_template = False
-        drafter = (engine.drafter(config.speculative, tree_width=config.tree_width)
+        # the head's own pool holds what the target's does, and each running sequence's chain of drafts past it
+        pool = (config.num_blocks or engine.kv_cache_blocks) + config.max_num_seqs * (
+            -(-config.draft_tokens // engine.kv_block_size))
+        drafter = (engine.drafter(config.speculative, tree_width=config.tree_width, num_blocks=pool)
                    if config.speculative is not None else None)
         self.scheduler = Scheduler(engine, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_queue=config.max_queue,

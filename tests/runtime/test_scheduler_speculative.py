@@ -124,3 +124,14 @@ def test_a_feature_drafter_turns_prefix_caching_off(stories):
     with pytest.raises(KilnError, match="without prefix caching"):
         Scheduler(engine, cache=engine.new_kv_cache(64, prefix_caching=True), drafter=engine.drafter("head"))
     assert Scheduler(engine, drafter=engine.drafter("prompt-lookup")).cache.prefix_caching
+
+
+def test_a_draft_head_pool_too_small_for_the_schedulers_is_refused(stories):
+    """The head's own KV pool must hold the target pool's tokens and each sequence's drafts past its end (one
+    more block each here): one block short is a one-line refusal, not a step that fails mid-serving."""
+    engine, _ = stories
+    need = 40 + 4 * 1
+    with pytest.raises(KilnError, match=f"need {need}"):
+        Scheduler(engine, num_blocks=40, max_num_seqs=4, drafter=engine.drafter("head", num_blocks=need - 1))
+    Scheduler(engine, num_blocks=40, max_num_seqs=4, drafter=engine.drafter("head", num_blocks=need))
+    Scheduler(engine, drafter=engine.drafter("head"))  # the defaults fit each other
