@@ -384,6 +384,9 @@ class _Choices:
     async def deltas(self, http_request=None) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) until every choice has finished. With `http_request` (a non-streaming
         request), a client that went away raises ClientGone. Past the deadline: ApiError 504."""
+        # the client is checked every DISCONNECT_POLL_SECONDS whether or not deltas keep coming: choices that
+        # stream tokens without pause must not outlive a client that went away
+        next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
         while self.pending:
             wait = DISCONNECT_POLL_SECONDS if http_request is not None else None
             if self.deadline is not None:
@@ -394,13 +397,18 @@ class _Choices:
                                         f"{self.state.config.request_timeout:g} s and was aborted", "timeout_error",
                                    code="request_timeout")
                 wait = left if wait is None else min(wait, left)
+            items = []
             try:
                 async with asyncio.timeout(wait):
                     items = [await self.queue.get()]
             except TimeoutError:
-                if http_request is not None and await http_request.is_disconnected():
+                pass
+            if http_request is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL_SECONDS
+                if await http_request.is_disconnected():
                     self.abort("disconnect")
                     raise ClientGone() from None
+            if not items:
                 continue
             while not self.queue.empty():  # a reader that fell behind gets one delta a choice, not one a step
                 items.append(self.queue.get_nowait())
