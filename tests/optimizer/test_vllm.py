@@ -37,32 +37,31 @@ def vllm_python() -> Path:
     return VLLM_PYTHON
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+# a small random Llama that vLLM's CPU attention takes (heads of 64)
+SMALL_LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 64, "vocab_size": 512, "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def stories_llama(path: Path, **overrides) -> Path:
+    """A random Llama (SMALL_LLAMA with `overrides`) written to `path` with stories260K's tokenizer."""
     if shared_dir() is None:
         pytest.skip("needs ../shared for stories260K's tokenizer")
-    path = tmp_path_factory.mktemp("llama64") / "ckpt"
-    make_tiny_checkpoint("llama", path, overrides=dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                                                       num_key_value_heads=2, head_dim=64, vocab_size=512,
-                                                       initializer_range=0.1, bos_token_id=1, eos_token_id=2))
+    make_tiny_checkpoint("llama", path, overrides={**SMALL_LLAMA, **overrides})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(STORIES260K / name, path / name)
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return stories_llama(tmp_path_factory.mktemp("llama64") / "ckpt")
 
 
 @pytest.fixture(scope="module")
 def wide_checkpoint(tmp_path_factory) -> Path:
     """16 heads of 64 and 8 KV heads: 1024 KV values a token per layer, which DeepSeek's 512 + 64 cuts."""
-    if shared_dir() is None:
-        pytest.skip("needs ../shared for stories260K's tokenizer")
-    path = tmp_path_factory.mktemp("llama-wide") / "ckpt"
-    make_tiny_checkpoint("llama", path, overrides={
-        "hidden_size": 1024, "intermediate_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 8,
-        "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 512, "initializer_range": 0.1, "bos_token_id": 1,
-        "eos_token_id": 2})
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(STORIES260K / name, path / name)
-    return path
+    return stories_llama(tmp_path_factory.mktemp("llama-wide") / "ckpt", hidden_size=1024, intermediate_size=2048,
+                         num_attention_heads=16, num_key_value_heads=8, num_hidden_layers=2)
 
 
 def check(vllm_python: Path, artifact: Path, tmp: Path, fmt: str, dtype: str = "float32",
@@ -121,15 +120,7 @@ def test_vllm_runs_an_eagle3_head_over_a_draft_vocabulary_losslessly(vllm_python
     """A draft-head build (EAGLE-3, a draft vocabulary of 128 of the 512 tokens) exported with --format eagle3
     runs as vLLM's speculative method eagle3 beside the checkpoint: vLLM's greedy output is Kiln's plain greedy
     decoding, and its acceptance length is Kiln's tau on the same prompts within 0.1."""
-    if shared_dir() is None:
-        pytest.skip("needs ../shared for stories260K's tokenizer")
-    checkpoint = tmp_path / "ckpt"  # four layers: an EAGLE-3 head reads three
-    make_tiny_checkpoint("llama", checkpoint, overrides={
-        "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "num_hidden_layers": 4, "vocab_size": 512, "initializer_range": 0.1, "bos_token_id": 1,
-        "eos_token_id": 2})
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(STORIES260K / name, checkpoint / name)
+    checkpoint = stories_llama(tmp_path / "ckpt", num_hidden_layers=4)  # an EAGLE-3 head reads three layers
     recipe = tmp_path / "eagle3.yaml"
     recipe.write_text("passes:\n  - {pass: draft-head, architecture: eagle3, draft_vocab: 128, train_steps: 40, "
                       "generated: 16, generated_tokens: 32, min_tau: 1.0}\n")

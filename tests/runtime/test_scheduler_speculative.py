@@ -12,9 +12,8 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.scheduler import SamplingParams, Scheduler
-from kiln.runtime.speculative import NgramTableDrafter
 from tests.conftest import EVAL_TEXT, STORIES
-from tests.runtime.test_speculative import P_FLOOR, _chi_square_p, _exact_marginals, with_random_head
+from tests.runtime.test_speculative import P_FLOOR, Oracle, _chi_square_p, _exact_marginals, with_random_head
 
 torch.set_num_threads(1)
 
@@ -34,31 +33,6 @@ def stories():
 def _drain(scheduler):
     while scheduler.has_work():
         scheduler.step()
-
-
-class Oracle(NgramTableDrafter):
-    """Proposes plain decoding's own next tokens (every third proposal with its last token wrong), so drafts
-    are mostly accepted and sometimes rejected mid-way."""
-
-    def __init__(self, reference: dict[tuple[int, ...], list[int]], vocab: int):
-        self.reference, self.vocab, self.calls = reference, vocab, 0
-
-    def propose(self, rows, contexts, k, temperature, top_p, generator):
-        from kiln.runtime.speculative import Proposal
-
-        out = []
-        for context in contexts:
-            drafts = []
-            for prompt, continuation in self.reference.items():
-                if tuple(context[:len(prompt)]) == prompt:
-                    done = len(context) - len(prompt)
-                    drafts = continuation[done:done + k]
-                    self.calls += 1
-                    if self.calls % 3 == 0 and drafts:
-                        drafts = [*drafts[:-1], (drafts[-1] + 1) % self.vocab]
-                    break
-            out.append(drafts)
-        return Proposal(out, [None] * len(out))
 
 
 @pytest.mark.parametrize("drafter", ["head", "head tree of 3", "prompt lookup", "oracle"])

@@ -138,6 +138,7 @@ class Oracle(Drafter):
     def propose(self, rows, contexts, k, temperature, top_p, generator):
         out = []
         for context in contexts:
+            drafts = []  # a context of no known prompt: no proposal (its row keeps its place)
             for prompt, continuation in self.reference.items():
                 if tuple(context[:len(prompt)]) == prompt:
                     done = len(context) - len(prompt)
@@ -145,8 +146,8 @@ class Oracle(Drafter):
                     self.calls += 1
                     if self.calls % 3 == 0 and drafts:
                         drafts = [*drafts[:-1], (drafts[-1] + 1) % self.vocab]
-                    out.append(drafts)
                     break
+            out.append(drafts)
         return Proposal(out, [None] * len(out))
 
 
