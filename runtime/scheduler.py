@@ -134,6 +134,12 @@ class StepEvent:
     finished: bool
 
 
+def draft_pool_blocks(num_blocks: int, max_num_seqs: int, draft_tokens: int, block_size: int) -> int:
+    """Blocks a draft head's own KV pool needs beside a scheduler's pool of `num_blocks`: what that pool holds,
+    and each running sequence's chain of `draft_tokens` drafts past its end."""
+    return num_blocks + max_num_seqs * -(-draft_tokens // block_size)
+
+
 class Scheduler:
     def __init__(self, engine, cache: PagedKVCache | None = None, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_queue: int | None = 1024, prefix_caching: bool = True,
@@ -152,7 +158,7 @@ class Scheduler:
         self.cache = cache if cache is not None else engine.new_kv_cache(
             num_blocks or engine.kv_cache_blocks, prefix_caching=prefix_caching and not needs_features)
         own = getattr(getattr(drafter, "cache", None), "num_blocks", None)  # a draft head's own KV pool
-        need = self.cache.num_blocks + max_num_seqs * -(-self.draft_tokens // self.cache.block_size)
+        need = draft_pool_blocks(self.cache.num_blocks, max_num_seqs, self.draft_tokens, self.cache.block_size)
         if own is not None and own < need:
             raise KilnError(f"the draft head's KV pool has {own} blocks; {max_num_seqs} sequences on {self.cache.num_blocks} "
                             f"blocks drafting {self.draft_tokens} tokens past their ends need {need}: "

@@ -514,7 +514,7 @@ class ServingState:
     """What the app's handlers share: the engine, its scheduler thread, metrics, and the draining flag."""
 
     def __init__(self, engine, config: ServerConfig, model_id: str, log: Callable[[str], None]):
-        from kiln.runtime.scheduler import Scheduler
+        from kiln.runtime.scheduler import Scheduler, draft_pool_blocks
 
         self.engine = engine
         self.config = config
@@ -522,9 +522,8 @@ class ServingState:
         self.log = log
         self.tokenizer = engine.tokenizer
         self.warned_no_chat_template = False
-        # the head's own pool holds what the target's does, and each running sequence's chain of drafts past it
-        pool = (config.num_blocks or engine.kv_cache_blocks) + config.max_num_seqs * (
-            -(-config.draft_tokens // engine.kv_block_size))
+        pool = draft_pool_blocks(config.num_blocks or engine.kv_cache_blocks, config.max_num_seqs,
+                                 config.draft_tokens, engine.kv_block_size)
         drafter = (engine.drafter(config.speculative, tree_width=config.tree_width, num_blocks=pool)
                    if config.speculative is not None else None)
         self.scheduler = Scheduler(engine, max_num_seqs=config.max_num_seqs,
