@@ -312,6 +312,10 @@ def build(
     sizes.add_row("artifact", str(result.weight_bytes), human_bytes(result.weight_bytes))
     sizes.add_row("ratio", f"{result.weight_bytes / src:.3f}", "")
     out.print(sizes)
+    from kiln.optimizer.report import embedding_lines
+
+    for line in embedding_lines(manifest):
+        out.print(Text(line), soft_wrap=True)
     from kiln.optimizer.kv_report import kv_tables
 
     for kv_table in kv_tables(manifest["kv_budget"]):

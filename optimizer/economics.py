@@ -204,12 +204,14 @@ def layer_decode_flops(layer) -> int:
 
 
 def spec_figures(spec: ModelSpec, cost: Callable[[LinearSpec], LinearCost], kv_bytes: Mapping[int, int],
-                 lm_head_tied: bool, windows: bool = True) -> ModelFigures:
+                 lm_head_tied: bool, windows: bool = True, table: LinearCost | None = None) -> ModelFigures:
     """A spec's figures, each linear priced by `cost`, its KV cache by `kv_bytes` (per layer, bytes per token);
-    embedding and norms BF16. `lm_head_tied`: a dense LM head reads the embedding, which is stored once.
-    `windows` False: every layer attends (and caches) the whole context, the sliding-window step's baseline."""
+    norms BF16, the embedding BF16 unless `table` prices it (stored quantized: passes/embedding_quant.py).
+    `lm_head_tied`: the LM head reads the embedding, which is stored once (a quantized table: the head reads it in
+    its format). `windows` False: every layer attends (and caches) the whole context, the sliding-window step's
+    baseline."""
     norms = 2 * sum(spec.norms().values())
-    resident = 2 * spec.vocab_size * spec.hidden_size + norms
+    resident = (2 * spec.vocab_size * spec.hidden_size if table is None else table.bytes) + norms
     read = norms
     dense = Counter()
     routed = []
@@ -227,10 +229,10 @@ def spec_figures(spec: ModelSpec, cost: Callable[[LinearSpec], LinearCost], kv_b
                     params[c.compute] += c.params
             resident += nbytes
             routed.append(RoutedExperts(len(layer.mlp.experts), layer.mlp.top_k, nbytes, dict(params)))
-    head = cost(spec.lm_head)
+    head = table if lm_head_tied and table is not None else cost(spec.lm_head)
     read += head.bytes
     dense[head.compute] += head.params
-    if not (lm_head_tied and head.bytes == 2 * head.params):
+    if not (lm_head_tied and (table is not None or head.bytes == 2 * head.params)):
         resident += head.bytes
     resident += sum(cost(lin).bytes for lin in spec.extra_linears())
     decode, prefill = attention_flops(spec)
@@ -403,7 +405,8 @@ def _cost(formats: Mapping[str, Mapping], fp4_as_fp8: bool) -> Callable[[LinearS
 
 
 def _format_summary(formats: Mapping[str, Mapping], fmts: Sequence[str]) -> str:
-    counts = Counter((e["format"], e.get("activation", "none")) for e in formats.values() if e["format"] in fmts)
+    counts = Counter((e["format"], e.get("activation", "none")) for e in formats.values()
+                     if e["format"] in fmts and e.get("role") != "embedding")
     return ", ".join(f"{n} linears {fmt}" + ("" if act == "none" else f" with {act} activations")
                      for (fmt, act), n in sorted(counts.items()))
 
@@ -435,8 +438,26 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
     windowed = any(layer.attention.sliding_window for layer in source_spec.layers)
     window_sizes = sorted({layer.attention.sliding_window for layer in source_spec.layers} - {None})
     local = sum(1 for layer in source_spec.layers if layer.attention.sliding_window)
-    quantized = {k: e for k, e in formats.items() if e["format"] != WeightFormat.DENSE}
+    table_entry = formats.get(spec.embedding.removesuffix(".weight"))
+    if not table_entry or table_entry.get("role") != "embedding" or table_entry["format"] == WeightFormat.DENSE:
+        table_entry = None
+
+    def table(fp4_as_fp8: bool) -> LinearCost | None:
+        """The embedding table stored quantized, priced like a weight-only linear of its shape (the LM head's)."""
+        if table_entry is None:
+            return None
+        if fp4_as_fp8 and table_entry["format"] in BELOW_FP8_FORMATS:
+            return linear_cost(spec.lm_head, WeightFormat.FP8_E4M3, ActivationFormat.NONE)
+        return linear_cost(spec.lm_head, table_entry["format"], ActivationFormat.NONE, table_entry.get("in_features"))
+
+    table_note = ("" if table_entry is None else f"; the embedding table {table_entry['format']}"
+                  + (" (the tied LM head reads it)" if lm_head_tied else ""))
+    quantized = {k: e for k, e in formats.items() if e["format"] != WeightFormat.DENSE and e.get("role") != "embedding"}
     fp4 = {k: e for k, e in quantized.items() if e["format"] in BELOW_FP8_FORMATS}
+    if table_entry is not None:  # the waterfall's weight steps apply when only the table is quantized, too
+        quantized = {**quantized, "": table_entry} if not quantized else quantized
+        if table_entry["format"] in BELOW_FP8_FORMATS and not fp4:
+            fp4 = {"": table_entry}
     restructured = [a.attention.kind for a in source_spec.layers] != [b.attention.kind for b in spec.layers]
     served = _cost(formats, False)
     kinds = sorted({layer.attention.kind.upper() for layer in source_spec.layers})
@@ -458,20 +479,21 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
                    "not applied: no MLA conversion" + (" (the source's own attention is MLA)"
                                                        if "MLA" in kinds else ""))),
         Step("fp8", "weights FP8", "BF16 weights",
-             spec_figures(spec, _cost(formats, True), kv_bf16, lm_head_tied) if quantized else None,
+             spec_figures(spec, _cost(formats, True), kv_bf16, lm_head_tied, table=table(True)) if quantized else None,
              note=(("FP8 in place of the FP4/FP6 linears (the FP4 step's baseline); " if fp4 else "")
                    + (_format_summary(quantized, (WeightFormat.FP8_E4M3,)) or "no FP8 linears of its own")
-                   if quantized else "not applied: every linear BF16")),
+                   + table_note if quantized else "not applied: every linear BF16")),
         Step("fp4", "weights FP4/FP6" if any(e["format"] == WeightFormat.MXFP6 for e in fp4.values())
              else "weights FP4", "FP8 on the same GPU",
-             spec_figures(spec, served, kv_bf16, lm_head_tied) if fp4 else None,
-             note=_format_summary(fp4, BELOW_FP8_FORMATS) if fp4 else "not applied: no FP4 weights"),
+             spec_figures(spec, served, kv_bf16, lm_head_tied, table=table(False)) if fp4 else None,
+             note=(_format_summary(fp4, BELOW_FP8_FORMATS) or "no FP4 linears of its own") + table_note if fp4
+             else "not applied: no FP4 weights"),
         Step("kv", "KV-cache quantization", "a BF16 KV cache",
-             spec_figures(spec, served, kv_served, lm_head_tied) if kv_served != kv_bf16 else None,
+             spec_figures(spec, served, kv_served, lm_head_tied, table=table(False)) if kv_served != kv_bf16 else None,
              note=(f"KV bytes/token {sum(kv_bf16.values())} -> {sum(kv_served.values())}" if kv_served != kv_bf16
                    else "not applied: BF16 KV cache")),
     ]
-    final = spec_figures(spec, served, kv_served, lm_head_tied)
+    final = spec_figures(spec, served, kv_served, lm_head_tied, table=table(False))
     steps.append(Step("speculation", "speculation", "no speculation, at the same max batch",
                       final if speculation else None, speculation,
                       note=speculation_note(speculation)))

@@ -50,10 +50,23 @@ def refuse_runtime_only_formats(artifact: Path, fmt: str) -> None:
                         "it out)")
 
 
+def refuse_quantized_embedding(artifact: Path, fmt: str) -> None:
+    """One line, before anything is written, for an artifact whose embedding table is stored quantized (the
+    embedding-quant pass): the serving layouts store the embedding (and a tied head) in the model's dtype."""
+    from kiln.runtime.artifact import read_manifest
+
+    for name, e in read_manifest(artifact)["formats"].items():
+        if e.get("role") == "embedding" and e.get("format") != "dense":
+            raise KilnError(f"--format {fmt}: the embedding {name} is stored {e['format']} (embedding-quant), which "
+                            "Kiln's runtime reads but no export layout has; for an export, rebuild without "
+                            "embedding-quant")
+
+
 def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool = False) -> Path:
     if fmt not in FORMATS:
         raise KilnError(f"unknown export format {fmt!r}; supported: {', '.join(FORMATS)}")
     check_output(output, overwrite, [artifact])  # before reading anything
+    refuse_quantized_embedding(Path(artifact), fmt)
     if fmt == "hf":
         from kiln.optimizer.export_deepseek import export_deepseek
 

@@ -90,6 +90,15 @@ def lower_tensors(graph: ModelGraph) -> tuple[LoweredTensors, dict[str, dict]]:
             tensors.add(f"{lin.name}.{key}", q.tensors, key)
         if lin.tied_to is None:
             replaced.add(lin.weight_name)
+    q = graph.embedding_quant
+    if q is not None:  # stored under the embedding's own name (a tied lm_head's entry keeps pointing at it)
+        module = graph.embedding.removesuffix(".weight")
+        formats[module] = {"format": q.format, "activation": "none", "role": "embedding", "method": q.method}
+        if q.in_features is not None:
+            formats[module]["in_features"] = int(q.in_features)
+        for key in q.tensors:
+            tensors.add(f"{module}.{key}", q.tensors, key)
+        replaced.add(graph.embedding)
     stored = graph.tensors.copy()
     for name in stored:
         if name not in replaced:

@@ -36,6 +36,7 @@ from kiln.kernels.errors import KilnError
 from kiln.passes.auto_precision import AutoPrecision
 from kiln.passes.base import Pass, Pipeline
 from kiln.passes.draft_head import DraftHead
+from kiln.passes.embedding_quant import EmbeddingQuantization
 from kiln.passes.fuse import Fusion
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.passes.mla import MlaConversion
@@ -50,6 +51,7 @@ BUILTIN_PASSES: dict[str, type[Pass]] = {
     ProductionPrecision.name: ProductionPrecision,
     MlaConversion.name: MlaConversion,
     DraftHead.name: DraftHead,
+    EmbeddingQuantization.name: EmbeddingQuantization,
     Fusion.name: Fusion,
 }
 
@@ -98,6 +100,11 @@ BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
     # q/k/v and gate/up as single linears in their stored formats, plus the kernel fusions a GPU runtime launches
     # (norm + activation quantization, SwiGLU + quantization, RoPE + KV write); last in any recipe
     "fuse": lambda: [Fusion()],
+    # the embedding table (and a tied lm_head, which reads it) stored weight-only, data-free (MSE scales); after
+    # the linears' recipe, e.g. fp8-weights,embedding-fp8
+    "embedding-fp8": lambda: [EmbeddingQuantization(format="fp8")],
+    "embedding-nvfp4": lambda: [EmbeddingQuantization(format="nvfp4")],
+    "embedding-mxfp4": lambda: [EmbeddingQuantization(format="mxfp4")],
 }
 
 # Recipes that take the weight budget (--weight-bits / --weight-bytes); the budget matches nothing else.

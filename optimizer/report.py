@@ -58,6 +58,21 @@ def _interval(gate: dict) -> str:
     return f" ({gate['recovery_low']:.4f}-{gate['recovery_high']:.4f})" if "recovery_low" in gate else ""
 
 
+def embedding_lines(manifest: dict) -> list[str]:
+    """What quantizing the embedding table saved and cost (the embedding-quant pass): bytes against BF16 from its
+    result, KL and top-1 from its own gate, one line per such pass."""
+    out = []
+    for p in manifest["passes"]:
+        if p["name"] != "embedding-quant" or not p["result"]["changed"]:
+            continue
+        module, what = next(iter(p["result"]["changed"].items()))
+        g = p["gate"]
+        cost = ("not gated" if g is None else f"KL +{g.get('pass_kl', g['kl']):.5f} nats/token, top-1 "
+                f"{g.get('pass_top1', g['top1']):.4f}, recovery {g.get('pass_recovery', g['recovery']):.4f} (its gate)")
+        out.append(f"embedding {module}: {what}; {cost}; {p['decision']}")
+    return out
+
+
 def render_report(manifest: dict) -> str:
     sizes = manifest["sizes"]
     src, now = sizes["source_weight_bytes"], sizes["weight_bytes"]
@@ -104,6 +119,9 @@ def render_report(manifest: dict) -> str:
                   "| pass | metric | value | floor | passed |", "|---|---|---:|---:|---|"]
         lines += [f"| {name} | {m['name']} | {m['value']:.6g} | {'≥' if m['higher_is_better'] else '≤'} "
                   f"{m['floor']:g} | {m['passed']} |" for name, m in checks]
+    embedding = embedding_lines(manifest)
+    if embedding:
+        lines += ["", "## Embedding", "", *(f"- {line}" for line in embedding)]
     if manifest.get("kv_budget"):
         from kiln.optimizer.kv_report import kv_markdown
 

@@ -184,7 +184,7 @@ class _ProbeModel:
         weights = Weights(reads, entries, self.spec)
         spec = self.spec
         if key == EMBEDDING:
-            module = weights.tensor(spec.embedding, (spec.vocab_size, spec.hidden_size), "the embedding")
+            module = weights.embedding()
         elif key == HEAD:
             module = (weights.norm(spec.final_norm), weights.linear(spec.lm_head).eval())
         else:

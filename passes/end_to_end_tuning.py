@@ -122,6 +122,8 @@ def tune_end_to_end(graph: ModelGraph, session, names: list[str], steps: int, lr
         head = graph.linears[graph.spec.lm_head.name]
         if head.tied_to == graph.embedding and head.quant is not None:
             skipped = "; the embedding is not tuned: the quantized lm_head reads it"
+        elif graph.embedding_quant is not None:
+            skipped = f"; the embedding is not tuned: it is stored {graph.embedding_quant.format} (embedding-quant)"
         else:
             norm_names.append(graph.embedding)
     norms = {n: torch.nn.Parameter(graph.tensors[n].to(device, torch.float32, copy=True)) for n in norm_names}

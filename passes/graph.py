@@ -125,6 +125,9 @@ class ModelGraph:
     linears: dict[str, Linear] = field(default_factory=dict)
     kv_cache: dict[int, dict] = field(default_factory=dict)  # layer -> KV format annotation
     metadata: dict = field(default_factory=dict)  # what passes record for the artifact (e.g. sensitivity)
+    # the embedding table as it will be stored when a pass quantized it (passes/embedding_quant.py); its
+    # dequantized values are `tensors[embedding]`, which a tied lm_head reads
+    embedding_quant: QuantizedWeight | None = None
 
     def __post_init__(self):
         if not isinstance(self.tensors, TensorStore):
@@ -205,6 +208,7 @@ class ModelGraph:
             "tensors": self.tensors.copy(),
             "kv_cache": copy.deepcopy(self.kv_cache),
             "metadata": copy.copy(self.metadata),
+            "embedding_quant": self.embedding_quant,
         }
 
     def copy_of(self, state: dict) -> ModelGraph:
@@ -219,6 +223,7 @@ class ModelGraph:
         self.tensors = state["tensors"].copy()
         self.kv_cache = copy.deepcopy(state["kv_cache"])
         self.metadata = copy.copy(state["metadata"])
+        self.embedding_quant = state["embedding_quant"]
 
 
 def _linear(ls, spill: SpillFile | None) -> Linear:

@@ -273,6 +273,24 @@ class Weights:
         self.spec = spec
         self.norm_sizes = spec.norms()
         self.packed = packed  # PackedLinear where the stored format has a kernel (PACKED_ACTIVATIONS)
+        self._embedding: torch.Tensor | None = None
+
+    @property
+    def embedding_entry(self) -> Mapping | None:
+        """The embedding table's format entry when it is stored quantized (passes/embedding_quant.py), else None."""
+        entry = self.formats.get(self.spec.embedding.removesuffix(".weight"))
+        return None if entry is None or entry.get("format") == "dense" else entry
+
+    def embedding(self) -> torch.Tensor:
+        """The [vocab, hidden] embedding table in fp32, checked; a quantized one dequantized once (its exact stored
+        values). Every caller gets this one tensor, so a tied lm_head and the lookup share its memory."""
+        if self._embedding is None:
+            shape = (self.spec.vocab_size, self.spec.hidden_size)
+            entry = self.embedding_entry
+            self._embedding = (self.tensor(self.spec.embedding, shape, "the embedding") if entry is None else
+                               dequantize_weight(self.spec.embedding.removesuffix(".weight"), entry, self.tensors,
+                                                 shape))
+        return self._embedding
 
     def tensor(self, name: str, shape: tuple[int, ...] | None, what: str) -> torch.Tensor:
         """A plain floating tensor (embedding, norm, bias, router bias) as fp32, checked: present, floating
@@ -296,8 +314,13 @@ class Weights:
         activation = entry.get("activation", ActivationFormat.NONE)
         if self.packed and packable and not tied and activation in PACKED_ACTIVATIONS.get(fmt, ()):
             return self._packed(name, entry, shape, activation, bias)
+        table = self.embedding_entry if tied else None
+        if (self.packed and packable and table is not None
+                and ActivationFormat.NONE in PACKED_ACTIVATIONS.get(table["format"], ())):
+            # a quantized tied table: the head's GEMM reads its stored bytes, as any weight-only linear's
+            return self._packed(self.spec.embedding.removesuffix(".weight"), table, shape, ActivationFormat.NONE, bias)
         if tied:
-            weight = self.tensor(self.spec.embedding, shape, "the embedding")
+            weight = self.embedding()
         else:
             weight = dequantize_weight(name, entry, self.tensors, shape)
         return QuantLinear(weight, bias, input_transform(name, entry, self.tensors))
@@ -729,8 +752,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.spec = spec
         weights = weights if weights is not None else Weights(tensors, formats, spec, packed)
-        self.embed = nn.Parameter(weights.tensor(spec.embedding, (spec.vocab_size, spec.hidden_size), "the embedding"),
-                                  requires_grad=False)
+        self.embed = nn.Parameter(weights.embedding(), requires_grad=False)
         self.rotary = LayerRotaries(spec.layers)
         self.blocks = nn.ModuleList(build_block(layer, weights) for layer in spec.layers)
         self.norm = weights.norm(spec.final_norm)

@@ -9,9 +9,10 @@ config against its weights before reading any data:
     `validate_manifest` built the spec (`runtime.spec.check_fields`, `check_spec`);
   - the manifest's "tensors" table and "sizes.weight_bytes" must be what model.safetensors' header holds;
   - every tensor the runtime reads must be there with the shape and dtype its declared format stores: the
-    embedding, every norm, every linear of the decoder stack, lm_head and the extra modules (its weight and
-    scales as `runtime.weights.stored_weight` checks them, its bias, its activation scale), the MoE router
-    biases, the KV cache's scales and offsets;
+    embedding (dense, or quantized under its own format entry, role "embedding", weight-only), every norm,
+    every linear of the decoder stack, lm_head and the extra modules (its weight and scales as
+    `runtime.weights.stored_weight` checks them, its bias, its activation scale), the MoE router biases, the KV
+    cache's scales and offsets;
   - "formats" has an entry for every linear decoding runs and none for a module the architecture lacks; an
     entry's activation is one the runtime knows, and it stores no scale its format does not use (a dense entry
     over FP8 bytes and their scale is refused: it would run as garbage).
@@ -123,11 +124,15 @@ def check_tensors(spec: ModelSpec, formats: Mapping[str, Mapping], kv_table: Map
         check_shape(name, t, shape)
 
     C, V = spec.hidden_size, spec.vocab_size
-    plain(spec.embedding, (V, C), "the embedding")
+    table = spec.embedding.removesuffix(".weight")  # its format entry's name, when it is stored quantized
+    if table in formats:
+        _check_embedding(table, formats[table], tensors, (V, C))
+    else:
+        plain(spec.embedding, (V, C), "the embedding")
     plain(spec.final_norm, (C,), "a norm weight")
     decoding = spec.linears()
     extra = spec.extra_linears()
-    known = {lin.name for lin in (*decoding, *extra)}
+    known = {lin.name for lin in (*decoding, *extra)} | {table}
     unknown = sorted(name for name in formats if name not in known)
     if unknown:
         raise KilnError(f"manifest formats[{clip(json.dumps(unknown[0]), 80)}] names a module the architecture "
@@ -138,11 +143,12 @@ def check_tensors(spec: ModelSpec, formats: Mapping[str, Mapping], kv_table: Map
     tied = spec.lm_head_tied(tensors)
     for lin in (*decoding, *extra):
         if lin is spec.lm_head and tied:
-            plain(spec.embedding, (lin.out_features, lin.in_features), "the embedding")  # what it multiplies by
+            if table not in formats:
+                plain(spec.embedding, (lin.out_features, lin.in_features), "the embedding")  # what it multiplies by
             fmt = check_format(lin.name, formats[lin.name])
             if fmt != WeightFormat.DENSE:
                 raise KilnError(f"manifest formats[lm_head] says {fmt}, but lm_head is tied to the embedding "
-                                f"{clip(spec.embedding)}, which is stored dense")
+                                f"{clip(spec.embedding)}, whose own entry says how it is stored")
             continue
         _check_linear(lin, formats.get(lin.name, {"format": WeightFormat.DENSE, "activation": "none"}), tensors)
     layers = [(layer, None) for layer in spec.layers]
@@ -182,6 +188,24 @@ def _layer_norms(layer: LayerSpec, hidden: int) -> dict[str, tuple[int]]:
         size = sizes.get(NORM_SIZES.get(name.split(".")[-2], ""), hidden)
         out[name] = (size if size is not None else hidden,)
     return out
+
+
+def _check_embedding(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> None:
+    """A quantized embedding table (passes/embedding_quant.py): a weight-only entry with role "embedding" whose
+    stored tensors are what its format stores for [vocab, hidden], and no scale it does not use."""
+    where = f"manifest formats[{clip(json.dumps(module), 80)}]"
+    if not isinstance(entry, Mapping) or entry.get("role") != "embedding":
+        raise KilnError(f"{where} names the embedding table, so its role must be \"embedding\"")
+    if entry.get("activation", ActivationFormat.NONE) != ActivationFormat.NONE:
+        raise KilnError(f"{where}: an embedding table is looked up, not multiplied: activation must be none, got "
+                        f"{clip(repr(entry.get('activation')), 40)}")
+    fmt, stored, _ = stored_weight(module, entry, tensors, shape)
+    if fmt == WeightFormat.DENSE:
+        check_dtype(f"{module}.weight", stored["weight"], "a dense embedding", *DENSE_DTYPES)
+    stray = [f"{module}.{key}" for key in SCALE_SUFFIXES if f"{module}.{key}" in tensors and key not in stored]
+    if stray:
+        raise KilnError(f"{where} says {fmt}, which reads no {clip(stray[0])}; the entry does not describe what is "
+                        "stored")
 
 
 def _check_linear(lin: LinearSpec, entry: Mapping, tensors: Mapping[str, torch.Tensor]) -> None:
