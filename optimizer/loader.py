@@ -45,7 +45,7 @@ from kiln.passes.tensor_store import (
     releasing,
 )
 from kiln.runtime.artifact import MANIFEST, clip, read_json, sha256_file
-from kiln.runtime.spec import ModelSpec
+from kiln.runtime.spec import ModelSpec, norm_size
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -184,9 +184,7 @@ def _expected_tensors(spec: ModelSpec) -> dict[str, Expected]:
     for module in spec.extra_modules:
         a = module.layer.attention if module.layer is not None else None
         for name in (*module.norms, *(module.layer.norms if module.layer is not None else ())):
-            size = {"q_norm": a.head_dim, "k_norm": a.head_dim, "kv_a_layernorm": a.kv_lora_rank,
-                    "q_a_layernorm": a.q_lora_rank}.get(name.split(".")[-2], spec.hidden_size) if a else spec.hidden_size
-            out[name] = Expected(NORM, (size,))
+            out[name] = Expected(NORM, (norm_size(name, a, spec.hidden_size),))
         out.update({name: Expected("the embedding", (spec.vocab_size, spec.hidden_size)) for name in module.tensors})
     return out
 

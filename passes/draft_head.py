@@ -44,7 +44,7 @@ from kiln.passes.base import (
     check_range,
 )
 from kiln.passes.graph import ModelGraph
-from kiln.runtime.spec import ExtraModuleSpec, LayerSpec, LinearSpec
+from kiln.runtime.spec import ExtraModuleSpec, LayerSpec, LinearSpec, norm_size
 
 PREFIX = "draft_head"
 DRAFT_KINDS = ("mtp", "draft_head", "eagle3")
@@ -177,10 +177,8 @@ def init_tensors(module: ExtraModuleSpec, hidden: int, seed: int, norm_offset: f
     out = {}
     for lin in module.layer.linears():
         out[f"{lin.name}.weight"] = torch.randn(lin.out_features, lin.in_features, generator=gen) * 0.02
-    head_dim = module.layer.attention.head_dim
     for name in (*module.layer.norms, *module.layer.output_norms, *module.norms):
-        size = head_dim if name.split(".")[-2] in ("q_norm", "k_norm") else hidden
-        out[name] = torch.full((size,), 1.0 - norm_offset)
+        out[name] = torch.full((norm_size(name, module.layer.attention, hidden),), 1.0 - norm_offset)
     proj = module.linears["fc" if module.kind == "eagle3" else "eh_proj"]
     weight = torch.randn(hidden, proj.in_features, generator=gen) * 0.02
     weight[:, -hidden:] += torch.eye(hidden)

@@ -152,6 +152,16 @@ class ExtraModuleSpec:
     draft_vocab: str | None = None
 
 
+def norm_size(name: str, attention: AttentionSpec | None, hidden: int) -> int:
+    """The length of RMSNorm weight `name` (its module name decides) in a layer with `attention`: the head dim for
+    Qwen3's and Gemma's per-head q/k norms, the latent ranks for MLA's q_a/kv_a norms, else the hidden size."""
+    if attention is None:
+        return hidden
+    size = {"q_norm": attention.head_dim, "k_norm": attention.head_dim, "kv_a_layernorm": attention.kv_lora_rank,
+            "q_a_layernorm": attention.q_lora_rank}.get(name.split(".")[-2])
+    return hidden if size is None else size
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The one structural description of a model: the loader builds it from the HF config once, passes rewrite
@@ -193,15 +203,11 @@ class ModelSpec:
         return out
 
     def norms(self) -> dict[str, int]:
-        """Every RMSNorm weight the decoder stack uses -> its length: the hidden size; the head dim for Qwen3's
-        per-head q/k norms; the latent ranks for MLA's q_a/kv_a norms."""
+        """Every RMSNorm weight the decoder stack uses -> its length (`norm_size`)."""
         sizes = {self.final_norm: self.hidden_size}
         for layer in self.layers:
-            a = layer.attention
-            per_name = {"q_norm": a.head_dim, "k_norm": a.head_dim, "kv_a_layernorm": a.kv_lora_rank,
-                        "q_a_layernorm": a.q_lora_rank}
             for name in (*layer.norms, *layer.output_norms):
-                sizes[name] = per_name.get(name.split(".")[-2], self.hidden_size)
+                sizes[name] = norm_size(name, layer.attention, self.hidden_size)
         return sizes
 
     def tensor_names(self) -> set[str]:

@@ -33,7 +33,7 @@ import torch
 
 from kiln.kernels.errors import KilnError, clip
 from kiln.kernels.formats import ActivationFormat, WeightFormat
-from kiln.runtime.spec import LayerSpec, LinearSpec, ModelSpec, spec_from_json
+from kiln.runtime.spec import LayerSpec, LinearSpec, ModelSpec, norm_size, spec_from_json
 
 WEIGHTS = "model.safetensors"  # runtime.artifact.WEIGHTS, which imports this module
 from kiln.runtime.weights import (
@@ -54,9 +54,6 @@ DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """A dense weight's dtypes: 1-byte floats are quantized codes, which need their format's scales."""
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale")
 """Tensors beside a linear's weight that belong to a quantized format."""
-NORM_SIZES = {"q_norm": "head_dim", "k_norm": "head_dim", "kv_a_layernorm": "kv_lora_rank",
-              "q_a_layernorm": "q_lora_rank"}
-"""Norms sized by the attention (by their module name); every other norm is hidden_size long."""
 
 
 def read_header(path: Path) -> dict[str, torch.Tensor]:
@@ -174,7 +171,6 @@ def _layer_norms(layer: LayerSpec, hidden: int) -> dict[str, tuple[int]]:
     """The norm weights the runtime reads for `layer` -> their shapes: the two the layer lists first, its other
     listed ones, and the attention norms the runtime names by the layer's prefix (Qwen3's q/k norms, MLA's)."""
     a = layer.attention
-    sizes = {"head_dim": a.head_dim, "kv_lora_rank": a.kv_lora_rank, "q_lora_rank": a.q_lora_rank}
     names = [*layer.norms, *layer.output_norms]
     p = f"{layer.prefix}.self_attn"
     if a.kind == "mla":
@@ -183,11 +179,7 @@ def _layer_norms(layer: LayerSpec, hidden: int) -> dict[str, tuple[int]]:
             names.append(f"{p}.q_a_layernorm.weight")
     elif a.qk_norm:
         names += [f"{p}.q_norm.weight", f"{p}.k_norm.weight"]
-    out = {}
-    for name in names:
-        size = sizes.get(NORM_SIZES.get(name.split(".")[-2], ""), hidden)
-        out[name] = (size if size is not None else hidden,)
-    return out
+    return {name: (norm_size(name, a, hidden),) for name in names}
 
 
 def _check_embedding(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> None:
