@@ -22,6 +22,11 @@ BF16); its NVFP4 export is compared with Kiln's in tests/optimizer/test_export.p
 Each Kiln row is the built-in recipe of the row (`optimize build --recipe R`, "best": its calibration, e.g.
 AWQ + GPTQ + end-to-end tuning; see optimizer/recipes.py) and the same recipe rounding to nearest ("rtn": no
 GPTQ, AWQ or tuning; rotations and activation modes kept).
+--external DIR[,LABEL] adds a row for a checkpoint quantized elsewhere (e.g. llm-compressor's GPTQ NVFP4A16,
+benchmarks/llmcompressor_gptq.py): Kiln's loader decodes its pre-quantized linears to their float32 values
+(optimizer/prequantized.py), the weights are scored as they are (no pass, no calibration), on the same token lists
+and with the same gate as the other rows; its bits are counted from the tensors it stores (weights + scales of
+each decoder linear), its build seconds are those of loading it.
 Each row runs in its own process: build seconds include the gate's two scorings (ModelOpt rows: quantization
 only); peak RAM is that process's max RSS through the build and the in-domain scoring (ModelOpt rows: both
 Hugging Face models), before any OOD scoring, so it is the same with or without --ood-data.
@@ -131,6 +136,60 @@ def kiln_row(label: str, method: str, paragraphs: int, checkpoint: Path, target:
     if ood_data is not None:
         row.update(figures(kiln_ood(result.graph, checkpoint, ood_data), "ood_"))
     return row
+
+
+def external_row(label: str, directory: Path, paragraphs: int, checkpoint: Path, ood_data: Path | None) -> dict:
+    """A checkpoint quantized elsewhere, as Kiln's loader reads it (pre-quantized weights decoded to float32),
+    against the fp32 source through the gate the built rows are scored by."""
+    import torch
+
+    from kiln.calibration.data import load_token_lists, token_cap
+    from kiln.optimizer.gate import AccuracyGate, engine_from_graph
+    from kiln.optimizer.loader import load_checkpoint
+    from kiln.runtime.engine import load_tokenizer
+
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    graph = load_checkpoint(directory, log=lambda m: print(m, file=sys.stderr))
+    seconds = time.perf_counter() - start
+    source = load_checkpoint(checkpoint)
+    cap = token_cap(source.spec.max_position_embeddings)
+    tokens = load_token_lists(load_tokenizer(source.source.path), EVAL, paragraphs, cap)
+    gate = AccuracyGate(engine_from_graph(source, onednn_head=False), tokens)  # as optimizer/build.py's gate
+    prequantized = graph.metadata.get("loader", {}).get("prequantized", {})
+    changed = sum(not torch.equal(graph.tensors[lin.weight_name], source.tensors[lin.weight_name])
+                  for lin in graph.iter_linears() if lin.tied_to is None)
+    row = {"label": label, "method": "external", "checkpoint": str(directory), **figures(gate(graph, 0.0)),
+           "bits": stored_bits(graph, directory), "seconds": seconds, "peak_rss_mib": peak_rss_mib(),
+           "decision": "", "formats": prequantized.get("schemes", {}), "linears_changed": changed}
+    del gate
+    if ood_data is not None:
+        row.update(figures(kiln_ood(graph, checkpoint, ood_data), "ood_"))
+    return row
+
+
+def stored_bits(graph, directory: Path) -> float:
+    """8 x the bytes a checkpoint stores for its decoder linears (every tensor of the linear's module but the
+    bias: packed weights and their scales) / weights; a linear stored unquantized counts 16 bits, as in
+    effective_bits."""
+    from safetensors import safe_open
+
+    sizes = {"U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4}
+    stored: dict[str, int] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle has keys() but no __iter__)
+                piece = f.get_slice(name)
+                stored[name] = math.prod(piece.get_shape()) * sizes[piece.get_dtype()]
+    total, weights = 0, 0
+    for lin in graph.iter_linears():
+        if lin.role in ("lm_head", "router"):
+            continue
+        n = lin.out_features * lin.in_features
+        weights += n
+        mine = [k for k in stored if k.startswith(f"{lin.name}.") and k != f"{lin.name}.bias"]
+        total += 2 * n if mine == [f"{lin.name}.weight"] else sum(stored[k] for k in mine)
+    return 8 * total / weights
 
 
 def kiln_ood(graph, checkpoint: Path, path: Path):
@@ -273,7 +332,9 @@ def modelopt_bits(model) -> float:
 
 
 def run_row(args) -> None:
-    if args.row in MODELOPT_ROWS:
+    if args.method == "external":
+        row = external_row(args.row, Path(args.external_dir), args.paragraphs, args.checkpoint, args.ood_data)
+    elif args.row in MODELOPT_ROWS:
         row = modelopt_row(args.row, args.paragraphs, args.checkpoint, args.ood_data, args.modelopt_calib)
     else:
         row = kiln_row(args.row, args.method, args.paragraphs, args.checkpoint, args.target, args.ood_data)
@@ -301,6 +362,8 @@ def table(rows: list[dict]) -> str:
         notes = ", ".join(f"{n}x {o}" for o, n in sorted(r.get("formats", {}).items()))
         if r.get("recipe"):
             notes = f"--recipe {r['recipe']}: {notes}"
+        if r.get("checkpoint"):
+            notes = f"{r['checkpoint']}: {notes} ({r['linears_changed']} linears differ from the source)"
         if "calib_tokens" in r:
             notes = f"calibrated on {r['calib_paragraphs']} paragraphs ({r['calib_tokens']} tokens)"
         cells = [f"{r[key]:{w}{spec}}" if key in r else f"{'-':>{w}s}" for (_, key, spec), w in
@@ -317,12 +380,13 @@ def plot(rows: list[dict], path: Path, model: str, target: str, paragraphs: int)
 
     fig, ax = plt.subplots(figsize=(8.5, 5.5), dpi=110)
     style = {"rtn": ("o", "#1f77b4"), "best": ("D", "#9467bd"),
-             "modelopt": ("^", "#d62728")}
+             "modelopt": ("^", "#d62728"), "external": ("s", "#2ca02c")}
     for method, (marker, color) in style.items():
         pts = [r for r in rows if r["method"] == method]
         if pts:
+            name = {"modelopt": "ModelOpt", "external": "external"}.get(method, f"Kiln {method}")
             ax.scatter([r["bits"] for r in pts], [r["recovery"] for r in pts], marker=marker, color=color,
-                       label="ModelOpt" if method == "modelopt" else f"Kiln {method}", s=40, zorder=3)
+                       label=name, s=40, zorder=3)
             for r in pts:
                 ax.annotate(r["label"].replace("ModelOpt ", ""), (r["bits"], r["recovery"]), fontsize=6,
                             xytext=(3, 2), textcoords="offset points")
@@ -351,7 +415,10 @@ def main() -> None:
                         help="calibration paragraphs of the ModelOpt rows (its INT4_AWQ search on CPU costs about "
                              "0.4 s per SmolLM2 token: 256 paragraphs take hours there)")
     parser.add_argument("--jobs", type=int, default=1, help="rows run at once (one core each; times then contend)")
+    parser.add_argument("--external", action="append", default=[], metavar="DIR[,LABEL]",
+                        help="also score this pre-quantized checkpoint as it is (repeatable; --rows names it by LABEL)")
     parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--external-dir", help=argparse.SUPPRESS)
     parser.add_argument("--method", default="rtn", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -365,6 +432,11 @@ def main() -> None:
         jobs += [(label, "modelopt") for label in MODELOPT_ROWS]
     else:
         print("nvidia-modelopt is not importable: no ModelOpt rows (install the `anchors` extra)", flush=True)
+    externals = {}  # label -> directory
+    for spec in args.external:
+        directory, _, label = spec.partition(",")
+        externals[label or Path(directory).name] = directory
+    jobs += [(label, "external") for label in externals]
     jobs = [j for j in jobs if not wanted or j[0] in wanted]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -376,6 +448,8 @@ def main() -> None:
                "--target", args.target, "--modelopt-calib", str(args.modelopt_calib)]
         if args.ood_data is not None:
             cmd += ["--ood-data", str(args.ood_data)]
+        if method == "external":
+            cmd += ["--external-dir", externals[label]]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             print(f"{label} [{method}] failed:\n{done.stderr[-2000:]}", flush=True)
