@@ -46,6 +46,8 @@ def vllm_side(request_path: Path, result_path: Path) -> None:
     if request.get("disable_ops"):
         # vLLM's own PyTorch forward for these ops instead of its custom (C++/CPU) kernels
         extra["compilation_config"] = {"custom_ops": ["all", *(f"-{op}" for op in request["disable_ops"])]}
+    if request.get("kv_cache_dtype"):
+        extra["kv_cache_dtype"] = request["kv_cache_dtype"]
     llm = LLM(model=request["model"], dtype=request["dtype"], max_model_len=request["max_model_len"],
               enforce_eager=request["enforce_eager"], seed=0, **extra)
     load_seconds = time.perf_counter() - started
@@ -167,6 +169,8 @@ def main() -> int:
                         help="run vLLM's PyTorch forward for this custom op (repeatable). vLLM 0.32's CPU "
                              "rotary_embedding op rotates a [tokens, heads, 64] query wrongly when heads > 1, "
                              "as its DeepSeek MLA layer passes it: check an MLA export with rotary_embedding")
+    parser.add_argument("--kv-cache-dtype", help="vLLM's kv_cache_dtype (default: fp8 when the export carries "
+                        "FP8 KV scales, else auto)")
     parser.add_argument("--out", type=Path, help="also append the table row to this Markdown file")
     parser.add_argument("--json", type=Path, help="also write the whole comparison as JSON")
     parser.add_argument("--vllm-side", nargs=2, type=Path, help=argparse.SUPPRESS)
@@ -183,7 +187,12 @@ def main() -> int:
         work = Path(tmp)
         artifact, exported = resolve(opts.path, opts.format, work)
         kiln = kiln_side(artifact, opts.data, opts.paragraphs, opts.prompts, opts.new_tokens)
-        request = {"model": str(exported), "dtype": opts.dtype, "max_model_len": kiln["max_model_len"],
+        kv_dtype = opts.kv_cache_dtype
+        if kv_dtype is None:  # an export with FP8 KV scales: vLLM stores the cache in FP8 only when told to
+            quant = json.loads((Path(exported) / "config.json").read_text()).get("quantization_config") or {}
+            kv_dtype = "fp8" if quant.get("kv_cache_scheme") else "auto"
+        request = {"kv_cache_dtype": kv_dtype, "model": str(exported), "dtype": opts.dtype,
+                   "max_model_len": kiln["max_model_len"],
                    "enforce_eager": not opts.compile, "paragraphs": kiln["paragraphs"], "prompts": kiln["prompts"],
                    "new_tokens": opts.new_tokens, "disable_ops": opts.disable_vllm_op}
         (work / "request.json").write_text(json.dumps(request))
@@ -210,6 +219,7 @@ def main() -> int:
     header = ("| artifact | export | dtype | vLLM method | ppl vLLM | ppl Kiln | vLLM/Kiln - 1 | greedy identical | "
               "where they part | load vLLM s | load Kiln s |\n|---|---|---|---|---|---|---|---|---|---|---|")
     ops = "".join(f" (vLLM op {op} off)" for op in opts.disable_vllm_op)
+    ops += f", KV cache {kv_dtype}" if kv_dtype != "auto" else ""
     row = (f"| {Path(artifact).name} | {opts.format}{ops} | {opts.dtype} | {result['quantization'] or 'none'} | "
            f"{result['vllm_perplexity']:.4f} | {result['kiln_perplexity']:.4f} | {result['relative']:+.3%} | "
            f"{result['identical']}/{result['prompts']} × {opts.new_tokens} | {partings or '-'} | "

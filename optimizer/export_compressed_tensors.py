@@ -44,8 +44,9 @@ linear (lm_head, routers, layers kept in BF16) by name, which vLLM requires for 
 Refused with one line naming the module: online input rotations (Kiln's block Hadamard is not written as a
 compressed-tensors transform_config), NVFP4 activations without a calibrated input scale (the format needs a
 static input_global_scale), FP4 layers whose in_features is not a multiple of the group (compressed-tensors
-and vLLM store whole groups only; Kiln pads), other weight/activation pairs, and quantized KV caches
-(kv_cache_scheme is not written yet).
+and vLLM store whole groups only; Kiln pads), other weight/activation pairs, and KV caches other than FP8 with
+a scale per tensor (export_modelopt.kv_algo). An FP8 KV cache is written as kv_cache_scheme (float, 8 bits,
+strategy tensor, static) with each layer's `self_attn.k_scale` and `v_scale`, as llm-compressor writes them.
 
 After writing, the export is read back and decoded with compressed-tensors' arithmetic
 (`dequantize_compressed_tensors`). FP8, MXFP4 and unquantized weights must equal the artifact's bit for bit.
@@ -69,7 +70,14 @@ from safetensors.torch import load_file, save_file
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
-from kiln.optimizer.export_modelopt import NVFP4_GROUP_SIZE, copy_tokenizer_files, kv_algo, read_for_export
+from kiln.optimizer.export_modelopt import (
+    NVFP4_GROUP_SIZE,
+    check_kv_scales,
+    copy_tokenizer_files,
+    kv_algo,
+    kv_scale_names,
+    read_for_export,
+)
 from kiln.optimizer.export_notes import stamp, write_readme
 from kiln.optimizer.output_dir import atomic_directory, mark_export
 from kiln.optimizer.unfuse import unfuse_artifact
@@ -201,7 +209,6 @@ def ordered_modules(formats: Mapping[str, Mapping], order: Iterable[str]) -> lis
 def ct_schemes(manifest: Mapping, tensors: Mapping[str, torch.Tensor],
                order: Iterable[str] = ()) -> tuple[dict[str, Scheme], list[str]]:
     """({quantized module: scheme}, [unquantized modules]) in model order. Refuses what has no scheme."""
-    kv_algo(manifest.get("kv_cache") or {})
     formats = manifest["formats"]
     schemes: dict[str, Scheme] = {}
     unquantized: list[str] = []
@@ -228,9 +235,16 @@ def _ignored(unquantized: list[str], schemes: Mapping[str, Scheme], tensors: Map
     return out
 
 
-def quantization_config(schemes: Mapping[str, Scheme], ignore: list[str]) -> dict | None:
-    """config.json's "quantization_config" for `schemes` (None when nothing is quantized)."""
-    if not schemes:
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+                   "group_size": None, "block_structure": None, "actorder": None, "observer": None,
+                   "observer_kwargs": {}}
+"""compressed-tensors' kv_cache_scheme for an FP8 E4M3 cache with a static scale per tensor (k_scale, v_scale)."""
+
+
+def quantization_config(schemes: Mapping[str, Scheme], ignore: list[str], kv: str | None = None) -> dict | None:
+    """config.json's "quantization_config" for `schemes` and the KV cache (`kv`: export_modelopt.kv_algo's "FP8"
+    or None); None when nothing is quantized."""
+    if not schemes and kv is None:
         return None
     groups: dict[Scheme, list[str]] = {}
     for module, scheme in schemes.items():
@@ -241,10 +255,10 @@ def quantization_config(schemes: Mapping[str, Scheme], ignore: list[str]) -> dic
     formats = {scheme.format for scheme in groups}
     return {
         "config_groups": config_groups,
-        "format": next(iter(formats)) if len(formats) == 1 else MIXED_PRECISION,
+        "format": next(iter(formats)) if len(formats) == 1 else MIXED_PRECISION if formats else "dense",
         "global_compression_ratio": None,
         "ignore": ignore,
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv == "FP8" else None,
         "producer": {"name": "kiln", "version": __version__},
         "quant_method": QUANT_METHOD,
         "quantization_status": "compressed",
@@ -289,9 +303,12 @@ def export_compressed_tensors(artifact: Path | str, output: Path | str, overwrit
     """Write `artifact` as a compressed-tensors HF checkpoint in `output` (atomically), verify it, return it."""
     artifact, output = Path(artifact), Path(output)
     manifest, tensors, config, spec, embedding = read_for_export(artifact, output, overwrite)
+    kv = kv_algo(manifest.get("kv_cache") or {}, len(spec.layers))
     schemes, unquantized = ct_schemes(manifest, tensors, [lin.name for lin in spec.linears()])
-    quant = quantization_config(schemes, _ignored(unquantized, schemes, tensors, embedding))
+    quant = quantization_config(schemes, _ignored(unquantized, schemes, tensors, embedding), kv)
     exported = export_tensors(schemes, tensors)
+    for name in kv_scale_names(manifest.get("kv_cache") or {}, modelopt=False):
+        exported[name] = exported[name].float().reshape(1)  # compressed-tensors' per-tensor scale shape
     with atomic_directory(output, overwrite, [artifact]) as tmp:
         mark_export(tmp, artifact, "compressed-tensors")
         write_readme(tmp, "compressed-tensors", artifact)
@@ -416,6 +433,7 @@ def verify_compressed_tensors(path: Path, artifact: Path) -> None:
             same = torch.equal(got, expected)
         if not same:
             raise KilnError(f"export check failed: {name} dequantizes differently from the artifact")
+    check_kv_scales(manifest, tensors, path, modelopt=False)
 
 
 def _check_nvfp4_storage(name: str, entry: Mapping, artifact: Mapping[str, torch.Tensor],

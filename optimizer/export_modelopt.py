@@ -25,8 +25,9 @@ One algorithm for every quantized linear gives ModelOpt's single-algorithm confi
 activations without a calibrated input scale, FP8 with static per-channel...) has no ModelOpt equivalent and
 is a one-line error naming the module. `producer` names Kiln, not ModelOpt.
 After writing, the export is read back and dequantized, and must reproduce the artifact's weights exactly.
-Not handled: sharding into several safetensors files (one file is written), and KV-cache formats other than
-FP8/NVFP4 per-tensor.
+An FP8 KV cache (every layer FP8 E4M3, one calibrated scale per tensor, no offset: `kv_algo`) is written as
+kv_cache_quant_algo "FP8" with each layer's `self_attn.k_proj.k_scale` and `v_proj.v_scale`; other KV formats are
+refused. Not handled: sharding into several safetensors files (one file is written).
 """
 
 from __future__ import annotations
@@ -122,14 +123,44 @@ def summarize_excluded(unquantized: Iterable[str], quantized: Iterable[str]) -> 
     return sorted(summary)
 
 
-def kv_algo(kv_cache: Mapping) -> None:
-    """ModelOpt's kv_cache_quant_algo: None (BF16). The artifact's quantized KV layers (fp8_e4m3 / nvfp4 with
-    calibrated scales and optional per-channel offsets) are not mapped onto ModelOpt's k_proj.k_scale /
-    v_proj.v_scale convention yet: refuse rather than write KV scales a serving engine would misread."""
-    formats = {row.get("format") for row in kv_cache.values()}
-    if formats - {"bf16"}:
-        raise KilnError(f"KV-cache formats {sorted(map(str, formats))} are not exported yet; export an artifact "
-                        "built without a kv-cache pass (the serving engine can then apply its own FP8 KV)")
+def kv_algo(kv_cache: Mapping, num_layers: int) -> str | None:
+    """ModelOpt's kv_cache_quant_algo for the artifact's KV table: None (every layer BF16) or "FP8" (every layer
+    FP8 E4M3 with one calibrated scale per tensor for K and for V, no offset). That is what the serving engines
+    read: one KV dtype for the whole model (vLLM's kv_cache_dtype) and a k_scale and v_scale per layer
+    (x = q * scale, as Kiln stores it). Anything else is refused in one line, naming what to build instead."""
+    quantized = {int(layer): row for layer, row in kv_cache.items() if row.get("format") != "bf16"}
+    if not quantized:
+        return None
+    fix = "build the kv-cache pass with format: fp8, scaling: per_tensor, center: false and no keep list"
+    formats = sorted({str(row.get("format")) for row in quantized.values()})
+    if formats != ["fp8_e4m3"]:
+        raise KilnError(f"KV cache {', '.join(formats)}: the export layouts store FP8 E4M3 KV scales only; {fix}")
+    bf16 = sorted(set(range(num_layers)) - set(quantized))
+    if bf16:
+        raise KilnError(f"layers {bf16[:4]} keep a BF16 KV cache, but a serving engine stores every layer's in one "
+                        f"dtype; {fix}")
+    for layer, row in sorted(quantized.items()):
+        if row.get("scaling") != "per_tensor":
+            raise KilnError(f"layer {layer}'s FP8 KV scales are {row.get('scaling')}, and the export layouts take one "
+                            f"scale per tensor; {fix}")
+        if row.get("offset_tensors"):
+            raise KilnError(f"layer {layer}'s KV cache subtracts a calibrated offset (center), which no serving "
+                            f"engine applies; {fix}")
+        if sorted(row.get("streams") or ()) != ["k", "v"]:
+            raise KilnError(f"layer {layer} caches streams {row.get('streams')} (MLA), which the export layouts do not "
+                            "scale")
+    return "FP8"
+
+
+def kv_scale_names(kv_cache: Mapping, modelopt: bool) -> dict[str, str]:
+    """Artifact KV scale tensor -> its name in the export: ModelOpt's `self_attn.k_proj.k_scale` /
+    `v_proj.v_scale`, or llm-compressor's `self_attn.k_scale` / `v_scale` (the artifact's own names)."""
+    out = {}
+    for row in kv_cache.values():
+        for stream, name in (row.get("scale_tensors") or {}).items():
+            prefix = name.rsplit(".", 1)[0]
+            out[name] = f"{prefix}.{stream}_proj.{stream}_scale" if modelopt else name
+    return out
 
 
 def hf_quant_config(manifest: Mapping, tensors: Mapping[str, torch.Tensor], embedding: str | None,
@@ -147,7 +178,9 @@ def hf_quant_config(manifest: Mapping, tensors: Mapping[str, torch.Tensor], embe
             unquantized.append(module)
         else:
             quantized[module] = _layer_config(algo)
-    quantization: dict = {"quant_algo": None, "kv_cache_quant_algo": kv_algo(manifest.get("kv_cache") or {})}
+    quantization: dict = {"quant_algo": None,
+                          "kv_cache_quant_algo": kv_algo(manifest.get("kv_cache") or {},
+                                                         len(manifest["architecture"]["layers"]))}
     distinct = {json.dumps(c, sort_keys=True) for c in quantized.values()}
     if len(distinct) > 1:
         quantization["quant_algo"] = "MIXED_PRECISION"
@@ -204,9 +237,25 @@ def quantization_config(hf_quant: Mapping) -> dict:
     return out
 
 
+def check_kv_scales(manifest: Mapping, artifact_tensors: Mapping[str, torch.Tensor], path: Path,
+                    modelopt: bool) -> None:
+    """Each KV scale the export wrote (`path`'s model.safetensors) is the artifact's value under its export name."""
+    names = kv_scale_names(manifest.get("kv_cache") or {}, modelopt)
+    if not names:
+        return
+    written = load_file(str(path / "model.safetensors"))
+    for name, exported in names.items():
+        got = written.get(exported)
+        if got is None or not torch.equal(got.float().reshape(()), artifact_tensors[name].float().reshape(())):
+            raise KilnError(f"export check failed: KV scale {exported} is not the artifact's {name}")
+
+
 def export_tensors(manifest: Mapping, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The artifact's tensors in ModelOpt's shapes (only FP8 per-channel scales change: [N, 1] -> [N])."""
+    """The artifact's tensors in ModelOpt's names and shapes (FP8 per-channel scales: [N, 1] -> [N]; KV scales
+    under the k_proj / v_proj their stream comes from)."""
     out = dict(tensors)
+    for name, exported in kv_scale_names(manifest.get("kv_cache") or {}, modelopt=True).items():
+        out[exported] = out.pop(name).float().reshape(())
     for module, entry in manifest["formats"].items():
         if entry.get("format") == WeightFormat.FP8_E4M3:
             scale = tensors[f"{module}.weight_scale"]
@@ -351,3 +400,4 @@ def verify_export(path: Path, artifact: Path) -> None:
             expected = dequantize_weight(lin.name, entry, tensors)
         if not torch.equal(exported[lin.name], expected):
             raise KilnError(f"export check failed: {lin.name} dequantizes differently from the artifact")
+    check_kv_scales(manifest, tensors, path, modelopt=True)

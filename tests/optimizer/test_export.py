@@ -253,9 +253,15 @@ def test_export_refuses_rotations_and_quantized_kv_caches():
     rotated = {"format": "mxfp4", "activation": "mxfp4", "input_rotation": 16}
     with pytest.raises(KilnError, match="rotated online"):
         modelopt_algo("model.layers.0.mlp.down_proj", rotated, {})
-    with pytest.raises(KilnError, match="not exported yet"):
-        kv_algo({"0": {"format": "fp8_e4m3", "scaling": "per_tensor"}})
-    assert kv_algo({}) is None
+    fp8 = {"format": "fp8_e4m3", "scaling": "per_tensor", "streams": ["k", "v"]}
+    assert kv_algo({}, 2) is None and kv_algo({"0": fp8, "1": fp8}, 2) == "FP8"
+    for table, match in (({"0": fp8}, "keep a BF16 KV cache"),
+                         ({"0": fp8, "1": {**fp8, "scaling": "per_head"}}, "one scale per tensor"),
+                         ({"0": fp8, "1": {**fp8, "offset_tensors": {"k": "x"}}}, "offset"),
+                         ({"0": fp8, "1": {**fp8, "format": "nvfp4"}}, "FP8 E4M3 KV scales only"),
+                         ({"0": fp8, "1": {**fp8, "streams": ["latent", "k_rope"]}}, "MLA")):
+        with pytest.raises(KilnError, match=match):
+            kv_algo(table, 2)
 
 
 # --- compressed-tensors ----------------------------------------------------------------------------------------
@@ -481,8 +487,6 @@ def test_compressed_tensors_refusals(llama, tmp_path):
     refused({"format": "fp8_e4m3", "activation": "fp8_static_per_tensor"}, fp8, match="without a calibrated")
     assert ct_scheme("model.layers.0.mlp.down_proj", {"format": "fp8_e4m3", "activation": "none"}, fp8).label == \
         "FP8 weight-only (per-channel)"
-    with pytest.raises(KilnError, match="not exported yet"):
-        ct_schemes({"formats": {}, "kv_cache": {"0": {"format": "fp8_e4m3", "scaling": "per_tensor"}}}, {})
     # end to end: refused before anything is written
     artifact = tmp_path / "art"
     rotated = WeightQuantization(format="mxfp4", activations="dynamic", rotation_block=16)
