@@ -13,7 +13,11 @@ ARTIFACT is exported to a temporary folder in --format first; an EXPORT_DIR (a K
 kiln_export.json names the artifact it came from) is checked as it is. Greedy continuations are compared token
 for token; where they part, the gap between the two most likely tokens at that position (Kiln's logits,
 log-probabilities) says whether it is a near-tie (under --near-tie nats): a near-tie may go either way on
-another engine's arithmetic, a clear gap may not.
+another engine's arithmetic, a clear gap may not. On a W8A8 artifact (dynamic per-token FP8 activations) a
+parting is also "decided by FP8 activation rounding" when rounding the activations moves Kiln's log-probability
+margin of its token over vLLM's (measured against the same weights with activations unrounded) by at least that
+margin: each activation element sits on an FP8 step, so a last-bit difference upstream (another engine's
+summation order) can move it a whole step, and such a choice can go either way.
 """
 
 from __future__ import annotations
@@ -100,8 +104,34 @@ def kiln_side(artifact: Path, data: Path, paragraphs: int, prompts: int, new_tok
         top = torch.log_softmax(logits, -1).topk(2).values
         return float(top[0] - top[1])
 
+    # W8A8 (dynamic per-token FP8 activations): the same weights with activations left unrounded, to measure how
+    # far the activation rounding alone moves the choice at a parting
+    formats = json.loads((artifact / "manifest.json").read_text())["formats"].values()
+    unrounded = None
+    if any(str(e.get("activation", "none")).startswith("fp8_dynamic") for e in formats):
+        import kiln.kernels.fp8 as fp8
+
+        shipped = fp8.fp8_fake_quantize_per_token
+        fp8.fp8_fake_quantize_per_token = lambda x: x  # read when the engine builds its linears
+        try:
+            unrounded = runtime.load(artifact)
+        finally:
+            fp8.fp8_fake_quantize_per_token = shipped
+
+    def pair_gaps(prefix: list[int], ours: int, theirs: int) -> tuple[float, float | None]:
+        """(log p(ours) - log p(theirs) as shipped, and the same with activations unrounded; None for W8A16)."""
+        out = []
+        for e in (engine, unrounded):
+            if e is None:
+                out.append(None)
+                continue
+            logp = torch.log_softmax(e.logits([prefix])[0][-1].float(), -1)
+            out.append(float(logp[ours] - logp[theirs]))
+        return out[0], out[1]
+
     return {"engine": engine, "load_seconds": load_seconds, "paragraphs": token_lists, "nll": per_paragraph,
-            "prompts": chosen, "greedy": greedy, "top2_gap": top2_gap, "greedy_seconds": greedy_seconds,
+            "prompts": chosen, "greedy": greedy, "top2_gap": top2_gap, "pair_gaps": pair_gaps,
+            "greedy_seconds": greedy_seconds,
             "max_model_len": min(engine.spec.max_position_embeddings, max(cap, PROMPT_TOKENS + new_tokens))}
 
 
@@ -142,11 +172,20 @@ def compare(kiln: dict, vllm: dict, near_tie: float) -> dict:
             continue
         at = next((j for j, (a, b) in enumerate(zip(ours, theirs_tokens)) if a != b), min(len(ours),
                                                                                           len(theirs_tokens)))
-        gap = kiln["top2_gap"](list(prompt) + ours[:at])
+        prefix = list(prompt) + ours[:at]
+        gap = kiln["top2_gap"](prefix)
         vllm_top2 = theirs["top2"][at] if at < len(theirs["top2"]) else []
         vllm_gap = vllm_top2[0] - vllm_top2[1] if len(vllm_top2) == 2 else float("nan")
-        partings.append({"prompt": i, "position": at, "kiln_gap": gap, "vllm_gap": vllm_gap,
-                         "near_tie": gap < near_tie})
+        parting = {"prompt": i, "position": at, "kiln_gap": gap, "vllm_gap": vllm_gap, "near_tie": gap < near_tie}
+        if at < min(len(ours), len(theirs_tokens)):
+            shipped, unrounded = kiln["pair_gaps"](prefix, ours[at], theirs_tokens[at])
+            if unrounded is not None:
+                # decided by FP8 activation rounding: rounding the activations moves Kiln's preference for its
+                # token over vLLM's by at least that preference itself, so another engine's last-bit
+                # differences before the per-token quantizer may land on either side
+                parting.update(pair_gap=shipped, activation_shift=abs(shipped - unrounded),
+                               rounding=abs(shipped - unrounded) >= shipped)
+        partings.append(parting)
     return {"tokens": tokens, "kiln_perplexity": kiln_ppl, "vllm_perplexity": vllm_ppl,
             "relative": vllm_ppl / kiln_ppl - 1, "identical": identical, "prompts": len(kiln["prompts"]),
             "partings": partings}
@@ -214,8 +253,17 @@ def main() -> int:
     result.update(quantization=vllm["quantization"], vllm_load_seconds=vllm["load_seconds"],
                   kiln_load_seconds=kiln["load_seconds"], format=opts.format, dtype=opts.dtype,
                   artifact=str(artifact))
-    partings = "; ".join(f"prompt {p['prompt']} at token {p['position']} (gap {p['kiln_gap']:.3f} nats"
-                         f"{', near-tie' if p['near_tie'] else ', NOT a near-tie'})" for p in result["partings"])
+    def verdict(p: dict) -> str:
+        if p["near_tie"]:
+            return "near-tie"
+        if p.get("rounding"):
+            return f"decided by FP8 activation rounding: it moves the choice by {p['activation_shift']:.3f}"
+        return "NOT a near-tie" + (f", activation rounding moves it {p['activation_shift']:.3f}"
+                                   if "activation_shift" in p else "")
+
+    partings = "; ".join(f"prompt {p['prompt']} at token {p['position']} (gap {p['kiln_gap']:.3f} nats, {verdict(p)})"
+                         for p in result["partings"])
+    unexplained = sum(1 for p in result["partings"] if not p["near_tie"] and not p.get("rounding"))
     header = ("| artifact | export | dtype | vLLM method | ppl vLLM | ppl Kiln | vLLM/Kiln - 1 | greedy identical | "
               "where they part | load vLLM s | load Kiln s |\n|---|---|---|---|---|---|---|---|---|---|---|")
     ops = "".join(f" (vLLM op {op} off)" for op in opts.disable_vllm_op)
@@ -228,7 +276,8 @@ def main() -> int:
     print(row)
     print(f"\n{opts.paragraphs} paragraphs of {opts.data.name} ({result['tokens']} scored tokens); "
           f"{result['prompts']} prompts of {PROMPT_TOKENS} tokens, {opts.new_tokens} new; near-tie: under "
-          f"{opts.near_tie} nats between the top two tokens (Kiln's logits)")
+          f"{opts.near_tie} nats between the top two tokens (Kiln's logits); partings neither a near-tie nor decided "
+          f"by FP8 activation rounding: {unexplained}")
     if opts.out:
         with opts.out.open("a") as fh:
             fh.write(row + "\n")
