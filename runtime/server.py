@@ -534,9 +534,10 @@ class ServingState:
         self.engine_loop = EngineLoop(self.scheduler, self.metrics, log)
         self.context = engine.spec.max_position_embeddings
         cache = self.scheduler.cache
-        # the most tokens (prompt + output) one request may hold: the context, and the whole pool (the last token
-        # is sampled, never written)
-        self.max_request_tokens = min(self.context, cache.num_blocks * cache.block_size + 1)
+        # the most tokens (prompt + output) one request may hold: the context, and what the pool holds of one
+        # sequence, its sliding-window layers keeping only their windows (the last token is sampled, never written)
+        step = 1 + self.scheduler._width_of(self.scheduler.draft_tokens)
+        self.max_request_tokens = min(self.context, cache.max_sequence_tokens(step) + 1)
         self.draining = False
         self.in_flight = 0
         self.created = int(time.time())
