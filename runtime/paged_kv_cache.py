@@ -1,16 +1,38 @@
-"""A paged KV cache: fixed-size blocks, a block table per sequence, allocation on demand, quantized storage.
+"""A paged KV cache: fixed-size blocks, block tables per sequence and KV-cache group, allocation on demand,
+quantized storage, and sliding-window layers that keep only their window.
 
-    cache = PagedKVCache(engine.kv_streams, num_blocks=256, block_size=16)
+    cache = PagedKVCache(engine.kv_streams, num_blocks=256, block_size=16, windows=engine.kv_windows)
     cache.add_sequence("a"); cache.add_sequence("b")
     cache.prepare(["a", "b"], positions, valid)   # allocate the blocks these positions need: all or none
     logits = model(tokens, positions, cache)      # each layer: cache.update(layer, (k, v), positions)
     cache.free_sequence("a")                      # its blocks go back to the free list
 
-Storage, per layer and stream, is one pool of (num_blocks + 1) * block_size token slots [slots, H, D'],
+KV-cache groups (vLLM's hybrid KV-cache manager). Layers are grouped by attention type (`kv_groups`: full
+attention, or a sliding window of W tokens); when types mix, each type's layers are cut into groups of the
+smallest type's layer count (Gemma 3 270M: 3 full-attention layers and 15 windowed -> one full group and five
+window groups of 3). Every group has its own block table per sequence, and all draw block ids from one
+`BlockAllocator`, so memory moves freely between groups: a block id belongs to one group at a time. Without
+windows there is one group of every layer, and everything below reads as one table per sequence.
+
+Storage, per storage slot and stream, is one pool of (num_blocks + 1) * block_size token slots [slots, H, D'],
 slot = block * block_size + offset, in the layer's KV format (runtime.kv_format): the model's dtype for
 BF16 layers (fp32 on CPU, bf16 on a GPU), float8_e4m3fn bytes (+ an fp32 scale per token when dynamic) for FP8, packed
-E2M1 bytes + E4M3 block scales for NVFP4. The extra last block is the null block: zeros, never handed
-out, never written; reads past a sequence's length point at it.
+E2M1 bytes + E4M3 block scales for NVFP4. Layer j of every group shares slot j's tensors (a block id is one
+group's at a time, so their writes never meet), which is what makes a block id cost one group's layers and not
+every layer's (`pool_bytes_per_token`); a layer whose layout (format, shapes) differs from the slot's keeps
+tensors of its own. Scales and offsets stay per layer. The extra last block is the null block: zeros, never
+handed out; reads past a sequence's length, and of released blocks, point at it.
+
+Sliding windows. A query at position q of a W-token window layer sees keys q - W + 1..q. `prepare` takes a row's
+lowest written position p as the lowest any of its future queries can have (a speculative rollback keeps at
+least the token it fed first; `lookahead` allows more) and, in each window group, releases the blocks wholly
+before p - lookahead - W + 1 before it allocates: the table keeps their places as the null block, so positions
+and the history read stay as they were, and the window mask hides those positions anyway (their weight is an
+exact 0, so logits are bit-identical to a cache that keeps everything). A sequence's window group so holds at
+most blocks_for(W - 1 + lookahead + the forward's width) + 1 blocks (`sequence_blocks`); a released block that
+is registered in the prefix index stays cached like any released block, and a prefix hit needs, in a window
+group, only the cached blocks inside its first query's window. `truncate` refuses to roll back to where a
+released block would be seen.
 
 `update` writes the new tokens of each row into that row's own blocks (rows' padding positions, marked
 invalid in `prepare`, are never written) and returns every stream gathered and dequantized to the model's
