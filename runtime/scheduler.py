@@ -286,7 +286,9 @@ class Scheduler:
         cache = self.cache
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            step = self.max_num_batched_tokens
+            # with sliding windows a sequence holds fewer blocks in shorter prompt chunks: beside others, room for
+            # chunks of the whole budget; alone, for the one-token chunks it may be cut to (what add_request checks)
+            step = self.max_num_batched_tokens if self.running else 1
             reserve = sum(cache.blocks_needed(r.id, len(r.tokens), step) for r in self.running)
             if cache.num_free_blocks - max(reserve, 0) < cache.sequence_blocks(len(request.tokens), step):
                 break

@@ -174,6 +174,17 @@ def test_scheduler_chunks_prefix_cache_and_no_leaks(gemma):
         assert [r.output_ids for r in requests] == expected
         assert cache.num_used_blocks == 0 and cache.num_free_blocks == 60
     assert cache.prefix_hits > 0 and cache.window_releases > 0
+    # 30 blocks: a whole 32-token prompt in one chunk needs 8 + 3 x 8, so its chunk is cut to what the pool holds
+    # (one request alone is admitted on what its one-token chunks need)
+    cache = engine.new_kv_cache(num_blocks=30)
+    scheduler = Scheduler(engine, cache, max_num_seqs=4, max_num_batched_tokens=40, max_queue=None)
+    requests = [scheduler.add_request(p, SamplingParams(max_tokens=n, stop_ids=())) for p in prompts]
+    for _ in range(400):  # stepped by hand: a request preempted over and over would never finish
+        if not scheduler.has_work():
+            break
+        scheduler.step()
+    assert not scheduler.has_work() and scheduler.num_preemptions == 0
+    assert [r.output_ids for r in requests] == expected and cache.num_used_blocks == 0
     # on a pool where nothing is evicted, a hit's window groups hold only the cached blocks inside the window of
     # its first query (those before it were released, and stay cached, as the sequence went past them)
     cache = engine.new_kv_cache(num_blocks=200, prefix_caching=True)
