@@ -22,7 +22,7 @@ from kiln.runtime.paged_kv_cache import (
     stored_bytes_per_token,
 )
 from kiln.runtime.scheduler import SamplingParams, Scheduler
-from kiln.runtime.speculative import Drafter, Proposal, PromptLookupDrafter, verification_batch
+from kiln.runtime.speculative import Drafter, PromptLookupDrafter, Proposal, verification_batch
 from tests.tiny_models import make_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -33,8 +33,8 @@ WINDOW, BS = 8, 4
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     """A tiny random Gemma 3: three layers with an 8-token window, then one of full attention."""
-    path = make_tiny_checkpoint("gemma3_text", tmp_path_factory.mktemp("gemma_window") / "g", overrides=dict(
-        num_hidden_layers=4, layer_types=["sliding_attention"] * 3 + ["full_attention"]))
+    path = make_tiny_checkpoint("gemma3_text", tmp_path_factory.mktemp("gemma_window") / "g", overrides={
+        "num_hidden_layers": 4, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]})
     return path, Engine(load_checkpoint(path).spec, load_file(path / "model.safetensors"), {}, kv_block_size=BS)
 
 
