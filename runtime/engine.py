@@ -31,7 +31,7 @@ from kiln.runtime.paged_kv_cache import (
     DecodeTables,
     PagedKVCache,
     StepView,
-    stored_bytes_per_token,
+    pool_bytes_per_token,
 )
 from kiln.runtime.sampling import check_repetition_penalty
 from kiln.runtime.scheduler import SamplingParams, Scheduler
@@ -134,8 +134,10 @@ class Engine:
         self.kv_table = dict(kv_cache if kv_cache is not None else self.manifest.get("kv_cache") or {})
         self.kv_streams = resolve_kv_streams(spec, self.kv_table, tensors)
         self.kv_block_size = kv_block_size
+        self.kv_windows = tuple(layer.attention.sliding_window for layer in spec.layers)
         if kv_cache_blocks is None:
-            block_bytes = kv_block_size * stored_bytes_per_token(self.kv_streams, self.dtype)
+            # a block id's bytes: with sliding windows, the storage the KV-cache groups share (runtime.paged_kv_cache)
+            block_bytes = kv_block_size * pool_bytes_per_token(self.kv_streams, self.dtype, self.kv_windows)
             pool_bytes = DEFAULT_KV_CACHE_BYTES
             if self.device.type == "cuda":
                 pool_bytes = int(torch.cuda.mem_get_info(self.device)[0] * GPU_KV_CACHE_FRACTION)
@@ -219,11 +221,11 @@ class Engine:
             for tensor in storage:
                 mark_static_address(tensor)
             cache.static_addresses = True
-        tables = () if view.kernel is None else (view.kernel.block_table, view.kernel.context_lens)
-        for tensor in (tokens, positions, view.write_slots, view.read_slots, *masks, *storage, *tables):
+        tables = [t for kernel in view.kernel or () for t in (kernel.block_table, kernel.context_lens)]
+        for tensor in (tokens, positions, *view.write_slots, *view.read_slots, *masks, *storage, *tables):
             maybe_mark_dynamic(tensor, 0)
-        if tables:
-            maybe_mark_dynamic(tables[0], 1)
+        for table in tables[::2]:
+            maybe_mark_dynamic(table, 1)
         for mask in masks:
             maybe_mark_dynamic(mask, 3)
         return self._compiled_forward(tokens, positions, view)[:batch, -1]
@@ -240,17 +242,21 @@ class Engine:
         B, S = tokens.shape[0], view.length
         rows = next((size for size in DECODE_BATCH_SIZES if size >= B), B) - B
         length = -(-S // DECODE_LENGTH_STEP) * DECODE_LENGTH_STEP
-        read = pad(view.read_slots.view(B, S), (0, length - S, 0, rows), value=null_slot).reshape(-1)
-        write = pad(view.write_slots, (0, rows), value=null_slot)
+        read = tuple(pad(r.view(B, S), (0, length - S, 0, rows), value=null_slot).reshape(-1)
+                     for r in view.read_slots)
+        write = tuple(pad(w, (0, rows), value=null_slot) for w in view.write_slots)
         kernel = view.kernel
         if kernel is not None:  # padding rows read one token, the null block's first slot, which they wrote
-            bs, table = kernel.block_size, kernel.block_table
-            null_block = null_slot // bs
-            width = -(-length // bs)
-            kernel = DecodeTables(pad(table, (0, width - table.shape[1], 0, rows), value=null_block),
-                                  pad(kernel.context_lens, (0, rows), value=1), bs)
+            padded = []
+            for tables in kernel:
+                bs, table = tables.block_size, tables.block_table
+                null_block = null_slot // bs
+                width = -(-length // bs)
+                padded.append(DecodeTables(pad(table, (0, width - table.shape[1], 0, rows), value=null_block),
+                                           pad(tables.context_lens, (0, rows), value=1), bs))
+            kernel = tuple(padded)
         return (pad(tokens, (0, 0, 0, rows)), pad(positions, (0, 0, 0, rows)),
-                StepView(view.pools, write, read, length, kernel))
+                StepView(view.pools, write, read, length, kernel, view.layer_group))
 
     def draft_module(self):
         """The artifact's draft module (a DeepSeek MTP layer or a Kiln draft head: runtime.draft), built on
@@ -312,7 +318,8 @@ class Engine:
     def new_kv_cache(self, num_blocks: int, block_size: int | None = None, prefix_caching: bool = False) -> PagedKVCache:
         """An empty paged cache in this engine's KV formats."""
         return PagedKVCache(self.kv_streams, num_blocks, block_size or self.kv_block_size, self.dtype,
-                            prefix_caching=prefix_caching, device=self.device, decode_kernel=self.decode_kernel)
+                            prefix_caching=prefix_caching, device=self.device, decode_kernel=self.decode_kernel,
+                            windows=self.kv_windows)
 
     @property
     def kv_pool(self) -> PagedKVCache:
@@ -412,7 +419,7 @@ class Engine:
             return [([], "length", "") for _ in prompts]
         cache = self.kv_pool
         for row, prompt in enumerate(prompts):
-            blocks = cache.blocks_for(len(prompt) + max_new_tokens - 1)
+            blocks = cache.sequence_blocks(len(prompt) + max_new_tokens - 1, 1)  # chunks are cut to fit
             if blocks > cache.num_blocks:
                 raise KilnError(f"prompt {row} ({len(prompt)} tokens + {max_new_tokens} new) needs {blocks} "
                                 f"KV-cache blocks of {cache.block_size} tokens; the cache has {cache.num_blocks} "

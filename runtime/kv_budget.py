@@ -4,7 +4,8 @@
     KV bytes per sequence    = sum over layers of KV bytes per token x min(context, the layer's sliding window)
 
 A sliding-window layer (Gemma 3: 5 of every 6) keeps only its window, as serving engines that free the blocks
-leaving it do (vLLM, SGLang); Kiln's own paged cache still keeps the whole context for it.
+leaving it do (vLLM, SGLang, and Kiln's own paged cache: runtime.paged_kv_cache releases them, up to a block of
+rounding and the forward's width at its window's edge).
 
 The activation reserve is ACTIVATION_RESERVE_FRACTION of HBM (10%: the headroom vLLM's default
 gpu_memory_utilization=0.9 leaves for activations, CUDA graphs and the allocator). "Before" is the source

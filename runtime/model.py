@@ -395,11 +395,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 def step_mask(cache, positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
     """The cache's explicit mask for this forward (tree verification: each node sees the cached prefix and its
-    own ancestors), else causal by position."""
+    own ancestors; a window layer only those in its window), else causal by position."""
     explicit = getattr(cache, "explicit_mask", None) if cache is not None else None
-    if explicit is not None:
-        return explicit
     memo = getattr(cache, "step_masks", None)  # a paged cache keeps the masks of the prepared forward
+    if explicit is not None:
+        if window is None:
+            return explicit
+        # a window layer sees only its window, counted in model positions (a tree node's key is at its depth's)
+        if ("explicit", window) not in memo:
+            keys = cache.explicit_key_positions
+            memo["explicit", window] = explicit & attention_mask(positions, keys, window)
+        return memo["explicit", window]
     if memo is None:
         return attention_mask(positions, key_positions, window)
     if window not in memo:

@@ -1,16 +1,38 @@
-"""A paged KV cache: fixed-size blocks, a block table per sequence, allocation on demand, quantized storage.
+"""A paged KV cache: fixed-size blocks, block tables per sequence and KV-cache group, allocation on demand,
+quantized storage, and sliding-window layers that keep only their window.
 
-    cache = PagedKVCache(engine.kv_streams, num_blocks=256, block_size=16)
+    cache = PagedKVCache(engine.kv_streams, num_blocks=256, block_size=16, windows=engine.kv_windows)
     cache.add_sequence("a"); cache.add_sequence("b")
     cache.prepare(["a", "b"], positions, valid)   # allocate the blocks these positions need: all or none
     logits = model(tokens, positions, cache)      # each layer: cache.update(layer, (k, v), positions)
     cache.free_sequence("a")                      # its blocks go back to the free list
 
-Storage, per layer and stream, is one pool of (num_blocks + 1) * block_size token slots [slots, H, D'],
+KV-cache groups (vLLM's hybrid KV-cache manager). Layers are grouped by attention type (`kv_groups`: full
+attention, or a sliding window of W tokens); when types mix, each type's layers are cut into groups of the
+smallest type's layer count (Gemma 3 270M: 3 full-attention layers and 15 windowed -> one full group and five
+window groups of 3). Every group has its own block table per sequence, and all draw block ids from one
+`BlockAllocator`, so memory moves freely between groups: a block id belongs to one group at a time. Without
+windows there is one group of every layer, and everything below reads as one table per sequence.
+
+Storage, per storage slot and stream, is one pool of (num_blocks + 1) * block_size token slots [slots, H, D'],
 slot = block * block_size + offset, in the layer's KV format (runtime.kv_format): the model's dtype for
 BF16 layers (fp32 on CPU, bf16 on a GPU), float8_e4m3fn bytes (+ an fp32 scale per token when dynamic) for FP8, packed
-E2M1 bytes + E4M3 block scales for NVFP4. The extra last block is the null block: zeros, never handed
-out, never written; reads past a sequence's length point at it.
+E2M1 bytes + E4M3 block scales for NVFP4. Layer j of every group shares slot j's tensors (a block id is one
+group's at a time, so their writes never meet), which is what makes a block id cost one group's layers and not
+every layer's (`pool_bytes_per_token`); a layer whose layout (format, shapes) differs from the slot's keeps
+tensors of its own. Scales and offsets stay per layer. The extra last block is the null block: zeros, never
+handed out; reads past a sequence's length, and of released blocks, point at it.
+
+Sliding windows. A query at position q of a W-token window layer sees keys q - W + 1..q. `prepare` takes a row's
+lowest written position p as the lowest any of its future queries can have (a speculative rollback keeps at
+least the token it fed first; `lookahead` allows more) and, in each window group, releases the blocks wholly
+before p - lookahead - W + 1 before it allocates: the table keeps their places as the null block, so positions
+and the history read stay as they were, and the window mask hides those positions anyway (their weight is an
+exact 0, so logits are bit-identical to a cache that keeps everything). A sequence's window group so holds at
+most blocks_for(W - 1 + lookahead + the forward's width) + 1 blocks (`sequence_blocks`); a released block that
+is registered in the prefix index stays cached like any released block, and a prefix hit needs, in a window
+group, only the cached blocks inside its first query's window. `truncate` refuses to roll back to where a
+released block would be seen.
 
 `update` writes the new tokens of each row into that row's own blocks (rows' padding positions, marked
 invalid in `prepare`, are never written) and returns every stream gathered and dequantized to the model's
@@ -25,6 +47,7 @@ The pools live on the cache's `device`; block tables and the scheduling arithmet
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -172,10 +195,12 @@ def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
 class _DensePool:
     """Unquantized (BF16 at deployment): the model's compute dtype, so reads equal the uncached values."""
 
-    storage = ("data",)
+    @staticmethod
+    def layout(stream: KvStream, dtype: torch.dtype) -> tuple:
+        return (("data", (stream.heads, stream.dim), dtype, 0.0),)
 
-    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype, device: torch.device):
-        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=dtype, device=device)
+    def __init__(self, stream: KvStream, storage: dict[str, Tensor], dtype: torch.dtype, device: torch.device):
+        self.data = storage["data"]
         self.kernel_pool = KvPool(KvFormat.BF16, self.data)  # what the decode kernels read (same tensors)
 
     def write(self, slots: Tensor, x: Tensor) -> None:
@@ -204,14 +229,16 @@ class _QuantizedPool:
 class _Fp8StaticPool(_QuantizedPool):
     """float8_e4m3fn bytes with a calibrated per-tensor (0-dim) or per-head ([H, 1]) scale."""
 
-    storage = ("data",)
-
-    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(stream, dtype, device)
+    @staticmethod
+    def layout(stream: KvStream, dtype: torch.dtype) -> tuple:
         if stream.scale is None:
             raise KilnError(f"FP8 KV stream {stream.name!r} ({stream.scaling}) has no scale")
+        return (("data", (stream.heads, stream.dim), torch.float8_e4m3fn, 0.0),)
+
+    def __init__(self, stream: KvStream, storage: dict[str, Tensor], dtype: torch.dtype, device: torch.device):
+        super().__init__(stream, dtype, device)
         self.scale = _on(stream.scale, device)
-        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=torch.float8_e4m3fn, device=device)
+        self.data = storage["data"]
         self.kernel_pool = KvPool(KvFormat.FP8_E4M3, self.data, self.scale, None, self.offset)
 
     def _store(self, slots: Tensor, x: Tensor) -> None:
@@ -225,12 +252,14 @@ class _Fp8StaticPool(_QuantizedPool):
 class _Fp8DynamicPool(_QuantizedPool):
     """float8_e4m3fn bytes with one fp32 scale per token (amax over the token's heads and dims / 448)."""
 
-    storage = ("data", "token_scale")
+    @staticmethod
+    def layout(stream: KvStream, dtype: torch.dtype) -> tuple:
+        return (("data", (stream.heads, stream.dim), torch.float8_e4m3fn, 0.0),
+                ("token_scale", (1, 1), torch.float32, 1.0))
 
-    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, stream: KvStream, storage: dict[str, Tensor], dtype: torch.dtype, device: torch.device):
         super().__init__(stream, dtype, device)
-        self.data = torch.zeros(slots, stream.heads, stream.dim, dtype=torch.float8_e4m3fn, device=device)
-        self.token_scale = torch.ones(slots, 1, 1, device=device)
+        self.data, self.token_scale = storage["data"], storage["token_scale"]
         self.kernel_pool = KvPool(KvFormat.FP8_E4M3, self.data, self.token_scale, None, self.offset)
 
     def _store(self, slots: Tensor, x: Tensor) -> None:
@@ -245,19 +274,20 @@ class _Fp8DynamicPool(_QuantizedPool):
 class _Nvfp4Pool(_QuantizedPool):
     """Packed E2M1 codes [H, D/2] and E4M3 block scales [H, D/16] per token; a calibrated global scale."""
 
-    storage = ("packed", "block_scale")
-
-    def __init__(self, stream: KvStream, slots: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(stream, dtype, device)
+    @staticmethod
+    def layout(stream: KvStream, dtype: torch.dtype) -> tuple:
         if stream.scale is None:
             raise KilnError(f"NVFP4 KV stream {stream.name!r} has no global scale")
         if stream.dim % NVFP4_BLOCK_SIZE:
             raise KilnError(f"NVFP4 KV stream {stream.name!r}: dim {stream.dim} is not a multiple of "
                             f"{NVFP4_BLOCK_SIZE}")
+        return (("packed", (stream.heads, stream.dim // 2), torch.uint8, 0.0),
+                ("block_scale", (stream.heads, stream.dim // NVFP4_BLOCK_SIZE), torch.float8_e4m3fn, 0.0))
+
+    def __init__(self, stream: KvStream, storage: dict[str, Tensor], dtype: torch.dtype, device: torch.device):
+        super().__init__(stream, dtype, device)
         self.global_scale = _on(stream.scale, device)
-        self.packed = torch.zeros(slots, stream.heads, stream.dim // 2, dtype=torch.uint8, device=device)
-        self.block_scale = torch.zeros(slots, stream.heads, stream.dim // NVFP4_BLOCK_SIZE,
-                                       dtype=torch.float8_e4m3fn, device=device)
+        self.packed, self.block_scale = storage["packed"], storage["block_scale"]
         self.kernel_pool = KvPool(KvFormat.NVFP4, self.packed, self.block_scale, self.global_scale, self.offset)
 
     def _store(self, slots: Tensor, x: Tensor) -> None:
@@ -270,7 +300,6 @@ class _Nvfp4Pool(_QuantizedPool):
                                    self.global_scale)
 
 
-
 _POOLS = {
     (KvFormat.BF16, "none"): _DensePool,
     (KvFormat.FP8_E4M3, "per_tensor"): _Fp8StaticPool,
@@ -278,6 +307,72 @@ _POOLS = {
     (KvFormat.FP8_E4M3, "dynamic"): _Fp8DynamicPool,
     (KvFormat.NVFP4, "e4m3_block16"): _Nvfp4Pool,
 }
+
+
+def _pool_kind(s: KvStream):
+    kind = _POOLS.get((s.format, s.scaling))
+    if kind is None:
+        raise KilnError(f"no KV storage for format {s.format!r} with scaling {s.scaling!r}")
+    return kind
+
+
+# --- KV-cache groups and the storage they share -----------------------------------------------------------
+@dataclass(frozen=True)
+class KvGroup:
+    """Layers that share one block table per sequence: the same attention type (`window`: a sliding window of
+    that many tokens, None: full attention), at most one layer per storage slot."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def kv_groups(windows: Sequence[int | None]) -> tuple[KvGroup, ...]:
+    """Layers grouped by attention type (vLLM's hybrid KV-cache groups): one group of every layer when all share
+    one type; otherwise each type's layers (full attention first, then windows from the smallest) cut into
+    groups of the smallest type's layer count, so that slot j of every group can share one storage tensor."""
+    by_type: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(windows):
+        by_type.setdefault(window, []).append(layer)
+    if len(by_type) == 1:
+        ((window, layers),) = by_type.items()
+        return (KvGroup(window, tuple(layers)),)
+    size = min(len(layers) for layers in by_type.values())
+    order = sorted(by_type, key=lambda w: (w is not None, w or 0))
+    return tuple(KvGroup(w, tuple(by_type[w][i: i + size])) for w in order for i in range(0, len(by_type[w]), size))
+
+
+def _storage_plan(streams: Sequence[Sequence[KvStream]], groups: Sequence[KvGroup], dtype: torch.dtype):
+    """Per layer and stream, (the key of the storage tensors it uses, its pool kind, its layout). Layer j of
+    every group uses slot j's tensors when its layout (format, shapes, dtypes) equals theirs; a layer whose
+    layout differs from the slot's first gets tensors of its own (as many blocks as the shared ones)."""
+    plan: dict[int, list] = {}
+    keys: dict[tuple, tuple] = {}  # (slot, stream, layout) -> key
+    for group in groups:
+        for slot, layer in enumerate(group.layers):
+            plan[layer] = []
+            for index, s in enumerate(streams[layer]):
+                kind = _pool_kind(s)
+                layout = kind.layout(s, dtype)
+                key = keys.setdefault((slot, index, layout), (slot, index, len(keys)))
+                plan[layer].append((key, kind, layout))
+    return [plan[layer] for layer in range(len(streams))]
+
+
+def _layout_bytes(layout) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _ in layout)
+
+
+def pool_bytes_per_token(streams: Sequence[Sequence[KvStream]], dtype: torch.dtype = torch.float32,
+                         windows: Sequence[int | None] | None = None) -> int:
+    """Bytes one token of one block id costs in a PagedKVCache's storage (dense layers at `dtype`): every layer's
+    without windows; with windows, the storage slots' that the groups share (a block id is one group's at a
+    time), so a pool of N blocks takes (N + 1) x block_size x this."""
+    groups = kv_groups(windows if windows is not None else [None] * len(streams))
+    seen = {}
+    for layer in _storage_plan(streams, groups, dtype):
+        for key, _, layout in layer:
+            seen[key] = _layout_bytes(layout)
+    return sum(seen.values())
 
 
 def stored_bytes_per_token(streams: Sequence[Sequence[KvStream]], dtype: torch.dtype = torch.float32) -> int:
@@ -296,13 +391,16 @@ class StepView:
     is what a compiled decode step (torch.compile; a CUDA graph on GPU) traces: the writes are in-place index
     copies into the same pools the eager path uses, so the two paths share one cache. The caller fills
     `step_masks` (the attention masks by sliding window) before the forward; the eager path makes them inside.
-    `length` (S, the history read) is for the caller; the forward never reads it."""
+    `length` (S, the history read) is for the caller; the forward never reads it. The slots and decode tables
+    are per KV-cache group (`layer_group[layer]` names a layer's)."""
 
     explicit_mask = None
 
-    def __init__(self, pools, write_slots: Tensor, read_slots: Tensor, length: int, kernel: DecodeTables | None = None):
+    def __init__(self, pools, write_slots: tuple[Tensor, ...], read_slots: tuple[Tensor, ...], length: int,
+                 kernel: tuple[DecodeTables, ...] | None = None, layer_group: Sequence[int] | None = None):
         self.pools, self.write_slots, self.read_slots, self.length = pools, write_slots, read_slots, length
         self.kernel = kernel
+        self.layer_group = tuple(layer_group) if layer_group is not None else (0,) * len(pools)
         self.step_masks: dict = {}
 
     @property
@@ -313,14 +411,16 @@ class StepView:
                          scale: float) -> Tensor:
         """Write the step's two streams and attend through the layer's paged decode kernel, which reads the
         pools as stored (see `_kernel_attention`)."""
-        return _kernel_attention(self.pools[layer], self.write_slots, self.kernel, q, new, scale)
+        g = self.layer_group[layer]
+        return _kernel_attention(self.pools[layer], self.write_slots[g], self.kernel[g], q, new, scale)
 
     def update(self, layer: int, new: tuple[Tensor, ...], positions: Tensor) -> tuple[Tensor, ...]:
         # new[i]: [B, T, H, D] -> every stream of the batch's sequences, [B, S, H, D] in the model's dtype
+        g = self.layer_group[layer]
         out = []
         for pool, value in zip(self.pools[layer], new, strict=True):
-            pool.write(self.write_slots, value.reshape(-1, *value.shape[2:]))
-            out.append(pool.read(self.read_slots).view(value.shape[0], -1, *value.shape[2:]))
+            pool.write(self.write_slots[g], value.reshape(-1, *value.shape[2:]))
+            out.append(pool.read(self.read_slots[g]).view(value.shape[0], -1, *value.shape[2:]))
         return tuple(out)
 
 
@@ -354,54 +454,83 @@ def _kernel_attention(pools, write_slots: Tensor, tables: DecodeTables, q: Tenso
 
 @dataclass
 class _Step:
-    """Index tensors for one forward, computed once in `prepare` and used by every layer."""
+    """Index tensors for one forward, computed once in `prepare` and used by every layer (slots per group)."""
 
     positions: Tensor  # [B, T] storage positions (where each token is written)
     valid: Tensor | None  # [N] the written tokens' rows in [B * T] (row-major), None when every token is written
-    write_slots: Tensor  # [N] slot of each written token, in row-major order of the valid tokens
-    read_slots: Tensor  # [B * S]
+    write_slots: tuple[Tensor, ...]  # per group [N]: slot of each written token, row-major over the valid tokens
+    read_slots: tuple[Tensor, ...]  # per group [B * S]
     batch: int
     length: int  # S
     rope_positions: Tensor | None = None  # [B, T] the model's positions when they differ (tree verification)
     attend: Tensor | None = None  # [B, 1, T, S] bool: an explicit attention mask (tree verification)
+    key_positions: Tensor | None = None  # [B, S] with `attend`: each key's model position (a node's depth's)
     masks: dict = field(default_factory=dict)  # causal masks by window, filled by the model's first layer
-    kernel: DecodeTables | None = None  # a plain one-token step when the cache decodes through the kernel
+    kernel: tuple[DecodeTables, ...] | None = None  # per group, a plain one-token step through the kernel
 
 
 class PagedKVCache:
-    """Block pools per layer and stream, block tables per sequence, a shared block allocator.
+    """Block pools per layer and stream, block tables per sequence and KV-cache group, a shared block allocator.
 
     With `prefix_caching`, full blocks are shared between sequences by content (vLLM's automatic prefix
     caching): `add_sequence(id, tokens)` starts a sequence on the cached blocks of its longest cached prefix
     and returns how many tokens it need not recompute; `commit(id, tokens)` registers the sequence's newly
     filled blocks. A write into a block another sequence also holds copies it first (copy on write), and a
-    registered block that is about to change leaves the index, so a cached block's content never changes."""
+    registered block that is about to change leaves the index, so a cached block's content never changes.
+
+    `windows` (per layer, None: full attention; default: none) groups the layers (`kv_groups`); a window group
+    releases the blocks no future query can see (see the module docstring). `lookahead`: positions a `truncate`
+    may roll a sequence back below the lowest position its latest forward wrote (0: speculative verification
+    never rolls back past the token it fed first)."""
 
     def __init__(self, streams: Sequence[Sequence[KvStream]], num_blocks: int,
                  block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32,
-                 prefix_caching: bool = False, device: torch.device | str = "cpu", decode_kernel: bool = False):
+                 prefix_caching: bool = False, device: torch.device | str = "cpu", decode_kernel: bool = False,
+                 windows: Sequence[int | None] | None = None, lookahead: int = 0):
         # streams[layer] = the layer's KvStreams (runtime.kv_format.resolve_kv_streams); dtype: the model's
         # compute dtype (what reads return, and what BF16 layers store)
         if not isinstance(block_size, int) or block_size < 1:
             raise KilnError(f"block_size must be a positive integer, got {block_size!r}")
+        windows = [None] * len(streams) if windows is None else list(windows)
+        if len(windows) != len(streams):
+            raise KilnError(f"windows: {len(windows)} entries for {len(streams)} layers")
+        if any(w is not None and (not isinstance(w, int) or w < 1) for w in windows):
+            raise KilnError(f"a sliding window must be a positive integer, got {windows}")
+        if not isinstance(lookahead, int) or lookahead < 0:
+            raise KilnError(f"lookahead must be a non-negative integer, got {lookahead!r}")
         self.block_size = block_size
+        self.lookahead = lookahead
         self.device, self.dtype = torch.device(device), dtype
         # one-token steps attend through kiln.kernels.gpu.paged_decode_attention, reading the pools as stored
         # (a GPU engine's default), where the layer's shape allows (runtime.model.GqaAttention)
         self.use_decode_kernel = decode_kernel
         self.allocator = BlockAllocator(num_blocks)
+        self.null_block = num_blocks  # the last block of every pool: zeros, never handed out
         self.null_slot = num_blocks * block_size  # first slot of the null block
+        self.groups = kv_groups(windows)
+        self.layer_group = [0] * len(streams)
+        for g, group in enumerate(self.groups):
+            for layer in group.layers:
+                self.layer_group[layer] = g
+        self._windowed = [g for g, group in enumerate(self.groups) if group.window is not None]
         slots = (num_blocks + 1) * block_size
+        storage: dict[tuple, dict[str, Tensor]] = {}
         self.pools = []
-        for layer in streams:
+        for layer, plan in zip(streams, _storage_plan(streams, self.groups, dtype), strict=True):
             pools = []
-            for s in layer:
-                kind = _POOLS.get((s.format, s.scaling))
-                if kind is None:
-                    raise KilnError(f"no KV storage for format {s.format!r} with scaling {s.scaling!r}")
-                pools.append(kind(s, slots, dtype, self.device))
+            for s, (key, kind, layout) in zip(layer, plan, strict=True):
+                if key not in storage:
+                    storage[key] = {name: torch.full((slots, *shape), fill, dtype=t, device=self.device)
+                                    if fill else torch.zeros(slots, *shape, dtype=t, device=self.device)
+                                    for name, shape, t, fill in layout}
+                pool = kind(s, storage[key], dtype, self.device)
+                pool.storage = tuple(name for name, *_ in layout)
+                pools.append(pool)
             self.pools.append(tuple(pools))
-        self.block_tables: dict[Hashable, list[int]] = {}
+        self.nbytes = sum(t.numel() * t.element_size() for tensors in storage.values() for t in tensors.values())
+        self.block_tables: dict[Hashable, list[int]] = {}  # group 0's table, per sequence
+        self.group_tables: dict[Hashable, list[list[int]]] = {}  # every group's, per sequence
+        self._released: dict[Hashable, list[int]] = {}  # per sequence and group: leading entries released
         self.lengths: dict[Hashable, int] = {}  # highest written position + 1, per sequence
         self._step: _Step | None = None
         self.prefix_caching = prefix_caching
@@ -409,6 +538,7 @@ class PagedKVCache:
         self.prefix_queried = 0  # prompt tokens looked up, and of those found cached
         self.prefix_hits = 0
         self.copies_on_write = 0
+        self.window_releases = 0  # blocks released because they left a window
         self._forked = False  # whether fork has shared blocks (prefix caching shares them too)
 
     # --- bookkeeping -----------------------------------------------------------------------------------------
@@ -425,122 +555,241 @@ class PagedKVCache:
         return self.allocator.num_used
 
     @property
+    def windowed(self) -> bool:
+        """Whether some group has a sliding window (and releases the blocks that leave it)."""
+        return bool(self._windowed)
+
+    @property
     def prefix_hit_rate(self) -> float:
         """Prompt tokens served from cached blocks over prompt tokens looked up (0 before any lookup)."""
         return self.prefix_hits / self.prefix_queried if self.prefix_queried else 0.0
 
     def blocks_for(self, tokens: int) -> int:
+        """Entries a group's table needs to cover `tokens` positions."""
         return -(-tokens // self.block_size)
+
+    def _releasable(self, window: int, position: int) -> int:
+        """Leading blocks of a window group's table no query at `position` or later can see, with `lookahead`
+        positions of rollback kept: those wholly before position - lookahead - window + 1."""
+        return max(0, position - self.lookahead - window + 1) // self.block_size
+
+    def sequence_blocks(self, tokens: int, step: int | None = None) -> int:
+        """The most blocks, all groups together, one sequence holds while it grows to `tokens` positions, each
+        forward writing at most `step` positions (None: all at once): blocks_for(tokens) in a full-attention
+        group; in a window group at most the blocks spanning window - 1 + lookahead + step positions."""
+        full = self.blocks_for(tokens)
+        if not self._windowed:
+            return full * len(self.groups)
+        step = tokens if step is None else max(1, step)
+        total = 0
+        for group in self.groups:
+            if group.window is None:
+                total += full
+            else:
+                total += min(full, self.blocks_for(group.window - 1 + self.lookahead + step) + 1)
+        return total
+
+    def max_sequence_tokens(self, step: int | None = None) -> int:
+        """The most positions one sequence can hold in this pool (`sequence_blocks` <= num_blocks)."""
+        low, high = 0, self.num_blocks * self.block_size  # sequence_blocks grows with tokens
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.sequence_blocks(mid, step) <= self.num_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def blocks_needed(self, seq_id: Hashable, end: int, step: int | None = None) -> int:
+        """Blocks the sequence takes from the pool, beyond those it holds, to hold positions up to `end` with
+        forwards of at most `step` positions from its length on (None: one forward): the table entries it adds,
+        less what its window groups release that only it holds. Negative when it gives back more. A sequence
+        without windows: blocks_for(end) minus its table's length."""
+        tables = self._tables(seq_id)
+        length = self.lengths[seq_id]
+        need = 0
+        for g, group in enumerate(self.groups):
+            table = tables[g]
+            if group.window is None:
+                need += self.blocks_for(end) - len(table)
+                continue
+            released = self._released[seq_id][g]
+            low = max(released, self._releasable(group.window, length))
+            span = self.blocks_for(end) - low
+            if step is not None and step < end - length:
+                span = min(span, self.blocks_for(group.window - 1 + self.lookahead + step) + 1)
+            held = [b for b in table[released:] if b != self.null_block]
+            gone = sum(1 for b in table[released:low] if b != self.null_block and self.allocator.refs(b) > 1)
+            need += span - len(held) + gone  # a shared block that leaves the table frees nothing
+        return need
 
     def sequences(self) -> list[Hashable]:
         return list(self.block_tables)
 
+    def _new_tables(self, seq_id: Hashable, tables: list[list[int]], released: list[int]) -> None:
+        self.group_tables[seq_id] = tables
+        self.block_tables[seq_id] = tables[0]
+        self._released[seq_id] = released
+
+    def _key(self, g: int, digest: bytes) -> bytes:
+        """A block's name in the prefix index: group 0's is the content hash itself, another group's is tagged."""
+        return digest if g == 0 else digest + g.to_bytes(4, "little")
+
     def add_sequence(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> int:
-        """Start a sequence. With prefix caching and its `tokens` (the prompt), its table starts with the cached
+        """Start a sequence. With prefix caching and its `tokens` (the prompt), its tables start with the cached
         blocks of its longest cached prefix of full blocks, short of the last token (whose logits the caller
-        needs computed); returns the number of tokens so cached (0 without prefix caching)."""
+        needs computed); returns the number of tokens so cached (0 without prefix caching). A window group needs
+        only the cached blocks inside the window of that prefix's first query; the rest of its table is null."""
         if seq_id in self.block_tables:
             raise KilnError(f"sequence {seq_id!r} is already in the KV cache")
-        table: list[int] = []
+        tables: list[list[int]] = [[] for _ in self.groups]
+        released = [0] * len(self.groups)
         hashes: list[bytes] = []
         if self.prefix_caching and tokens:
             bs, parent = self.block_size, b""
             for start in range(0, len(tokens) - 1 - bs + 1, bs):
                 parent = chain_hash(parent, tokens[start: start + bs])
-                block = self.allocator.lookup(parent)
-                if block is None:
-                    break
-                self.allocator.share(block)
-                table.append(block)
                 hashes.append(parent)
+            found = [[self.allocator.lookup(self._key(g, d)) for d in hashes] for g in range(len(self.groups))]
+            hit = len(hashes)
+            for g, group in enumerate(self.groups):
+                if group.window is None:
+                    hit = min(hit, next((i for i, b in enumerate(found[g]) if b is None), len(hashes)))
+            while hit and any(None in found[g][self._releasable(self.groups[g].window, hit * bs):hit]
+                              for g in self._windowed):
+                hit -= 1
+            del hashes[hit:]
+            for g, group in enumerate(self.groups):
+                low = 0 if group.window is None else min(hit, self._releasable(group.window, hit * bs))
+                released[g] = low
+                tables[g] = [self.null_block] * low + found[g][low:hit]
+                for block in tables[g][low:]:
+                    self.allocator.share(block)
             self.prefix_queried += len(tokens)
-            self.prefix_hits += len(table) * bs
-        self.block_tables[seq_id] = table
-        self.lengths[seq_id] = len(table) * self.block_size
+            self.prefix_hits += hit * bs
+        self._new_tables(seq_id, tables, released)
+        self.lengths[seq_id] = len(tables[0]) * self.block_size
         self._hashes[seq_id] = hashes
         return self.lengths[seq_id]
 
     def commit(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """Register the sequence's full blocks written since the last commit under their content hashes
-        (`tokens`: the sequence's tokens, at least as many as it holds). A no-op without prefix caching."""
+        (`tokens`: the sequence's tokens, at least as many as it holds), in every group that still holds them.
+        A no-op without prefix caching."""
         if not self.prefix_caching:
             return
-        table, hashes, bs = self._table(seq_id), self._hashes[seq_id], self.block_size
+        tables, hashes, bs = self._tables(seq_id), self._hashes[seq_id], self.block_size
         if len(tokens) < self.lengths[seq_id]:
             raise KilnError(f"commit: {len(tokens)} tokens for sequence {seq_id!r}, which holds "
                             f"{self.lengths[seq_id]}")
         for i in range(len(hashes), self.lengths[seq_id] // bs):
             hashes.append(chain_hash(hashes[-1] if hashes else b"", tokens[i * bs: (i + 1) * bs]))
-            self.allocator.register(table[i], hashes[-1])
+            for g, table in enumerate(tables):
+                if table[i] != self.null_block:
+                    self.allocator.register(table[i], self._key(g, hashes[-1]))
 
     def fork(self, seq_id: Hashable, new_id: Hashable) -> None:
         """A second sequence holding everything `seq_id` holds, sharing its blocks (parallel sampling of one
         prompt); the first write into a shared block copies it."""
         if new_id in self.block_tables:
             raise KilnError(f"sequence {new_id!r} is already in the KV cache")
-        table = self._table(seq_id)
+        tables = self._tables(seq_id)
         self._forked = True
-        for block in table:
-            self.allocator.share(block)
-        self.block_tables[new_id] = list(table)
+        for table in tables:
+            for block in table:
+                if block != self.null_block:
+                    self.allocator.share(block)
+        self._new_tables(new_id, [list(t) for t in tables], list(self._released[seq_id]))
         self.lengths[new_id] = self.lengths[seq_id]
         self._hashes[new_id] = list(self._hashes[seq_id])
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """The sequence ended: its blocks go back to the free list (registered full blocks stay cached)."""
-        self.allocator.release(self._table(seq_id))
-        del self.block_tables[seq_id], self.lengths[seq_id], self._hashes[seq_id]
+        for table in self._tables(seq_id):
+            self.allocator.release([b for b in table if b != self.null_block])
+        del self.block_tables[seq_id], self.group_tables[seq_id], self._released[seq_id]
+        del self.lengths[seq_id], self._hashes[seq_id]
         self._step = None
 
+    def _release_window(self, seq_id: Hashable, position: int) -> None:
+        """In each window group, release the leading blocks no query at `position` or later can see: the table
+        keeps their places as the null block (a registered block stays cached)."""
+        tables, released = self.group_tables[seq_id], self._released[seq_id]
+        for g in self._windowed:
+            low = self._releasable(self.groups[g].window, position)
+            if low <= released[g]:
+                continue
+            table = tables[g]
+            if len(table) < low:
+                table.extend([self.null_block] * (low - len(table)))
+            gone = [b for b in table[released[g]:low] if b != self.null_block]
+            self.allocator.release(gone)
+            self.window_releases += len(gone)
+            table[released[g]:low] = [self.null_block] * (low - released[g])
+            released[g] = low
+
     def _writable(self, seq_id: Hashable, first: int, end: int, plan_only: bool = False) -> int:
-        """Make the blocks the sequence will write at positions first..end-1 its own: a block another sequence
-        holds is copied (copy on write), a registered one leaves the prefix index. Returns the number of
-        copies that needs (and makes none) when `plan_only`."""
-        table, bs = self.block_tables[seq_id], self.block_size
+        """Make the blocks the sequence will write at positions first..end-1 its own, in every group: a block
+        another sequence holds is copied (copy on write), a registered one leaves the prefix index. Returns the
+        number of copies that needs (and makes none) when `plan_only`."""
+        bs = self.block_size
         copies = 0
-        for i in range(first // bs, min(self.blocks_for(end), len(table))):
-            block = table[i]
-            if self.allocator.refs(block) > 1:
-                copies += 1
-                if not plan_only:
-                    (new,) = self.allocator.allocate(1)
-                    self._copy_block(block, new)
-                    self.allocator.release([block])
-                    table[i] = new
-                    self.copies_on_write += 1
-            elif not plan_only and self.allocator.is_registered(block):
-                self.allocator.unregister(block)
+        for g, table in enumerate(self.group_tables[seq_id]):
+            for i in range(first // bs, min(self.blocks_for(end), len(table))):
+                block = table[i]
+                if block == self.null_block:
+                    continue
+                if self.allocator.refs(block) > 1:
+                    copies += 1
+                    if not plan_only:
+                        (new,) = self.allocator.allocate(1)
+                        self._copy_block(g, block, new)
+                        self.allocator.release([block])
+                        table[i] = new
+                        self.copies_on_write += 1
+                elif not plan_only and self.allocator.is_registered(block):
+                    self.allocator.unregister(block)
         if not plan_only:
             del self._hashes[seq_id][first // bs:]
         return copies
 
-    def _copy_block(self, src: int, dst: int) -> None:
+    def _copy_block(self, g: int, src: int, dst: int) -> None:
         bs = self.block_size
         src_slots = torch.arange(src * bs, (src + 1) * bs, device=self.device)
         dst_slots = torch.arange(dst * bs, (dst + 1) * bs, device=self.device)
-        for layer in self.pools:
-            for pool in layer:
+        self._copy_slots(self.groups[g].layers, src_slots, dst_slots)
+
+    def _copy_slots(self, layers: Sequence[int], src: Tensor, dst: Tensor) -> None:
+        for layer in layers:
+            for pool in self.pools[layer]:
                 for name in pool.storage:
-                    copy_rows(getattr(pool, name), src_slots, dst_slots)
+                    copy_rows(getattr(pool, name), src, dst)
 
     def truncate(self, seq_id: Hashable, length: int) -> None:
         """Keep the sequence's first `length` positions (speculative decoding rolls back rejected drafts):
         blocks past them go back to the free list; what a kept block holds past `length` is never read (reads
-        stop at the sequence's length) and is overwritten by the next tokens."""
-        table = self._table(seq_id)
+        stop at the sequence's length) and is overwritten by the next tokens. Refused when a window group has
+        released a block a query at `length` would see (a rollback further than `lookahead` allows)."""
+        tables = self._tables(seq_id)
         if not 0 <= length <= self.lengths[seq_id]:
             raise KilnError(f"truncate: sequence {seq_id!r} holds {self.lengths[seq_id]} positions, cannot keep "
                             f"{length}")
+        for g in self._windowed:
+            if self._released[seq_id][g] * self.block_size > max(0, length - self.groups[g].window + 1):
+                raise KilnError(f"truncate: sequence {seq_id!r} has released the blocks before position "
+                                f"{self._released[seq_id][g] * self.block_size} of its {self.groups[g].window}-token "
+                                f"window layers; it cannot roll back to {length} (lookahead {self.lookahead})")
         keep = self.blocks_for(length)
-        self.allocator.release(table[keep:])
-        del table[keep:]
+        for table in tables:
+            self.allocator.release([b for b in table[keep:] if b != self.null_block])
+            del table[keep:]
         del self._hashes[seq_id][length // self.block_size:]
         self.lengths[seq_id] = length
         self._step = None
 
-    def _table(self, seq_id: Hashable) -> list[int]:
+    def _tables(self, seq_id: Hashable) -> list[list[int]]:
         try:
-            return self.block_tables[seq_id]
+            return self.group_tables[seq_id]
         except KeyError:
             raise KilnError(f"sequence {seq_id!r} is not in the KV cache; add_sequence it first") from None
 
@@ -553,6 +802,8 @@ class PagedKVCache:
 
         positions: [B, T] absolute positions; valid: [B, T] bool, False for padding (never written); both
         best on the host (they are read there).
+        A row's lowest written position is the lowest any of its future queries has (less `lookahead`): its
+        window groups first release the blocks that puts out of every window.
         All or nothing: raises KvCacheFull, with nothing allocated or written, when the blocks run out.
         Tree verification writes each node at its own storage position (`positions`) while the model runs it at
         its depth's position (`rope_positions`), and sees its ancestors only (`attend`, [B, 1, T, S]).
@@ -568,50 +819,70 @@ class PagedKVCache:
             raise KilnError("prepare: positions must be non-negative")
         masked = positions if valid is None else torch.where(valid, positions, -1)
         ends = (masked.amax(dim=1) + 1).tolist() if T else [0] * B
-        tables = [self._table(s) for s in seq_ids]
-        needed = [max(0, self.blocks_for(end) - len(table)) for end, table in zip(ends, tables, strict=True)]
+        tables = [self._tables(s) for s in seq_ids]
         firsts = None
-        if self.prefix_caching or self._forked:  # writes into shared blocks copy them first: count the copies
+        if self.prefix_caching or self._forked or self._windowed:
             firsts = (positions if valid is None else torch.where(valid, positions, 1 << 62)).amin(dim=1).tolist()
+        if self._windowed:
+            for seq_id, first, end in zip(seq_ids, firsts, ends, strict=True):
+                if first < end:
+                    self._release_window(seq_id, first)
+        needed = [sum(max(0, self.blocks_for(end) - len(t)) for t in table) for end, table in zip(ends, tables,
+                                                                                                    strict=True)]
+        if self.prefix_caching or self._forked:  # writes into shared blocks copy them first: count the copies
             needed = [n + self._writable(s, first, end, plan_only=True)
                       for s, n, first, end in zip(seq_ids, needed, firsts, ends, strict=True)]
         if sum(needed) > self.allocator.num_free:
             raise KvCacheFull(f"KV cache out of blocks: this step needs {sum(needed)} more blocks of "
                               f"{self.block_size} tokens and {self.allocator.num_free} of {self.num_blocks} are "
                               "free; nothing was written (wait for sequences to finish, or add blocks)")
-        if firsts is not None:
+        if self.prefix_caching or self._forked:
             for seq_id, first, end in zip(seq_ids, firsts, ends, strict=True):
                 if first < end:
                     self._writable(seq_id, first, end)
         for table, end in zip(tables, ends, strict=True):
-            if self.blocks_for(end) > len(table):
-                table.extend(self.allocator.allocate(self.blocks_for(end) - len(table)))
+            for t in table:
+                if self.blocks_for(end) > len(t):
+                    t.extend(self.allocator.allocate(self.blocks_for(end) - len(t)))
         for seq_id, end in zip(seq_ids, ends, strict=True):
             self.lengths[seq_id] = max(self.lengths[seq_id], end)
 
-        width = max(1, max(len(t) for t in tables))
-        null = [self.num_blocks]  # the null block where unallocated
-        block_ids = torch.tensor([t + null * (width - len(t)) for t in tables], dtype=torch.long)
+        width = max(1, max(len(t[0]) for t in tables))
+        null = [self.null_block]  # where unallocated or released
         bs = self.block_size
         p = positions.clamp(0, width * bs - 1)  # padding may point past the table; it is never written
-        slots = block_ids.gather(1, p // bs) * bs + p % bs
-        write_slots = slots.reshape(-1) if valid is None else slots[valid]
-
         S = max(self.lengths[s] for s in seq_ids)
         k = torch.arange(S)
-        read = block_ids[:, k // bs] * bs + k % bs  # [B, S]
         held = torch.tensor([self.lengths[s] for s in seq_ids]).unsqueeze(1)
-        read = torch.where(k < held, read, self.null_slot)
         if attend is not None and attend.shape != (B, 1, T, S):
             raise KilnError(f"prepare: attend must be [{B}, 1, {T}, {S}], got {list(attend.shape)}")
         device = self.device
-        written = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)  # on the host: no sync
         kernel = None
         if self.use_decode_kernel and T == 1 and valid is None and rope_positions is None and attend is None:
-            kernel = DecodeTables(block_ids.to(device, torch.int32), held.squeeze(1).to(device, torch.int32), bs)
-        self._step = _Step(positions.to(device), _on(written, device), write_slots.to(device),
-                           read.reshape(-1).to(device), B, S, _on(rope_positions, device), _on(attend, device),
-                           kernel=kernel)
+            kernel = []
+        write_slots, read_slots = [], []
+        for g in range(len(self.groups)):
+            block_ids = torch.tensor([t[g] + null * (width - len(t[g])) for t in tables], dtype=torch.long)
+            slots = block_ids.gather(1, p // bs) * bs + p % bs
+            write_slots.append((slots.reshape(-1) if valid is None else slots[valid]).to(device))
+            read = block_ids[:, k // bs] * bs + k % bs  # [B, S]
+            read_slots.append(torch.where(k < held, read, self.null_slot).reshape(-1).to(device))
+            if kernel is not None:
+                kernel.append(DecodeTables(block_ids.to(device, torch.int32), held.squeeze(1).to(device, torch.int32),
+                                           bs))
+        written = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)  # on the host: no sync
+        key_positions = None
+        if attend is not None:  # a tree node's key sits at its depth's position
+            key_positions = k.expand(B, -1).clone()
+            if rope_positions is not None:
+                rows = torch.arange(B).unsqueeze(1).expand(B, T)
+                at = positions if valid is None else torch.where(valid, positions, S)
+                keep = at < S
+                key_positions[rows[keep], at[keep]] = rope_positions.cpu()[keep]
+            key_positions = key_positions.to(device)
+        self._step = _Step(positions.to(device), _on(written, device), tuple(write_slots), tuple(read_slots), B, S,
+                           _on(rope_positions, device), _on(attend, device), key_positions,
+                           kernel=None if kernel is None else tuple(kernel))
         return self._step.positions if rope_positions is None else self._step.rope_positions
 
     def step_view(self) -> StepView:
@@ -620,7 +891,7 @@ class PagedKVCache:
         step = self._step
         if step is None or step.valid is not None or step.rope_positions is not None or step.attend is not None:
             raise KilnError("step_view: prepare(seq_ids, positions) a plain forward first (no padding, no tree)")
-        return StepView(self.pools, step.write_slots, step.read_slots, step.length, step.kernel)
+        return StepView(self.pools, step.write_slots, step.read_slots, step.length, step.kernel, self.layer_group)
 
     @property
     def decode_kernel(self) -> bool:
@@ -631,7 +902,8 @@ class PagedKVCache:
                          scale: float) -> Tensor:
         """Write the step's two streams and attend through the layer's paged decode kernel, which reads the
         pools as stored (see `_kernel_attention`). Only when `decode_kernel` says the step allows it."""
-        return _kernel_attention(self.pools[layer], self._step.write_slots, self._step.kernel, q, new, scale)
+        g = self.layer_group[layer]
+        return _kernel_attention(self.pools[layer], self._step.write_slots[g], self._step.kernel[g], q, new, scale)
 
     @property
     def step_masks(self) -> dict | None:
@@ -644,29 +916,36 @@ class PagedKVCache:
         """The prepared forward's explicit attention mask, or None (causal by position)."""
         return None if self._step is None else self._step.attend
 
+    @property
+    def explicit_key_positions(self) -> Tensor | None:
+        """With an explicit mask, each key's model position [B, S] (a tree node's is its depth's), which a
+        window layer's mask is cut by."""
+        return None if self._step is None else self._step.key_positions
+
     def move(self, seq_id: Hashable, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy what the sequence holds at positions `src` to positions `dst` (stored bytes as they are, every
         layer and stream): a tree verification's accepted path moves to consecutive positions."""
-        table = self._table(seq_id)
+        tables = self._tables(seq_id)
         bs = self.block_size
-
-        def slots(positions):
-            return torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.long,
-                                device=self.device)
 
         if any(p >= self.lengths[seq_id] for p in (*src, *dst)):
             raise KilnError(f"move: positions past sequence {seq_id!r}'s length {self.lengths[seq_id]}")
         if not src:
             return
+        if any(tables[g][p // bs] == self.null_block for g in self._windowed for p in (*src, *dst)):
+            raise KilnError(f"move: sequence {seq_id!r} has released the blocks of these positions in its window "
+                            "layers")
         if self.prefix_caching or self._forked:
             if self._writable(seq_id, min(dst), max(dst) + 1, plan_only=True) > self.allocator.num_free:
                 raise KvCacheFull("move: no free block to copy a shared block into; nothing was written")
             self._writable(seq_id, min(dst), max(dst) + 1)
-        src_slots, dst_slots = slots(src), slots(dst)
-        for layer in self.pools:
-            for pool in layer:
-                for name in pool.storage:
-                    copy_rows(getattr(pool, name), src_slots, dst_slots)
+
+        def slots(table, positions):
+            return torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.long,
+                                device=self.device)
+
+        for g, group in enumerate(self.groups):
+            self._copy_slots(group.layers, slots(tables[g], src), slots(tables[g], dst))
         self._step = None
 
     def update(self, layer: int, new: tuple[Tensor, ...], positions: Tensor) -> tuple[Tensor, ...]:
@@ -676,12 +955,13 @@ class PagedKVCache:
         if step is None or not (positions is expected or (positions.device == expected.device
                                                           and torch.equal(positions, expected))):
             raise KilnError("PagedKVCache.update: call prepare(seq_ids, positions) before this forward")
+        g = self.layer_group[layer]
         out = []
         for pool, value in zip(self.pools[layer], new, strict=True):
             tokens = value.reshape(-1, *value.shape[2:])
             if step.valid is not None:
                 tokens = tokens.index_select(0, step.valid)
             if tokens.shape[0]:
-                pool.write(step.write_slots, tokens)
-            out.append(pool.read(step.read_slots).view(step.batch, step.length, *value.shape[2:]))
+                pool.write(step.write_slots[g], tokens)
+            out.append(pool.read(step.read_slots[g]).view(step.batch, step.length, *value.shape[2:]))
         return tuple(out)

@@ -199,7 +199,9 @@ class Scheduler:
         if total > self.engine.spec.max_position_embeddings:
             raise KilnError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                             f"the model's context {self.engine.spec.max_position_embeddings}")
-        blocks = self.cache.blocks_for(total - 1)  # the last token is sampled, never written
+        # the last token is sampled, never written; with sliding windows, a prompt chunk is cut to what the pool
+        # holds, so the request's smallest step (one token and its drafts) is what must fit
+        blocks = self.cache.sequence_blocks(total - 1, 1 + self._width_of(self.draft_tokens))
         if blocks > self.cache.num_blocks:
             raise KilnError(f"a request of {len(prompt)} tokens + {params.max_tokens} new needs {blocks} KV-cache "
                             f"blocks of {self.cache.block_size} tokens; the cache has {self.cache.num_blocks}")
@@ -284,8 +286,11 @@ class Scheduler:
         cache = self.cache
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            reserve = sum(cache.blocks_for(len(r.tokens)) - len(cache.block_tables[r.id]) for r in self.running)
-            if cache.num_free_blocks - max(reserve, 0) < cache.blocks_for(len(request.tokens)):
+            # with sliding windows a sequence holds fewer blocks in shorter prompt chunks: beside others, room for
+            # chunks of the whole budget; alone, for the one-token chunks it may be cut to (what add_request checks)
+            step = self.max_num_batched_tokens if self.running else 1
+            reserve = sum(cache.blocks_needed(r.id, len(r.tokens), step) for r in self.running)
+            if cache.num_free_blocks - max(reserve, 0) < cache.sequence_blocks(len(request.tokens), step):
                 break
             self.waiting.popleft()
             request.cached_tokens = cache.add_sequence(request.id, request.tokens)
@@ -312,16 +317,50 @@ class Scheduler:
                     drafts = max(0, min(self.draft_tokens, left, (budget - n) // width))
                 plan.append((request, n, drafts))
                 budget -= n + self._width(request, drafts)
-            needed = sum(max(0, self.cache.blocks_for(r.num_computed + n + self._width(r, d))
-                             - len(self.cache.block_tables[r.id])) for r, n, d in plan)
+            needed = self._blocks_needed(plan)
+            if needed > self.cache.num_free_blocks and self.cache.windowed:
+                plan = self._cut_chunks(plan, needed - self.cache.num_free_blocks)
+                needed = self._blocks_needed(plan)
             if needed <= self.cache.num_free_blocks or not self.running:
                 return plan
             self._preempt(self.running[-1])
+
+    def _blocks_needed(self, plan: list[tuple[Request, int, int]]) -> int:
+        """Blocks the planned step takes from the pool. With sliding windows, what a row's window layers release
+        counts too (the cache releases it before it allocates)."""
+        needs = [self.cache.blocks_needed(r.id, r.num_computed + n + self._width(r, d)) for r, n, d in plan]
+        return sum(needs) if self.cache.windowed else sum(max(0, n) for n in needs)
+
+    def _cut_chunks(self, plan: list[tuple[Request, int, int]], excess: int) -> list[tuple[Request, int, int]]:
+        """Prompt chunks cut, from the last planned, until the step needs `excess` fewer blocks (or each is down
+        to one token): with sliding windows a shorter chunk holds fewer blocks of its window layers at once."""
+        plan = list(plan)
+        for i in range(len(plan) - 1, -1, -1):
+            if excess <= 0:
+                break
+            r, n, d = plan[i]
+            if n <= 1 or d:
+                continue
+            need = self.cache.blocks_needed(r.id, r.num_computed + n)
+            low, high = 1, n  # the longest chunk that gives back `excess`, else one token
+            while low < high:
+                mid = (low + high + 1) // 2
+                if need - self.cache.blocks_needed(r.id, r.num_computed + mid) >= excess:
+                    low = mid
+                else:
+                    high = mid - 1
+            excess -= need - self.cache.blocks_needed(r.id, r.num_computed + low)
+            plan[i] = (r, low, d)
+        return plan
 
     def _width(self, request: Request, drafts: int) -> int:
         """Tokens a verification of `drafts` drafts adds for `request`: a greedy tree's alternatives too."""
         greedy = request.params.temperature <= 0
         return drafts * (getattr(self.drafter, "tree_width", 1) if greedy else 1)
+
+    def _width_of(self, drafts: int) -> int:
+        """The most tokens a verification of `drafts` drafts adds for any request."""
+        return drafts * getattr(self.drafter, "tree_width", 1)
 
     def _preempt(self, request: Request) -> None:
         self._stop_drafting(request)

@@ -160,6 +160,17 @@ class Delta:
 OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
+def kv_pool_line(cache) -> str:
+    """The KV pool in a few words: blocks and bytes, and its groups where sliding-window layers keep only their
+    window (a block id is then one group's share of the storage)."""
+    line = f"{cache.num_blocks} KV blocks of {cache.block_size} tokens, {cache.nbytes / 2**20:.0f} MiB"
+    if cache.windowed:
+        windows = sorted({g.window for g in cache.groups if g.window is not None})
+        line += (f" in {len(cache.groups)} groups of {len(cache.groups[0].layers)} layers (windows "
+                 f"{', '.join(map(str, windows))} keep only theirs)")
+    return line
+
+
 class ServerMetrics:
     """Prometheus series in a registry of this server's own (two servers in a process never share one).
 
@@ -534,9 +545,10 @@ class ServingState:
         self.engine_loop = EngineLoop(self.scheduler, self.metrics, log)
         self.context = engine.spec.max_position_embeddings
         cache = self.scheduler.cache
-        # the most tokens (prompt + output) one request may hold: the context, and the whole pool (the last token
-        # is sampled, never written)
-        self.max_request_tokens = min(self.context, cache.num_blocks * cache.block_size + 1)
+        # the most tokens (prompt + output) one request may hold: the context, and what the pool holds of one
+        # sequence, its sliding-window layers keeping only their windows (the last token is sampled, never written)
+        step = 1 + self.scheduler._width_of(self.scheduler.draft_tokens)
+        self.max_request_tokens = min(self.context, cache.max_sequence_tokens(step) + 1)
         self.draining = False
         self.in_flight = 0
         self.created = int(time.time())
@@ -938,7 +950,7 @@ def _graceful_server_class():
                 port = self.servers[0].sockets[0].getsockname()[1]
                 self.announce(f"kiln serve: {self.kiln.model_id} at http://{self.config.host}:{port}/v1 "
                               f"(max-num-seqs {self.kiln.config.max_num_seqs}, max-queue {self.kiln.config.max_queue}, "
-                              f"{self.kiln.scheduler.cache.num_blocks} KV blocks, prefix caching "
+                              f"{kv_pool_line(self.kiln.scheduler.cache)}, prefix caching "
                               f"{'on' if self.kiln.config.prefix_caching else 'off'})")
 
     return GracefulServer

@@ -330,7 +330,8 @@ def speculative_generate(engine, prompts: Sequence[Sequence[int]], max_new_token
                             f"context {context}")
     # a verification writes up to k x tree width nodes past the accepted tokens before the rollback
     spare = k * (getattr(drafter, "tree_width", 1) if temperature <= 0 else 1)
-    need = [cache.blocks_for(len(p) + max_new_tokens + spare) for p in prompts]
+    # each row's prompt is prefilled in one forward, then verifications write 1 + spare positions at a time
+    need = [cache.sequence_blocks(len(p) + max_new_tokens + spare, max(len(p), 1 + spare)) for p in prompts]
     if any(n > cache.num_blocks for n in need):
         raise KilnError(f"a request needs more KV-cache blocks than the cache's {cache.num_blocks}")
     generator = torch.Generator(engine.device).manual_seed(seed) if seed is not None else None

@@ -270,7 +270,7 @@ def test_a_static_decode_step_is_one_graph_at_bucketed_shapes(no_triton):
     compiled, shapes = static._compiled_forward, set()
 
     def recorded(tokens, positions, view):
-        shapes.add((tokens.shape[0], view.length, tuple(view.kernel.block_table.shape)))
+        shapes.add((tokens.shape[0], view.length, tuple(view.kernel[0].block_table.shape)))
         return compiled(tokens, positions, view)
 
     static._compiled_forward = recorded

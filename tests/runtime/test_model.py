@@ -140,13 +140,21 @@ def test_gemma3_generates_2k_tokens_past_the_window_as_transformers_scores_them(
     from transformers import AutoModelForCausalLM
 
     tok = load_tokenizer(GEMMA3)
-    # 160 blocks of 16: the paged cache still holds a window layer's whole history (the default pool holds 1,808)
+    # 294 blocks of 16 tokens, each block id 3 layers' storage (one layer of each of the six KV-cache groups: the
+    # 3 full-attention layers, and 5 groups of 3 window layers): the full group's 129 blocks of the 2,061 tokens
+    # written, and 33 in each window group (its 512-token window and the block it starts in). Holding every
+    # window layer's whole history would take 774; the pool is 2.6 x smaller than that (and than the 129 blocks
+    # of 18 layers a cache without groups needs)
     engine = Engine(load_checkpoint(GEMMA3).spec, load_file(GEMMA3 / "model.safetensors"), {}, tok,
-                    kv_cache_blocks=160)
+                    kv_cache_blocks=294)
     prompt = tok.encode("Once upon a time, there was a little girl named Lily.")
+    cache = engine.kv_pool
+    assert len(cache.groups) == 6 and cache.sequence_blocks(len(prompt) + 2047, 1) == 294
+    assert cache.nbytes == 295 * 16 * 3 * 2 * 256 * 4  # blocks + null x tokens x slots x (K, V) x dim x fp32
     (out,) = engine.generate_ids([prompt], max_new_tokens=2048, stop_ids=())  # () : EOS does not stop it
     generated = out[0]
     assert len(generated) == 2048
+    assert cache.window_releases >= 5 * (129 - 33) and cache.num_used_blocks == 0
     hf = AutoModelForCausalLM.from_pretrained(GEMMA3, dtype=torch.float32).eval()
     ids = torch.tensor([prompt + generated])
     with torch.no_grad():
