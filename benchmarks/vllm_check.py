@@ -13,11 +13,11 @@ ARTIFACT is exported to a temporary folder in --format first; an EXPORT_DIR (a K
 kiln_export.json names the artifact it came from) is checked as it is. Greedy continuations are compared token
 for token; where they part, the gap between the two most likely tokens at that position (Kiln's logits,
 log-probabilities) says whether it is a near-tie (under --near-tie nats): a near-tie may go either way on
-another engine's arithmetic, a clear gap may not. On a W8A8 artifact (dynamic per-token FP8 activations) a
-parting is also "decided by FP8 activation rounding" when rounding the activations moves Kiln's log-probability
-margin of its token over vLLM's (measured against the same weights with activations unrounded) by at least that
-margin: each activation element sits on an FP8 step, so a last-bit difference upstream (another engine's
-summation order) can move it a whole step, and such a choice can go either way.
+another engine's arithmetic, a clear gap may not. On an artifact that rounds to FP8 at run time (W8A8's dynamic
+per-token activations, an FP8 KV cache) a parting is also "decided by FP8 rounding" when that rounding moves
+Kiln's log-probability margin of its token over vLLM's (against the same weights with activations and K/V
+unrounded) by at least that margin: each rounded element sits on an FP8 step, so a last-bit difference upstream
+(another engine's summation order) can move it a whole step, and such a choice can go either way.
 """
 
 from __future__ import annotations
@@ -104,17 +104,20 @@ def kiln_side(artifact: Path, data: Path, paragraphs: int, prompts: int, new_tok
         top = torch.log_softmax(logits, -1).topk(2).values
         return float(top[0] - top[1])
 
-    # W8A8 (dynamic per-token FP8 activations): the same weights with activations left unrounded, to measure how
-    # far the activation rounding alone moves the choice at a parting
-    formats = json.loads((artifact / "manifest.json").read_text())["formats"].values()
+    # W8A8 (dynamic per-token FP8 activations) or an FP8 KV cache: the same weights with activations and cached
+    # K/V left unrounded, to measure how far that rounding alone moves the choice at a parting
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    w8a8 = any(str(e.get("activation", "none")).startswith("fp8_dynamic") for e in manifest["formats"].values())
+    kv8 = any(row.get("format") == "fp8_e4m3" for row in (manifest.get("kv_cache") or {}).values())
     unrounded = None
-    if any(str(e.get("activation", "none")).startswith("fp8_dynamic") for e in formats):
+    if w8a8 or kv8:
         import kiln.kernels.fp8 as fp8
 
         shipped = fp8.fp8_fake_quantize_per_token
-        fp8.fp8_fake_quantize_per_token = lambda x: x  # read when the engine builds its linears
+        if w8a8:
+            fp8.fp8_fake_quantize_per_token = lambda x: x  # read when the engine builds its linears
         try:
-            unrounded = runtime.load(artifact)
+            unrounded = runtime.load(artifact, kv_cache={} if kv8 else None)
         finally:
             fp8.fp8_fake_quantize_per_token = shipped
 
@@ -180,9 +183,9 @@ def compare(kiln: dict, vllm: dict, near_tie: float) -> dict:
         if at < min(len(ours), len(theirs_tokens)):
             shipped, unrounded = kiln["pair_gaps"](prefix, ours[at], theirs_tokens[at])
             if unrounded is not None:
-                # decided by FP8 activation rounding: rounding the activations moves Kiln's preference for its
-                # token over vLLM's by at least that preference itself, so another engine's last-bit
-                # differences before the per-token quantizer may land on either side
+                # decided by FP8 rounding: rounding the activations (and the cached K/V) moves Kiln's preference
+                # for its token over vLLM's by at least that preference itself, so another engine's last-bit
+                # differences before the quantizers may land on either side
                 parting.update(pair_gap=shipped, activation_shift=abs(shipped - unrounded),
                                rounding=abs(shipped - unrounded) >= shipped)
         partings.append(parting)
@@ -257,8 +260,8 @@ def main() -> int:
         if p["near_tie"]:
             return "near-tie"
         if p.get("rounding"):
-            return f"decided by FP8 activation rounding: it moves the choice by {p['activation_shift']:.3f}"
-        return "NOT a near-tie" + (f", activation rounding moves it {p['activation_shift']:.3f}"
+            return f"decided by FP8 rounding: it moves the choice by {p['activation_shift']:.3f}"
+        return "NOT a near-tie" + (f", FP8 rounding moves it {p['activation_shift']:.3f}"
                                    if "activation_shift" in p else "")
 
     partings = "; ".join(f"prompt {p['prompt']} at token {p['position']} (gap {p['kiln_gap']:.3f} nats, {verdict(p)})"
@@ -277,7 +280,7 @@ def main() -> int:
     print(f"\n{opts.paragraphs} paragraphs of {opts.data.name} ({result['tokens']} scored tokens); "
           f"{result['prompts']} prompts of {PROMPT_TOKENS} tokens, {opts.new_tokens} new; near-tie: under "
           f"{opts.near_tie} nats between the top two tokens (Kiln's logits); partings neither a near-tie nor decided "
-          f"by FP8 activation rounding: {unexplained}")
+          f"by FP8 rounding (activations, KV cache): {unexplained}")
     if opts.out:
         with opts.out.open("a") as fh:
             fh.write(row + "\n")

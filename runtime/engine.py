@@ -513,7 +513,7 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
 
 
 def load(path: Path | str, packed: bool | None = None, device: torch.device | str = "cpu",
-         dtype: torch.dtype | None = None) -> Engine:
+         dtype: torch.dtype | None = None, kv_cache: Mapping | None = None) -> Engine:
     """Load an artifact directory: verify the schema, shape and checksums, read the weights, build the engine.
 
     Reads only files the manifest's checksum table lists (`runtime.artifact.artifact_file`); the tokenizer
@@ -523,7 +523,8 @@ def load(path: Path | str, packed: bool | None = None, device: torch.device | st
     where Triton runs (CUDA tensors, or TRITON_INTERPRET=1), their torch references elsewhere. On CPU that is
     a check of the kernels' path, not a fast one (the references dequantize at every product).
     `device` "cuda" keeps the weights packed on the GPU with `dtype` (default bf16) activations: see Engine.
-    `packed` None: packed everywhere but on the CPU."""
+    `packed` None: packed everywhere but on the CPU. `kv_cache`: a KV table in place of the artifact's (`{}`:
+    every layer's cache unquantized), e.g. to measure what the KV format alone changes."""
     device, dtype, packed = resolve_placement(device, dtype, packed)
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -537,7 +538,7 @@ def load(path: Path | str, packed: bool | None = None, device: torch.device | st
         raise KilnError(f"{clip(weights)}: cannot read weights: {clip(str(exc).strip(), 120)}") from None
     spec = spec_from_json(manifest["architecture"])  # the structure the passes left, not the source's config
     tokenizer = load_tokenizer(root) if has_tokenizer(manifest) else None
-    return Engine(spec, tensors, manifest["formats"], tokenizer, manifest,
+    return Engine(spec, tensors, manifest["formats"], tokenizer, manifest, kv_cache=kv_cache,
                   repetition_penalty=generation_defaults(root, manifest).get("repetition_penalty", 1.0),
                   packed=packed, device=device, dtype=dtype)
 
