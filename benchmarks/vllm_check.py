@@ -111,7 +111,7 @@ def kiln_side(artifact: Path, data: Path, paragraphs: int, prompts: int, new_tok
     kv8 = any(row.get("format") == "fp8_e4m3" for row in (manifest.get("kv_cache") or {}).values())
     unrounded = None
     if w8a8 or kv8:
-        import kiln.kernels.fp8 as fp8
+        from kiln.kernels import fp8
 
         shipped = fp8.fp8_fake_quantize_per_token
         if w8a8:

@@ -69,6 +69,16 @@ def generated_checkpoint(tmp_path_factory):
 MAX_MESSAGE = 300  # the CLI's bound on an error line
 
 
+def benchmark(name: str):
+    """A script of benchmarks/ as a module (they are scripts, not a package), to test its pure functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"kiln_benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def refused(call, *args, match: str) -> str:
     """Call `call(*args)`, expect a KilnError whose message holds `match` on one bounded line; return it."""
     from kiln.kernels.errors import KilnError

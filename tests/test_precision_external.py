@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import ROOT
+from tests.conftest import benchmark
 
 
 def precision():
-    spec = importlib.util.spec_from_file_location("precision_bench", ROOT / "benchmarks" / "precision.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("precision")
 
 
 def test_stored_bits_counts_packed_weights_scales_and_dense(tmp_path):

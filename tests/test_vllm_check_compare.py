@@ -3,16 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
-from tests.conftest import ROOT
+from tests.conftest import benchmark
 
 
 def vllm_check():
-    spec = importlib.util.spec_from_file_location("vllm_check_bench", ROOT / "benchmarks" / "vllm_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("vllm_check")
 
 
 def _kiln(pair_gaps):

@@ -468,7 +468,7 @@ def test_mxfp6_weights_are_refused_by_every_quantized_layout(llama, tmp_path, fm
 
 
 def test_compressed_tensors_refusals(llama, tmp_path):
-    from kiln.optimizer.export_compressed_tensors import ct_scheme, ct_schemes
+    from kiln.optimizer.export_compressed_tensors import ct_scheme
 
     def refused(entry, tensors=None, match=""):
         with pytest.raises(KilnError, match=match) as err:

@@ -157,13 +157,9 @@ def test_the_gpu_decode_table_runs_here_on_the_cpu(capsys):
     """benchmarks/gpu_decode.py (gpu_check's decode rows) is written for a GPU this machine lacks: its code path
     runs here on the CPU (bf16, stories260K's shape, both formats, eager, and compiled for FP8 as the 8B shape
     is on a GPU), so a lent GPU's few minutes are not lost to a broken script."""
-    import importlib.util
+    from tests.conftest import benchmark
 
-    from tests.conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("gpu_decode", ROOT / "benchmarks" / "gpu_decode.py")
-    gpu_decode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_decode)
+    gpu_decode = benchmark("gpu_decode")
     rows = gpu_decode.decode_table("cpu", 10.0, ["stories260K"], batches=(1, 3), prompt_tokens=8, steps=5,
                                    compile_models=("stories260K",))
     assert [(r["weights"], r["batch"]) for r in rows] == [("fp8", 1), ("fp8", 3), ("nvfp4", 1), ("nvfp4", 3)]
