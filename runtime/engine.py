@@ -31,6 +31,7 @@ from kiln.runtime.paged_kv_cache import (
     DecodeTables,
     PagedKVCache,
     StepView,
+    kv_groups,
     pool_bytes_per_token,
 )
 from kiln.runtime.sampling import check_repetition_penalty
@@ -183,7 +184,7 @@ class Engine:
         if warmup:
             # made outside inference mode, as the caches the engine serves from are (their tensors' dispatch keys
             # are part of what a compiled graph assumes)
-            self._warm_up_decode(self.new_kv_cache(num_blocks=4))
+            self._warm_up_decode(self.new_kv_cache(num_blocks=2 * len(kv_groups(self.kv_windows))))
 
     @torch.inference_mode()  # as the scheduler's steps run: grad mode is part of what a compiled graph assumes
     def _warm_up_decode(self, cache: PagedKVCache) -> None:
@@ -370,7 +371,8 @@ class Engine:
         for row, ids in enumerate(token_lists):
             tokens[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
         positions = torch.arange(T).expand(len(token_lists), -1)
-        cache = self.new_kv_cache(sum(-(-n // self.kv_block_size) for n in lengths))
+        # one forward writes every position, so each KV-cache group holds a sequence's whole length meanwhile
+        cache = self.new_kv_cache(len(kv_groups(self.kv_windows)) * sum(-(-n // self.kv_block_size) for n in lengths))
         rows = list(range(len(token_lists)))
         for row in rows:
             cache.add_sequence(row)

@@ -312,3 +312,15 @@ def test_tree_verification_masks_each_window_at_the_nodes_depth(gemma):
         ids = prompt + path
         ref = engine.model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1]
         torch.testing.assert_close(logits[node], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_scoring_and_the_compile_warm_up_size_their_scratch_pools_for_every_group(gemma):
+    """Engine.logits (the gate's scoring) writes a whole list in one forward, so every group holds its length;
+    compile_decode's warm-up holds two short sequences in every group."""
+    _, engine = gemma
+    lists = [list(range(1, 40)), list(range(3, 20))]
+    for ids, logits in zip(lists, engine.logits(lists), strict=True):
+        whole = engine.model(torch.tensor([ids]), torch.arange(len(ids))[None])[0]
+        torch.testing.assert_close(logits, whole, rtol=0, atol=1e-5)
+    engine.compile_decode()
+    assert engine.compiled
