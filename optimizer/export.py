@@ -66,6 +66,8 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
     if fmt not in FORMATS:
         raise KilnError(f"unknown export format {fmt!r}; supported: {', '.join(FORMATS)}")
     check_output(output, overwrite, [artifact])  # before reading anything
+    if fmt == "onnx" and importlib.util.find_spec("onnx") is None:
+        raise KilnError("--format onnx needs the onnx package: pip install -e '.[onnx]'")
     refuse_quantized_embedding(Path(artifact), fmt)
     if fmt == "hf":
         from kiln.optimizer.export_deepseek import export_deepseek
@@ -76,8 +78,6 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
 
         return export_eagle3(artifact, output, overwrite)
     if fmt == "onnx":
-        if importlib.util.find_spec("onnx") is None:
-            raise KilnError("--format onnx needs the onnx package: pip install -e '.[onnx]'")
         refuse_runtime_only_formats(Path(artifact), fmt)
         from kiln.optimizer.export_onnx import export_onnx
 
