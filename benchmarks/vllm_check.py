@@ -259,9 +259,13 @@ def main() -> int:
     def verdict(p: dict) -> str:
         if p["near_tie"]:
             return "near-tie"
+        if p.get("rounding") and p["pair_gap"] <= 0:
+            return "decided by FP8 rounding: Kiln's own whole-prefix forward picks vLLM's token"
         if p.get("rounding"):
-            return f"decided by FP8 rounding: it moves the choice by {p['activation_shift']:.3f}"
-        return "NOT a near-tie" + (f", FP8 rounding moves it {p['activation_shift']:.3f}"
+            return (f"decided by FP8 rounding: it moves Kiln's {p['pair_gap']:.3f} margin over vLLM's token by "
+                    f"{p['activation_shift']:.3f}")
+        return "NOT a near-tie" + (f", FP8 rounding moves Kiln's {p['pair_gap']:.3f} margin over vLLM's token by "
+                                   f"{p['activation_shift']:.3f}"
                                    if "activation_shift" in p else "")
 
     partings = "; ".join(f"prompt {p['prompt']} at token {p['position']} (gap {p['kiln_gap']:.3f} nats, {verdict(p)})"
