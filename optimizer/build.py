@@ -30,7 +30,7 @@ from kiln.optimizer.output_dir import check_output
 from kiln.optimizer.recipes import Recipe, resolve_recipe
 from kiln.optimizer.report import calibration_summary, render_report
 from kiln.optimizer.runner import RuntimeRunner
-from kiln.optimizer.sensitivity import precision_files
+from kiln.optimizer.logit_kl import precision_files
 from kiln.passes.base import PassContext, PassRecord, Pipeline
 from kiln.passes.graph import ModelGraph
 from kiln.passes.tensor_store import bound_heap

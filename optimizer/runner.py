@@ -2,9 +2,9 @@
 modules on the calibration tokens.
 
     runner = RuntimeRunner(source_graph, calibration_tokens)
-    runner.session(graph)            observe linears' inputs block by block; distillation (optimizer.calibrator)
-    runner.capture_kv(graph)         K/V cache activations (optimizer.calibrate.KvCapture)
-    runner.logit_kl(graph, n)        KL(source || graph) of the final logits on n paragraphs (optimizer.sensitivity:
+    runner.session(graph)            observe linears' inputs block by block; distillation (optimizer.calibration_session)
+    runner.capture_kv(graph)         K/V cache activations (optimizer.kv_capture.KvCapture)
+    runner.logit_kl(graph, n)        KL(source || graph) of the final logits on n paragraphs (optimizer.logit_kl:
                                      one kept model; a probe rebuilds and reruns only what it changed)
     runner.estimated_kl(graph, candidates, n)   each candidate's KL from one gradient pass (optimizer.fisher):
                                      what precision passes use where measuring every probe costs too much
@@ -28,11 +28,11 @@ from collections.abc import Sequence
 import torch
 
 from kiln.calibration.data import FORWARD_BATCH_TOKENS
-from kiln.optimizer.calibrate import KvCapture
-from kiln.optimizer.calibrator import RuntimeCalibrationSession, RuntimeCalibrator
+from kiln.optimizer.kv_capture import KvCapture
+from kiln.optimizer.calibration_session import RuntimeCalibrationSession, RuntimeCalibrator
 from kiln.optimizer.fisher import Candidates, FisherKl
 from kiln.optimizer.gate import engine_from_graph
-from kiln.optimizer.sensitivity import LogitKl
+from kiln.optimizer.logit_kl import LogitKl
 from kiln.passes.graph import ModelGraph
 
 

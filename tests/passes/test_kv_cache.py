@@ -11,7 +11,7 @@ import torch
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
-from kiln.optimizer.calibrate import KvCapture
+from kiln.optimizer.kv_capture import KvCapture
 from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.runner import RuntimeRunner

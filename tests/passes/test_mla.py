@@ -339,7 +339,7 @@ def test_a_rank_probe_rebuilds_and_reruns_only_the_converted_block(tiny_checkpoi
     and the KL equals a fresh measurement of the same graph."""
     from collections import Counter
 
-    from kiln.optimizer.sensitivity import LogitKl
+    from kiln.optimizer.logit_kl import LogitKl
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     tokens = _tokens(graph.spec.vocab_size, count=8)

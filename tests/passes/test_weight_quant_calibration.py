@@ -11,8 +11,8 @@ from kiln.calibration.quantize import static_input_scale
 from kiln.kernels.errors import KilnError
 from kiln.kernels.rotation import block_hadamard
 from kiln.kernels.targets import get_target
-from kiln.optimizer import calibrator as calibrator_module
-from kiln.optimizer.calibrator import RuntimeCalibrator
+from kiln.optimizer import calibration_session as calibrator_module
+from kiln.optimizer.calibration_session import RuntimeCalibrator
 from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.runner import RuntimeRunner
@@ -367,7 +367,7 @@ def test_awq_hands_the_first_stage_its_folded_statistics(tiny_checkpoints, monke
     (False, False, 1),
 ])
 def test_observations_per_block(tiny_checkpoints, monkeypatch, true_sequential, awq, observations):
-    from kiln.optimizer.calibrator import RuntimeCalibrationSession
+    from kiln.optimizer.calibration_session import RuntimeCalibrationSession
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     tokens = token_lists(graph.spec.vocab_size)
