@@ -408,8 +408,34 @@ def make_cases(w: Workspace) -> list[Case]:
                                                    "-o", str(out("bits"))], 2),
     ]
     for group in (artifact_structure_cases, output_policy_cases, bounds_cases, baseline_identity_cases,
-                  killed_build_cases, first_contact_cases):
+                  killed_build_cases, first_contact_cases, export_layout_cases):
         cases += group(w, out)
+    return cases
+
+
+def export_layout_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
+    """Artifacts whose stored layout no export format has: refused before anything is written."""
+    built = {"emb": w.tmp / "art-embedding-fp8", "kv": w.tmp / "kv-centered-art"}
+    recipes = {"emb": "embedding-fp8", "kv": "fp8-kv"}
+
+    def build(key: str) -> Callable[[], None]:
+        def setup() -> None:
+            if not built[key].exists():
+                subprocess.run([OPTIMIZE, "build", str(w.ckpt), "--recipe", recipes[key], "--no-gate",
+                                "--calib-tokens", "2048", "-o", str(built[key])], capture_output=True, env=ENV,
+                               cwd=w.work, timeout=TIMEOUT, check=True)
+        return setup
+
+    cases = []
+    for fmt in ("compressed-tensors", "hf-modelopt"):
+        target = out(f"export-emb-{fmt}")
+        cases.append(Case(f"export: a quantized embedding table as {fmt}",
+                          ["export", str(built["emb"]), "--format", fmt, "-o", str(target)], 2, setup=build("emb"),
+                          check=nothing_left(target)))
+    target = out("export-kv-centered")
+    cases.append(Case("export: an FP8 KV cache with calibrated offsets (fp8-kv) as compressed-tensors",
+                      ["export", str(built["kv"]), "--format", "compressed-tensors", "-o", str(target)], 2,
+                      setup=build("kv"), check=nothing_left(target)))
     return cases
 
 
