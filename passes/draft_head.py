@@ -255,6 +255,9 @@ class DraftHead(Pass):
         result = PassResult(self.name)
         existing = [m for m in graph.spec.extra_modules if m.kind in DRAFT_KINDS]
         if existing:
+            graph.set_spec(dataclasses.replace(graph.spec, extra_modules=tuple(
+                dataclasses.replace(m, tree_width=self.tree_width) if m is existing[0] else m
+                for m in graph.spec.extra_modules)))
             result.changed[existing[0].name] = (f"the checkpoint's own {existing[0].kind} module is the draft; "
                                                 "nothing trained")
             result.notes.append(f"speculative decoding drafts with {existing[0].name} ({existing[0].kind})")
@@ -274,7 +277,7 @@ class DraftHead(Pass):
             context = graph.spec.max_position_embeddings
             new = max(0, min(self.generated_tokens, context - PROMPT_TOKENS))
             generations = [p + g for p, g in zip(prompts, ctx.runner.generate(graph, prompts, new), strict=True)]
-        module = head_module(graph, architecture, self.draft_vocab)
+        module = dataclasses.replace(head_module(graph, architecture, self.draft_vocab), tree_width=self.tree_width)
         init = init_tensors(module, hidden, self.seed, graph.spec.norm_offset)
         coverage = None
         if module.draft_vocab:

@@ -275,10 +275,14 @@ class Engine:
         """A drafter for speculative decoding: "head" (the artifact's MTP layer or draft head), "prompt-lookup",
         "trigram" (a table of `corpus`), or "auto" (head when the artifact has one, else prompt lookup).
         `tree_width` > 1 (head, greedy): the top-`tree_width` tokens at each depth are verified as a tree;
-        None: the width the artifact's draft-head pass was gated with, else 1. `num_blocks`: the head's own KV
+        None: the width the artifact's spec records for its draft module (the one its draft-head pass was gated
+        with; an artifact built before the spec carried it: its pass record's), else 1. `num_blocks`: the head's own KV
         pool, one layer's (default: twice the engine's block count, room for a scheduler on the engine's pool and
         every sequence's drafts past its end)."""
 
+        if tree_width is None:
+            module = next((m for m in self.spec.extra_modules if m.kind in DRAFT_KINDS), None)
+            tree_width = module.tree_width if module is not None else None
         if tree_width is None:
             tree_width = next((p["config"].get("tree_width", 1) for p in self.manifest.get("passes") or ()
                                if p.get("name") == "draft-head" and p.get("decision") != "reverted"), 1)

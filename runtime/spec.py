@@ -150,6 +150,9 @@ class ExtraModuleSpec:
     # EAGLE-3 with a draft vocabulary: the int64 tensor of d2t offsets (draft id i drafts target id i + d2t[i]),
     # which its own lm_head [draft vocab, hidden] scores; None: its head scores the whole vocabulary
     draft_vocab: str | None = None
+    # a draft module's tokens verified per depth when it drafts greedily (1: a chain; the draft-head pass records
+    # the width its gate measured); None: not recorded (artifacts built before the spec carried it)
+    tree_width: int | None = None
 
 
 def norm_size(name: str, attention: AttentionSpec | None, hidden: int) -> int:
@@ -268,7 +271,7 @@ def spec_from_json(data: dict) -> ModelSpec:
         extras = tuple(ExtraModuleSpec(e["kind"], e["name"],
                                        _layer_from_json(e["layer"]) if e["layer"] is not None else None,
                                        _linears_from_json(e["linears"]), tuple(e["norms"]), tuple(e["tensors"]),
-                                       tuple(e.get("aux_layers", ())), e.get("draft_vocab"))
+                                       tuple(e.get("aux_layers", ())), e.get("draft_vocab"), e.get("tree_width"))
                        for e in data["extra_modules"])
         spec = ModelSpec(**{**data, "lm_head": _linear_from_json(data["lm_head"]),
                             "layers": tuple(_layer_from_json(layer) for layer in data["layers"]),
@@ -284,6 +287,7 @@ def spec_from_json(data: dict) -> ModelSpec:
 POSITIVE_INTS = frozenset({
     "vocab_size", "hidden_size", "max_position_embeddings", "num_heads", "num_kv_heads", "head_dim", "v_head_dim",
     "in_features", "out_features", "intermediate_size", "n_group", "topk_group", "q_lora_rank", "sliding_window",
+    "tree_width",
 })
 """Integer fields that must be >= 1 (when not null); every other integer field must be >= 0."""
 POSITIVE_FLOATS = frozenset({"rms_norm_eps", "softmax_scale", "attention_scaling", "routed_scaling_factor",

@@ -36,6 +36,28 @@ def test_a_short_training_beats_prompt_lookup_and_leaves_the_target_alone(head_a
     stored = json.loads((head_artifact.path / "manifest.json").read_text())
     modules = stored["architecture"]["extra_modules"]
     assert [(m["kind"], m["name"], m["aux_layers"]) for m in modules] == [("eagle3", "draft_head", [1, 2, 4])]
+    assert modules[0]["tree_width"] == 3  # the width its gate measured tau with: the runtime's default
+
+
+@needs_stories
+def test_the_runtime_takes_the_tree_width_from_the_spec_and_from_older_artifacts_pass_records(head_artifact, tmp_path):
+    import shutil
+
+    from kiln import runtime
+    from tests.runtime.test_artifact_hostile import _lie
+
+    assert runtime.load(head_artifact.path).drafter("head").tree_width == 3
+    recorded = shutil.copytree(head_artifact.path, tmp_path / "width2")
+    _lie(recorded, lambda m: m["architecture"]["extra_modules"][0].update(tree_width=2))
+    assert runtime.load(recorded).drafter("head").tree_width == 2
+    older = shutil.copytree(head_artifact.path, tmp_path / "older")  # built before the spec carried it
+
+    def before(m):
+        del m["architecture"]["extra_modules"][0]["tree_width"]
+        m["passes"][0]["config"]["tree_width"] = 4
+
+    _lie(older, before)
+    assert runtime.load(older).drafter("head").tree_width == 4
 
 
 @needs_stories
