@@ -89,6 +89,9 @@ BUILTIN_RECIPES: dict[str, Callable[[], list[Pass]]] = {
     "mxfp4": lambda: [WeightQuantization(format="mxfp4", activations="dynamic", method="gptq", awq=True,
                                          rotation_block=16, tune_steps=BEST_TUNE_STEPS)],
     "fp8-kv": lambda: [KvCacheQuantization(format="fp8", scaling="per_tensor")],
+    # what the serving engines' FP8 KV caches hold (vLLM's kv_cache_dtype="fp8"): a scale per tensor and no
+    # calibrated offset, so `optimize export` writes it (kv_cache_scheme / kv_cache_quant_algo)
+    "fp8-kv-export": lambda: [KvCacheQuantization(format="fp8", scaling="per_tensor", center=False)],
     "nvfp4-kv": lambda: [KvCacheQuantization(format="nvfp4")],
     # FP4 MLPs/experts (NVFP4 W4A4 on Blackwell, W4A16 on Hopper), FP8 attention, 2 most sensitive groups BF16;
     # GPTQ values, then 200 steps of end-to-end tuning (the best calibration there is; a recipe file with

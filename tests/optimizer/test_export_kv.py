@@ -79,3 +79,10 @@ def test_what_no_layout_can_say_is_refused_before_writing(generated_checkpoint, 
     for fmt in ("compressed-tensors", "hf-modelopt"):
         refused(export, art, fmt, tmp_path / fmt, match=match)
         assert not (tmp_path / fmt).exists()
+
+
+def test_the_built_in_fp8_kv_export_recipe_is_what_the_exports_carry():
+    from kiln.optimizer.recipes import resolve_recipe
+
+    (kv,) = resolve_recipe("fp8-kv-export").passes
+    assert (kv.format, kv.scaling, kv.center, kv.keep) == ("fp8", "per_tensor", False, ())
