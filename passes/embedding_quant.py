@@ -2,8 +2,8 @@
 
 A tied embedding is often most of a small model's bytes (Gemma 3 270M: 168M of 268M parameters, a 262,144-token
 vocabulary) and a large share of an 8B one's (128K x 4096). Rows are quantized independently, so the table is
-stored once in a format both readers take: the runtime gathers a token's row and dequantizes it, and the tied
-lm_head multiplies by the whole table as a weight-only linear of that format.
+stored once in a format both readers take: the lookup reads a token's row of it, and the tied lm_head multiplies
+by the whole table as a weight-only linear of that format.
 
     format   "fp8"   E4M3 with one fp32 scale per row (per output channel of the head)
              "nvfp4" E2M1 in blocks of 16 along the hidden size, E4M3 block scales, one fp32 table scale
