@@ -36,13 +36,10 @@ FORMATS = ("compressed-tensors", "hf-modelopt", "hf", "eagle3", "onnx")
 RUNTIME_ONLY_FORMATS = ("mxfp6",)  # stored formats no serving engine's layout (nor ONNX) has a type for
 
 
-def refuse_runtime_only_formats(artifact: Path, fmt: str) -> None:
+def refuse_runtime_only_formats(manifest: dict, fmt: str) -> None:
     """One line, before anything is written, for an artifact with weights that only Kiln's runtime runs (MXFP6,
     which `auto` may choose): no layout of `fmt` can carry them."""
-    from kiln.runtime.artifact import read_manifest
-
-    found = sorted(name for name, e in read_manifest(artifact)["formats"].items()
-                   if e.get("format") in RUNTIME_ONLY_FORMATS)
+    found = sorted(name for name, e in manifest["formats"].items() if e.get("format") in RUNTIME_ONLY_FORMATS)
     if found:
         raise KilnError(f"--format {fmt}: {len(found)} linears (e.g. {found[0]}) are stored as MXFP6 (W6A16), which "
                         "Kiln's runtime runs but no serving engine's checkpoint layout has; for an export, rebuild "
@@ -50,12 +47,10 @@ def refuse_runtime_only_formats(artifact: Path, fmt: str) -> None:
                         "it out)")
 
 
-def refuse_quantized_embedding(artifact: Path, fmt: str) -> None:
+def refuse_quantized_embedding(manifest: dict, fmt: str) -> None:
     """One line, before anything is written, for an artifact whose embedding table is stored quantized (the
     embedding-quant pass): the serving layouts store the embedding (and a tied head) in the model's dtype."""
-    from kiln.runtime.artifact import read_manifest
-
-    for name, e in read_manifest(artifact)["formats"].items():
+    for name, e in manifest["formats"].items():
         if e.get("role") == "embedding" and e.get("format") != "dense":
             raise KilnError(f"--format {fmt}: the embedding {name} is stored {e['format']} (embedding-quant), which "
                             "Kiln's runtime reads but no export layout has; for an export, rebuild without "
@@ -68,7 +63,11 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
     check_output(output, overwrite, [artifact])  # before reading anything
     if fmt == "onnx" and importlib.util.find_spec("onnx") is None:
         raise KilnError("--format onnx needs the onnx package: pip install -e '.[onnx]'")
-    refuse_quantized_embedding(Path(artifact), fmt)
+    from kiln.runtime.artifact import read_manifest
+
+    artifact = Path(artifact)
+    manifest = read_manifest(artifact)  # verified once here: every refusal below reads this one
+    refuse_quantized_embedding(manifest, fmt)
     if fmt == "hf":
         from kiln.optimizer.export_deepseek import export_deepseek
 
@@ -78,12 +77,12 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
 
         return export_eagle3(artifact, output, overwrite)
     if fmt == "onnx":
-        refuse_runtime_only_formats(Path(artifact), fmt)
+        refuse_runtime_only_formats(manifest, fmt)
         from kiln.optimizer.export_onnx import export_onnx
 
         return export_onnx(artifact, output, overwrite)
-    refuse_runtime_only_formats(Path(artifact), fmt)
-    converted = converted_layers(Path(artifact))
+    refuse_runtime_only_formats(manifest, fmt)
+    converted = converted_layers(artifact, manifest)
     if converted and fmt == "hf-modelopt":
         from kiln.optimizer.export_deepseek_modelopt import export_deepseek_modelopt
 
@@ -96,12 +95,9 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
     return writer(artifact, output, overwrite)
 
 
-def converted_layers(artifact: Path) -> list[int]:
+def converted_layers(artifact: Path, manifest: dict) -> list[int]:
     """Layers a structural pass converted to MLA, in a model whose own config has no latent (a native MLA source
     such as DeepSeek has one): the quantized layouts that keep the source's config.json cannot hold them."""
-    from kiln.runtime.artifact import read_manifest
-
-    manifest = read_manifest(artifact)
     config_path = artifact / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     return [layer["index"] for layer in manifest["architecture"]["layers"]
