@@ -405,8 +405,7 @@ def _cost(formats: Mapping[str, Mapping], fp4_as_fp8: bool) -> Callable[[LinearS
 
 
 def _format_summary(formats: Mapping[str, Mapping], fmts: Sequence[str]) -> str:
-    counts = Counter((e["format"], e.get("activation", "none")) for e in formats.values()
-                     if e["format"] in fmts and e.get("role") != "embedding")
+    counts = Counter((e["format"], e.get("activation", "none")) for e in formats.values() if e["format"] in fmts)
     return ", ".join(f"{n} linears {fmt}" + ("" if act == "none" else f" with {act} activations")
                      for (fmt, act), n in sorted(counts.items()))
 
@@ -454,10 +453,9 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
                   + (" (the tied LM head reads it)" if lm_head_tied else ""))
     quantized = {k: e for k, e in formats.items() if e["format"] != WeightFormat.DENSE and e.get("role") != "embedding"}
     fp4 = {k: e for k, e in quantized.items() if e["format"] in BELOW_FP8_FORMATS}
-    if table_entry is not None:  # the waterfall's weight steps apply when only the table is quantized, too
-        quantized = {**quantized, "": table_entry} if not quantized else quantized
-        if table_entry["format"] in BELOW_FP8_FORMATS and not fp4:
-            fp4 = {"": table_entry}
+    # the weight steps apply when only the table is quantized, too
+    weights_step = bool(quantized) or table_entry is not None
+    fp4_step = bool(fp4) or (table_entry is not None and table_entry["format"] in BELOW_FP8_FORMATS)
     restructured = [a.attention.kind for a in source_spec.layers] != [b.attention.kind for b in spec.layers]
     served = _cost(formats, False)
     kinds = sorted({layer.attention.kind.upper() for layer in source_spec.layers})
@@ -479,14 +477,15 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
                    "not applied: no MLA conversion" + (" (the source's own attention is MLA)"
                                                        if "MLA" in kinds else ""))),
         Step("fp8", "weights FP8", "BF16 weights",
-             spec_figures(spec, _cost(formats, True), kv_bf16, lm_head_tied, table=table(True)) if quantized else None,
-             note=(("FP8 in place of the FP4/FP6 linears (the FP4 step's baseline); " if fp4 else "")
+             spec_figures(spec, _cost(formats, True), kv_bf16, lm_head_tied, table=table(True)) if weights_step
+             else None,
+             note=(("FP8 in place of the FP4/FP6 linears (the FP4 step's baseline); " if fp4_step else "")
                    + (_format_summary(quantized, (WeightFormat.FP8_E4M3,)) or "no FP8 linears of its own")
-                   + table_note if quantized else "not applied: every linear BF16")),
+                   + table_note if weights_step else "not applied: every linear BF16")),
         Step("fp4", "weights FP4/FP6" if any(e["format"] == WeightFormat.MXFP6 for e in fp4.values())
              else "weights FP4", "FP8 on the same GPU",
-             spec_figures(spec, served, kv_bf16, lm_head_tied, table=table(False)) if fp4 else None,
-             note=(_format_summary(fp4, BELOW_FP8_FORMATS) or "no FP4 linears of its own") + table_note if fp4
+             spec_figures(spec, served, kv_bf16, lm_head_tied, table=table(False)) if fp4_step else None,
+             note=(_format_summary(fp4, BELOW_FP8_FORMATS) or "no FP4 linears of its own") + table_note if fp4_step
              else "not applied: no FP4 weights"),
         Step("kv", "KV-cache quantization", "a BF16 KV cache",
              spec_figures(spec, served, kv_served, lm_head_tied, table=table(False)) if kv_served != kv_bf16 else None,
