@@ -183,21 +183,19 @@ def _layer_norms(layer: LayerSpec, hidden: int) -> dict[str, tuple[int]]:
 
 
 def _check_embedding(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> None:
-    """A quantized embedding table (passes/embedding_quant.py): a weight-only entry with role "embedding" whose
-    stored tensors are what its format stores for [vocab, hidden], and no scale it does not use."""
+    """A quantized embedding table (passes/embedding_quant.py): an entry with role "embedding", weight-only and
+    stored as it is looked up (no input rotation, no fused parts), whose tensors `_check_linear` checks as those of
+    a [vocab, hidden] linear's."""
     where = f"manifest formats[{clip(json.dumps(module), 80)}]"
     if not isinstance(entry, Mapping) or entry.get("role") != "embedding":
         raise KilnError(f"{where} names the embedding table, so its role must be \"embedding\"")
     if entry.get("activation", ActivationFormat.NONE) != ActivationFormat.NONE:
         raise KilnError(f"{where}: an embedding table is looked up, not multiplied: activation must be none, got "
                         f"{clip(repr(entry.get('activation')), 40)}")
-    fmt, stored, _ = stored_weight(module, entry, tensors, shape)
-    if fmt == WeightFormat.DENSE:
-        check_dtype(f"{module}.weight", stored["weight"], "a dense embedding", *DENSE_DTYPES)
-    stray = [f"{module}.{key}" for key in SCALE_SUFFIXES if f"{module}.{key}" in tensors and key not in stored]
-    if stray:
-        raise KilnError(f"{where} says {fmt}, which reads no {clip(stray[0])}; the entry does not describe what is "
-                        "stored")
+    for key in ("input_rotation", "part_scales"):
+        if key in entry:
+            raise KilnError(f"{where}.{key}: an embedding table is stored as it is looked up, with no {key}")
+    _check_linear(LinearSpec(module, "embedding", shape[1], shape[0]), entry, tensors)
 
 
 def _check_linear(lin: LinearSpec, entry: Mapping, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -167,6 +167,8 @@ def _tamper(path, tmp_path, edit_manifest=None, edit_tensors=None):
      "activation must be none"),
     (lambda m: m["formats"]["model.embed_tokens"].update(format="dense"), "model.embed_tokens"),
     (lambda m: m["formats"]["lm_head"].update(format="fp8_e4m3"), "tied to the embedding"),
+    (lambda m: m["formats"]["model.embed_tokens"].update(input_rotation={"kind": "block_hadamard", "block_size": 16}),
+     "with no input_rotation"),
 ])
 def test_a_lying_embedding_entry_is_refused_at_load(artifacts, tmp_path, edit, match):
     path = _tamper(artifacts["fp8"], tmp_path, edit)
