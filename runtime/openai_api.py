@@ -2,7 +2,8 @@
 
     body = CompletionRequest.model_validate({"prompt": "Once upon a time", "max_tokens": 8})
     raise ApiError(404, "the model 'x' does not exist", "invalid_request_error", "model", "model_not_found")
-    sse(completion_chunk("m", "cmpl-1", 0, False, [{"index": 0, "text": "Once", ...}]))
+    chunk("m", "cmpl-1", created, False, [{"index": 0, "text": "Once", ...}])   # 'data: {...}\n\n'
+    completion_body("m", "cmpl-1", created, False, ["Once upon"], ["length"], 5, 2)   # a whole answer
 
 An error is answered as OpenAI does: {"error": {"message", "type", "param", "code"}}. Request bodies accept
 unknown fields (OpenAI's server ignores them); request_validation refuses the ones Kiln cannot honour.
