@@ -90,8 +90,8 @@ def random_engine(name: str, fmt: str, device: str, kv_blocks: int):
 
 def step_bytes(engine, batch: int, history: int) -> int:
     """Bytes one decode step reads: every linear's stored weight (lm_head included) and the KV cache."""
+    from kiln.runtime.kv_pools import stored_bytes_per_token
     from kiln.runtime.model import PackedLinear, QuantLinear
-    from kiln.runtime.paged_kv_cache import stored_bytes_per_token
 
     weights = 0
     for module in engine.model.modules():

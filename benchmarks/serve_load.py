@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kiln.optimizer.defaults import EVALUATION_TEXT
-from kiln.runtime.server import scrape
+from kiln.runtime.server_metrics import scrape
 
 PROMPT_WORDS = (8, 32, 96)
 MAX_TOKENS = (16, 64, 128)

@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.kv_format import layer_windows, resolve_kv_streams
-from kiln.runtime.paged_kv_cache import PagedKVCache, pool_bytes_per_token, stored_bytes_per_token
+from kiln.runtime.kv_pools import pool_bytes_per_token, stored_bytes_per_token
+from kiln.runtime.paged_kv_cache import PagedKVCache
 
 BUDGETS = (("64 MiB, fp32 (the CPU engine's default pool)", 64 * 2**20, torch.float32),
            ("8 GiB, bf16", 8 * 2**30, torch.bfloat16))

@@ -603,8 +603,8 @@ def serve(
                                                    "depth verified as a tree (default: the artifact's; 1: a chain)")] = None,
 ) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (continuous batching); SIGTERM drains, then exits 0."""
-    from kiln.runtime.server import ServerConfig
     from kiln.runtime.server import serve as run_server
+    from kiln.runtime.serving_state import ServerConfig
 
     run_server(artifact, ServerConfig(host, port, max_queue, max_num_seqs, max_num_batched_tokens, request_timeout,
                                       prefix_caching, served_model_name, compile_decode=compile, device=device,

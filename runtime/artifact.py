@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.kernels.errors import KilnError, clip
+from kiln.runtime.spec import spec_from_json
 
 SCHEMA_VERSION = 2  # 2: the manifest carries the architecture; 1 (before it) is refused with "rebuild"
 MANIFEST = "manifest.json"
@@ -110,9 +111,7 @@ def read_manifest(path: Path | str, verify: bool = True) -> dict:
     if verify:
         verify_checksums(root, manifest)
         # the writer of an artifact writes its checksums too: its architecture must agree with its tensors
-        from kiln.runtime.structure import (
-            check_structure,  # start-up: reading a manifest does not import torch
-        )
+        from kiln.runtime.structure import check_structure  # lazy: it imports torch; reading a manifest does not
 
         check_structure(artifact_file(root, manifest, WEIGHTS), manifest)
     return manifest
@@ -190,14 +189,42 @@ def validate_manifest(manifest: Any, where: Path | str | None = None) -> dict:
                         "architecture); rebuild it from its checkpoint with this Kiln's `optimize build`")
     if version != SCHEMA_VERSION:
         raise KilnError(f"{s.where}artifact schema version {version}, this runtime reads version {SCHEMA_VERSION}")
-    from kiln.runtime.spec import spec_from_json
-
     spec_from_json(s.field(manifest, "", "architecture", "object"))
+    _check_files(s, manifest)
+    _check_formats(s, manifest)
+    s.field(manifest, "", "target", "string")
+    source = s.field(manifest, "", "source", "object")
+    s.field(source, "source", "model_type", "string")
+    recipe = s.field(manifest, "", "recipe", "object")
+    s.field(recipe, "recipe", "name", "string")
+    s.field(recipe, "recipe", "passes", "array")
+    _check_passes(s, manifest)
+    sizes = s.field(manifest, "", "sizes", "object")
+    s.field(sizes, "sizes", "weight_bytes", "count")
+    s.field(sizes, "sizes", "source_weight_bytes", "positive")
+    for key, info in s.table(manifest, "", "tensors"):
+        s.field(info, key, "dtype", "string")
+        for i, dim in enumerate(s.field(info, key, "shape", "array")):
+            s.check(dim, f"{key}.shape[{i}]", "count")
+    _check_kv_cache(s, manifest)
+    precision = manifest.get("precision")
+    if precision:  # `optimize inspect` prints its table when present
+        _check_precision(s, precision)
+    budget = manifest.get("kv_budget")
+    if budget:  # `optimize inspect` prints it when present (and computes it from the architecture when not)
+        _check_kv_budget(s, budget)
+    return manifest
+
+
+def _check_files(s: _Shape, manifest: dict) -> None:
     files = s.field(manifest, "", "files", "object")
     for name, digest in files.items():
         check_file_name(name, s.where)
         if not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
             s.fail(f"files[{json.dumps(name)}]", f"must be a sha256 (64 lowercase hex digits), got {_describe(digest)}")
+
+
+def _check_formats(s: _Shape, manifest: dict) -> None:
     for key, entry in s.table(manifest, "", "formats"):
         s.field(entry, key, "format", "string")
         for name in ("activation", "role", "method", "tied_to"):
@@ -207,12 +234,9 @@ def validate_manifest(manifest: Any, where: Path | str | None = None) -> dict:
         if rotation is not None:
             s.field(rotation, f"{key}.input_rotation", "kind", "string")
             s.field(rotation, f"{key}.input_rotation", "block_size", "positive")
-    s.field(manifest, "", "target", "string")
-    source = s.field(manifest, "", "source", "object")
-    s.field(source, "source", "model_type", "string")
-    recipe = s.field(manifest, "", "recipe", "object")
-    s.field(recipe, "recipe", "name", "string")
-    s.field(recipe, "recipe", "passes", "array")
+
+
+def _check_passes(s: _Shape, manifest: dict) -> None:
     for i, record in enumerate(s.field(manifest, "", "passes", "array")):
         key = f"passes[{i}]"
         s.check(record, key, "object")
@@ -229,13 +253,9 @@ def validate_manifest(manifest: Any, where: Path | str | None = None) -> dict:
                 s.field(metric, where, "name", "string")
                 for name in ("value", "floor"):
                     s.field(metric, where, name, "number")
-    sizes = s.field(manifest, "", "sizes", "object")
-    s.field(sizes, "sizes", "weight_bytes", "count")
-    s.field(sizes, "sizes", "source_weight_bytes", "positive")
-    for key, info in s.table(manifest, "", "tensors"):
-        s.field(info, key, "dtype", "string")
-        for i, dim in enumerate(s.field(info, key, "shape", "array")):
-            s.check(dim, f"{key}.shape[{i}]", "count")
+
+
+def _check_kv_cache(s: _Shape, manifest: dict) -> None:
     for key, entry in s.table(manifest, "", "kv_cache", required=False):
         s.field(entry, key, "format", "string")
         s.field(entry, key, "scaling", "string", required=False)
@@ -245,44 +265,45 @@ def validate_manifest(manifest: Any, where: Path | str | None = None) -> dict:
         for name in ("scale_tensors", "offset_tensors"):
             for stream, tensor in (s.field(entry, key, name, "object", required=False) or {}).items():
                 s.check(tensor, f"{key}.{name}[{json.dumps(stream)}]", "string")
-    precision = manifest.get("precision")
-    if precision:  # `optimize inspect` prints its table when present
-        s.check(precision, "precision", "object")
-        s.field(precision, "precision", "pass", "string")
-        s.field(precision, "precision", "effective_bits", "number")
-        s.field(precision, "precision", "weight_bytes", "count")
-        s.field(precision, "precision", "weights", "count")
-        for key, entry in s.table(precision, "precision", "groups"):
-            s.field(entry, key, "option", "string")
-            s.field(entry, key, "kl", "number")
-            s.field(entry, key, "reason", "string")
-        list(s.table(precision, "precision", "linears", required=False))
-    budget = manifest.get("kv_budget")
-    if budget:  # `optimize inspect` prints it when present (and computes it from the architecture when not)
-        s.check(budget, "kv_budget", "object")
-        s.field(budget, "kv_budget", "kv_bytes_per_token", "count")
-        s.field(budget, "kv_budget", "source_kv_bytes_per_token", "positive")
-        s.field(budget, "kv_budget", "weight_bytes", "count")
-        s.field(budget, "kv_budget", "source_weight_bytes", "count")
-        s.field(budget, "kv_budget", "activation_reserve_fraction", "number")
-        for key, row in s.table(budget, "kv_budget", "layers"):
-            s.field(row, key, "format", "string")
-            s.field(row, key, "scaling", "string")
-            s.field(row, key, "source_bytes_per_token", "count")
-            s.field(row, key, "bytes_per_token", "count")
-            for name, dims in s.field(row, key, "streams", "object").items():
-                stream = f"{key}.streams[{json.dumps(name)}]"
-                if not (isinstance(dims, list) and len(dims) == 2):
-                    s.fail(stream, f"must be [heads, dim], got {_describe(dims)}")
-                for i, dim in enumerate(dims):
-                    s.check(dim, f"{stream}[{i}]", "count")
-        for i, row in enumerate(s.field(budget, "kv_budget", "max_concurrent_sequences", "array")):
-            key = f"kv_budget.max_concurrent_sequences[{i}]"
-            s.check(row, key, "object")
-            s.field(row, key, "device", "string")
-            for name in ("context", "source", "artifact"):
-                s.field(row, key, name, "count")
-    return manifest
+
+
+def _check_precision(s: _Shape, precision: Any) -> None:
+    s.check(precision, "precision", "object")
+    s.field(precision, "precision", "pass", "string")
+    s.field(precision, "precision", "effective_bits", "number")
+    s.field(precision, "precision", "weight_bytes", "count")
+    s.field(precision, "precision", "weights", "count")
+    for key, entry in s.table(precision, "precision", "groups"):
+        s.field(entry, key, "option", "string")
+        s.field(entry, key, "kl", "number")
+        s.field(entry, key, "reason", "string")
+    list(s.table(precision, "precision", "linears", required=False))
+
+
+def _check_kv_budget(s: _Shape, budget: Any) -> None:
+    s.check(budget, "kv_budget", "object")
+    s.field(budget, "kv_budget", "kv_bytes_per_token", "count")
+    s.field(budget, "kv_budget", "source_kv_bytes_per_token", "positive")
+    s.field(budget, "kv_budget", "weight_bytes", "count")
+    s.field(budget, "kv_budget", "source_weight_bytes", "count")
+    s.field(budget, "kv_budget", "activation_reserve_fraction", "number")
+    for key, row in s.table(budget, "kv_budget", "layers"):
+        s.field(row, key, "format", "string")
+        s.field(row, key, "scaling", "string")
+        s.field(row, key, "source_bytes_per_token", "count")
+        s.field(row, key, "bytes_per_token", "count")
+        for name, dims in s.field(row, key, "streams", "object").items():
+            stream = f"{key}.streams[{json.dumps(name)}]"
+            if not (isinstance(dims, list) and len(dims) == 2):
+                s.fail(stream, f"must be [heads, dim], got {_describe(dims)}")
+            for i, dim in enumerate(dims):
+                s.check(dim, f"{stream}[{i}]", "count")
+    for i, row in enumerate(s.field(budget, "kv_budget", "max_concurrent_sequences", "array")):
+        key = f"kv_budget.max_concurrent_sequences[{i}]"
+        s.check(row, key, "object")
+        s.field(row, key, "device", "string")
+        for name in ("context", "source", "artifact"):
+            s.field(row, key, name, "count")
 
 
 # --- files ------------------------------------------------------------------------------------------------

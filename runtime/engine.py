@@ -26,14 +26,9 @@ from kiln.runtime.model import (
     onednn_fits,
     place,
 )
-from kiln.runtime.paged_kv_cache import (
-    DEFAULT_BLOCK_SIZE,
-    DecodeTables,
-    PagedKVCache,
-    StepView,
-    kv_groups,
-    pool_bytes_per_token,
-)
+from kiln.runtime.kv_pools import kv_groups, pool_bytes_per_token
+from kiln.runtime.kv_step import DecodeTables, StepView
+from kiln.runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from kiln.runtime.sampling import check_repetition_penalty
 from kiln.runtime.scheduler import SamplingParams, Scheduler
 from kiln.runtime.spec import ModelSpec, spec_from_json

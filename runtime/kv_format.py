@@ -34,6 +34,8 @@ from kiln.runtime.spec import ModelSpec
 KV_FORMATS = tuple(KvFormat)
 KV_SCALINGS = {KvFormat.BF16: ("none",), KvFormat.FP8_E4M3: KV_FP8_SCALINGS, KvFormat.NVFP4: ("e4m3_block16",)}
 BF16 = {"format": KvFormat.BF16, "scaling": "none"}
+STATIC_SCALES = {(KvFormat.FP8_E4M3, "per_tensor"), (KvFormat.FP8_E4M3, "per_head"), (KvFormat.NVFP4, "e4m3_block16")}
+"""(format, scaling) pairs that read a calibrated scale tensor (static FP8 scales, NVFP4's global scale)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ class KvStream:
 
     def bytes_per_token(self) -> int:
         return stream_bytes_per_token(self.heads, self.dim, self.format, self.scaling)
+
+    @property
+    def static_scale(self) -> bool:
+        """Whether it reads a calibrated scale tensor, which the manifest's entry must name."""
+        return (self.format, self.scaling) in STATIC_SCALES
 
 
 def stream_bytes_per_token(heads: int, dim: int, fmt: str, scaling: str) -> int:
@@ -105,7 +112,7 @@ def resolve_kv_streams(spec: ModelSpec, table: Mapping | None,
         streams = layer.attention.kv_streams()
         check_entry(layer.index, entry, streams)
         fmt, scaling = entry["format"], entry.get("scaling", "none")
-        needs_scale = fmt == KvFormat.NVFP4 or (fmt == KvFormat.FP8_E4M3 and scaling != "dynamic")
+        needs_scale = (fmt, scaling) in STATIC_SCALES
         resolved = []
         offsets = entry.get("offset_tensors") or {}
         if offsets and fmt == KvFormat.BF16:

@@ -30,12 +30,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from kiln.kernels.errors import KilnError, clip
 from kiln.kernels.formats import ActivationFormat, WeightFormat
+from kiln.kernels.registry import weight_format
+from kiln.kernels.rotation import ROTATION_KINDS
+from kiln.runtime.kv_format import resolve_kv_streams
 from kiln.runtime.spec import LayerSpec, LinearSpec, ModelSpec, norm_size, spec_from_json
-
-WEIGHTS = "model.safetensors"  # runtime.artifact.WEIGHTS, which imports this module
 from kiln.runtime.weights import (
     ACTIVATION_FORMATS,
     check_dtype,
@@ -44,6 +46,8 @@ from kiln.runtime.weights import (
     need_tensor,
     stored_weight,
 )
+
+WEIGHTS = "model.safetensors"  # runtime.artifact.WEIGHTS, which imports this module
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
@@ -59,8 +63,6 @@ SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale")
 def read_header(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file as an empty tensor of its dtype and shape on the meta device, from
     the header alone (safetensors checks the header's offsets against the file when it opens it)."""
-    from safetensors import SafetensorError, safe_open
-
     header = {}
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -143,7 +145,7 @@ def check_tensors(spec: ModelSpec, formats: Mapping[str, Mapping], kv_table: Map
             if table not in formats:
                 plain(spec.embedding, (lin.out_features, lin.in_features), "the embedding")  # what it multiplies by
             fmt = check_format(lin.name, formats[lin.name])
-            if fmt != WeightFormat.DENSE:
+            if weight_format(fmt).dequantizes:
                 raise KilnError(f"manifest formats[lm_head] says {fmt}, but lm_head is tied to the embedding "
                                 f"{clip(spec.embedding)}, whose own entry says how it is stored")
             continue
@@ -205,7 +207,7 @@ def _check_linear(lin: LinearSpec, entry: Mapping, tensors: Mapping[str, torch.T
     name, shape = lin.name, (lin.out_features, lin.in_features)
     where = f"manifest formats[{clip(json.dumps(name), 80)}]"
     fmt, stored, _ = stored_weight(name, entry, tensors, shape)
-    if fmt == WeightFormat.DENSE:
+    if not weight_format(fmt).dequantizes:  # a weight stored as its values
         check_dtype(f"{name}.weight", stored["weight"], "a dense weight", *DENSE_DTYPES)
     activation = entry.get("activation", ActivationFormat.NONE)
     if activation not in ACTIVATION_FORMATS:
@@ -229,8 +231,6 @@ def _check_linear(lin: LinearSpec, entry: Mapping, tensors: Mapping[str, torch.T
         check_shape(f"{name}.bias", t, (lin.out_features,))
     rotation = entry.get("input_rotation")
     if rotation is not None:
-        from kiln.kernels.rotation import ROTATION_KINDS
-
         block = rotation.get("block_size")
         if rotation.get("kind") not in ROTATION_KINDS:
             raise KilnError(f"{where}.input_rotation.kind is {clip(repr(rotation.get('kind')), 40)}; known: "
@@ -247,16 +247,13 @@ def _check_linear(lin: LinearSpec, entry: Mapping, tensors: Mapping[str, torch.T
 def _check_kv_tensors(spec: ModelSpec, table: Mapping, tensors: Mapping[str, torch.Tensor]) -> None:
     """The KV cache table's formats and streams (`resolve_kv_streams` without tensors), and the scale and
     offset tensors it names: present, floating point, one value (per tensor) or one per head, [heads, dim]."""
-    from kiln.runtime.kv_format import resolve_kv_streams
-
     for layer, streams in zip(spec.layers, resolve_kv_streams(spec, table), strict=True):
         entry = table.get(str(layer.index))
         if entry is None:
             continue
         for stream in streams:
             scale = (entry.get("scale_tensors") or {}).get(stream.name)
-            static = stream.format == "nvfp4" or (stream.format == "fp8_e4m3" and stream.scaling != "dynamic")
-            if static and scale is None:
+            if stream.static_scale and scale is None:
                 raise KilnError(f"kv_cache layer {layer.index}: {stream.format} ({stream.scaling}) needs a scale "
                                 f"tensor for stream {stream.name!r}, and the entry names none")
             offset = (entry.get("offset_tensors") or {}).get(stream.name)

@@ -37,7 +37,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, processors
+from tokenizers import Tokenizer as Backend
 
 GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 """tokenizer_config.json classes whose transformers tokenizer is tokenizer.json as written (plus special tokens)."""
@@ -79,9 +86,6 @@ class Tokenizer:
     """A tokenizer.json (the `tokenizers` library) with tokenizer_config.json's special tokens and chat template."""
 
     def __init__(self, path: Path | str):
-        from tokenizers import AddedToken, processors
-        from tokenizers import Tokenizer as Backend
-
         root = Path(path)
         self.name_or_path = str(root)
         config = _read_json(root / "tokenizer_config.json")
@@ -263,12 +267,6 @@ class Tokenizer:
 
 def _compile(source: str):
     """A chat template compiled as transformers compiles one (utils/chat_template_utils.py)."""
-    from datetime import datetime
-
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 

@@ -27,8 +27,11 @@ from kiln.kernels import fp8
 from kiln.kernels.dequantize import dequantize
 from kiln.kernels.errors import KilnError, clip
 from kiln.kernels.formats import ActivationFormat
+from kiln.kernels.mxfp4 import mxfp4_fake_quantize
+from kiln.kernels.nvfp4 import nvfp4_fake_quantize
 from kiln.kernels.registry import WEIGHT_FORMATS as REGISTERED_FORMATS
 from kiln.kernels.registry import weight_format
+from kiln.kernels.rotation import ROTATION_KINDS, block_hadamard
 
 WEIGHT_FORMATS = tuple(REGISTERED_FORMATS)
 ACTIVATION_FORMATS = tuple(ActivationFormat)
@@ -180,17 +183,12 @@ def activation_quantizer(
         scale = _input_scale(module, tensors, required=True).float()
         return lambda x: fp8.fp8_fake_quantize_per_tensor(x, scale)
     if act == ActivationFormat.NVFP4:
-        from kiln.kernels.nvfp4 import nvfp4_fake_quantize
-
         global_scale = _input_scale(module, tensors, required=False)
         return lambda x: nvfp4_fake_quantize(x, global_scale)
     if act == ActivationFormat.MXFP4:
-        from kiln.kernels.mxfp4 import mxfp4_fake_quantize
-
         return mxfp4_fake_quantize
     raise KilnError(f"{clip(module)}: unknown activation format {clip(repr(act), 40)}; "
                     f"known: {', '.join(ACTIVATION_FORMATS)}")
-
 
 
 @dataclass(frozen=True)
@@ -203,8 +201,6 @@ class InputTransform:
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         if not self.rotation_block:
             return x
-        from kiln.kernels.rotation import block_hadamard
-
         return block_hadamard(x, self.rotation_block)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,8 +215,6 @@ def input_transform(module: str, entry: Mapping, tensors: Mapping[str, torch.Ten
     rotation = entry.get("input_rotation")
     if rotation is None:
         return None if quantize is None else InputTransform(0, quantize)
-    from kiln.kernels.rotation import ROTATION_KINDS
-
     if not isinstance(rotation, Mapping) or rotation.get("kind") not in ROTATION_KINDS:
         raise KilnError(f"{module}: unknown input_rotation {rotation!r}; known kinds: {', '.join(ROTATION_KINDS)}")
     block_size = rotation.get("block_size")

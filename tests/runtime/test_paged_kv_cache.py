@@ -14,7 +14,8 @@ from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.engine import Engine
 from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 from kiln.runtime.kv_format import KvStream
-from kiln.runtime.paged_kv_cache import BlockAllocator, KvCacheFull, PagedKVCache
+from kiln.runtime.kv_blocks import BlockAllocator, KvCacheFull
+from kiln.runtime.paged_kv_cache import PagedKVCache
 from tests.conftest import CALIB_TEXT, STORIES, needs_stories
 
 torch.set_num_threads(1)

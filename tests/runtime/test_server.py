@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kiln.runtime.server import scrape
+from kiln.runtime.server_metrics import scrape
 from tests.conftest import EVAL_TEXT, STORIES, untuned
 
 pytestmark = pytest.mark.skipif(not (STORIES / "config.json").is_file(), reason="../shared/models absent")
@@ -327,7 +327,8 @@ def test_a_failed_step_fails_its_requests_and_serving_goes_on(artifact):
 
     from kiln import runtime
     from kiln.runtime.scheduler import SamplingParams, Scheduler
-    from kiln.runtime.server import EngineLoop, ServerMetrics
+    from kiln.runtime.engine_loop import EngineLoop
+    from kiln.runtime.server_metrics import ServerMetrics
 
     engine = runtime.load(artifact)
     scheduler = Scheduler(engine, max_num_seqs=4, num_blocks=64)
@@ -370,7 +371,8 @@ def test_a_failed_step_fails_its_requests_and_serving_goes_on(artifact):
 
 def test_chat_messages_use_the_chat_template_when_there_is_one(artifact):
     from kiln import runtime
-    from kiln.runtime.server import ChatMessage, ServerConfig, ServingState
+    from kiln.runtime.openai_api import ChatMessage
+    from kiln.runtime.serving_state import ServerConfig, ServingState
 
     engine = runtime.load(artifact)
     lines: list[str] = []

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from kiln.kernels.errors import KilnError
-from kiln.runtime.server import ServerConfig, ServerMetrics, scrape
+from kiln.runtime.server_metrics import ServerMetrics, scrape
+from kiln.runtime.serving_state import ServerConfig
 
 
 def _finished(ttft, tpot, reason="length"):

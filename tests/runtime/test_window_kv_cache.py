@@ -13,14 +13,9 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_format import KvStream
-from kiln.runtime.paged_kv_cache import (
-    KvCacheFull,
-    KvGroup,
-    PagedKVCache,
-    kv_groups,
-    pool_bytes_per_token,
-    stored_bytes_per_token,
-)
+from kiln.runtime.kv_blocks import KvCacheFull
+from kiln.runtime.kv_pools import KvGroup, kv_groups, pool_bytes_per_token, stored_bytes_per_token
+from kiln.runtime.paged_kv_cache import PagedKVCache
 from kiln.runtime.scheduler import SamplingParams, Scheduler
 from kiln.runtime.speculative import Drafter, PromptLookupDrafter, Proposal, verification_batch
 from tests.tiny_models import make_tiny_checkpoint
