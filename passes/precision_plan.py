@@ -62,9 +62,7 @@ from kiln.calibration.quantize import METHODS, calibrated_weight, shared_global_
 from kiln.calibration.sensitivity import SensitivityTable
 from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
-from kiln.kernels.formats import WeightFormat
-from kiln.kernels.nvfp4 import E2M1_MAX, E4M3_MAX
-from kiln.kernels.registry import parse_weight_format
+from kiln.kernels.registry import weight_format
 from kiln.kernels.targets import Target
 from kiln.passes.base import (
     MAX_BACK_OFFS,
@@ -210,7 +208,7 @@ class PrecisionPass(Pass):
     def gptq_act_order(self, fmt: str) -> bool:
         """GPTQ's act-order for a weight format: `act_order`, or by default what the uniform recipes use (NVFP4
         without: its block scales are then chosen as GPTQ reaches each block, after earlier updates)."""
-        return self.act_order if self.act_order is not None else parse_weight_format(fmt) != WeightFormat.NVFP4
+        return self.act_order if self.act_order is not None else weight_format(fmt).gptq_act_order_default
 
     # -- policy hooks -------------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -331,7 +329,7 @@ class PrecisionPass(Pass):
             # with no clear gain (benchmarks/results/precision.md). An all-FP8 model is another matter: the
             # uniform FP8 recipes tune (optimizer.recipes)
             fp4 = [n for g in plan for n in plan[g].linears
-                   if graph.linears[n].quant is not None and graph.linears[n].quant.format in (WeightFormat.NVFP4, WeightFormat.MXFP4)]
+                   if graph.linears[n].quant is not None and weight_format(graph.linears[n].quant.format).coarse_grid]
             if fp4:
                 self._tune(graph, teacher, fp4, result, ctx.log, samples)
         experts.update(self._check_experts(graph, plan, options, result))
@@ -505,7 +503,8 @@ class PrecisionPass(Pass):
     def _quantize_group(self, graph: ModelGraph, p: GroupPlan, opt: PrecisionOption,
                         stats: Mapping[str, InputRange]) -> dict[str, QuantizedWeight]:
         """linear -> QuantizedWeight for every linear of the group ({} for BF16)."""
-        if opt.weight_format == WeightFormat.DENSE:
+        codec = weight_format(opt.weight)
+        if codec.recipe_name is None:  # BF16: kept as it is
             return {}
         lins = [graph.linears[n] for n in p.linears]
         input_amax = calibrated_input_amax(graph, lins, stats) if opt.activations == "static" else {}
@@ -517,11 +516,10 @@ class PrecisionPass(Pass):
             weights = {lin.name: graph.weight(lin).float() for lin in members}
             global_scales = {}
             input_scale = None
-            if opt.weight_format == WeightFormat.NVFP4:
+            if codec.takes_global_scale:
                 global_scales = shared_global_scales(weights, dict.fromkeys(weights, key))
-                if opt.activations == "static":
-                    x_amax = max(input_amax[lin.name] for lin in members)
-                    input_scale = torch.tensor(x_amax / (E2M1_MAX * E4M3_MAX) if x_amax > 0 else 1.0)
+            if opt.activations == "static":
+                input_scale = codec.static_input_scale(torch.tensor(max(input_amax[lin.name] for lin in members)))
             for lin in members:
                 seen = stats.get(lin.name)
                 hessian = seen.hessian if seen is not None else None
@@ -530,7 +528,7 @@ class PrecisionPass(Pass):
                 if input_scale is not None:
                     tensors["input_scale"] = input_scale.clone()
                 out[lin.name] = QuantizedWeight(opt.weight_format, tensors, opt.runtime_activation,
-                                                in_features=None if opt.weight_format == WeightFormat.FP8_E4M3 else lin.in_features,
+                                                in_features=lin.in_features if codec.blocked else None,
                                                 method=method)
         return out
 

@@ -169,8 +169,8 @@ def quantize_sibling_weights(ws: list[torch.Tensor], fmt: str, granularity: str 
     q/k/v, and split again. FP8 per-tensor scales span the rows, and stacks over STACK_BYTES would hold GPTQ's
     working copies of every sibling at once (an 8B model's gate/up: 0.47 GB each): quantized one by one.
     `consume_hessian`: the last GPTQ may overwrite `hessian` (the ones before it only read it)."""
-    if len(ws) == 1 or (parse_weight_format(fmt, WEIGHT_FORMATS) == WeightFormat.FP8_E4M3
-                        and granularity != "per_channel") or sum(4 * w.numel() for w in ws) > STACK_BYTES:
+    if len(ws) == 1 or (format_object(fmt).per_tensor_weight_scale and granularity != "per_channel") \
+            or sum(4 * w.numel() for w in ws) > STACK_BYTES:
         return [quantize_linear_weight(w, fmt, granularity, activation, method=method, hessian=hessian,
                                        act_order=act_order, damping=damping, input_scale=input_scale,
                                        global_scale=global_scale, consume_hessian=consume_hessian and i == len(ws) - 1)
@@ -342,9 +342,9 @@ class WeightQuantization(Pass):
         if self.activations != "none" and codec.weight_only:
             raise KilnError(f"activations={self.activations!r} is not allowed for {self.format}: Kiln runs it "
                             f"weight-only (W{codec.bits_per_weight:.0f}A16); use activations 'none'")
-        if self.activations == "static" and self.weight_format == WeightFormat.MXFP4:
-            raise KilnError("activations='static' is not allowed for mxfp4 (its E8M0 block scales are always "
-                            "dynamic); use 'dynamic' or 'none', or format fp8 / nvfp4")
+        if self.activations == "static" and codec.static_activation_refusal:
+            raise KilnError(f"activations='static' is not allowed for {self.format} "
+                            f"({codec.static_activation_refusal}); use 'dynamic' or 'none', or format fp8 / nvfp4")
         for flag in ("awq", "act_order", "sequential", "true_sequential"):
             if not isinstance(getattr(self, flag), bool):
                 raise KilnError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
@@ -698,7 +698,7 @@ class WeightQuantization(Pass):
         # the MSE scale search (16 candidates per row, each a full rounding of the weight) does, at 1/16 of the
         # cost (benchmarks/results/precision.md); AutoAWQ searches with its plain quantizer too. With
         # quantized activations and FP4's block scales the MSE scales matter.
-        fp8_search = self.weight_format == WeightFormat.FP8_E4M3 and act_quantizer is None
+        fp8_search = format_object(self.format).absmax_ranks_like_mse and act_quantizer is None
 
         def fake_quantize(w: torch.Tensor) -> torch.Tensor:
             w = rotate(w)
