@@ -86,9 +86,9 @@ from kiln.passes.end_to_end_tuning import (
     tune_end_to_end,
 )
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
+from kiln.passes.linear_quant import MLP_INPUT_STAGE, fusion_key, sibling_leaders, stage_of
 from kiln.passes.precision_options import BF16, LM_HEAD_POLICIES, OPTIONS, PrecisionOption, option
 from kiln.passes.tensor_store import release_freed_memory
-from kiln.passes.weight_quant import MLP_INPUT_STAGE, fusion_key, sibling_leaders, stage_of
 
 SENSITIVITY_METHODS = ("auto", "kl", "fisher")
 # "auto" measures every probe (one forward of the model per group and option) while probes x linear weights
@@ -534,7 +534,7 @@ class PrecisionPass(Pass):
 
     def _quantize_sequential(self, graph: ModelGraph, ctx: PassContext, plan: dict[str, GroupPlan],
                              options: Mapping[str, str]) -> dict[str, QuantizedWeight]:
-        """Every assigned linear quantized block by block, stage by stage (weight_quant.STAGES): each on the
+        """Every assigned linear quantized block by block, stage by stage (linear_quant.STAGES): each on the
         Hessian of its inputs with everything before it already quantized. Linears are set on the graph as they
         are quantized, so later stages see them; the caller stores the returned weights."""
         session = ctx.runner.session(graph)
