@@ -81,7 +81,7 @@ def test_auto_assigns_one_option_per_group_within_the_budget(tiny):
 def test_sensitivity_estimated_from_gradients(tiny, monkeypatch, method):
     """sensitivity_method "fisher" (or "auto" past MEASURED_PROBE_BUDGET) fills the same table from one
     gradient pass; it ranks FP4 above FP8, and the solver assigns within the budget from it."""
-    from kiln.passes import precision_plan
+    from kiln.passes import precision_sensitivity
 
     graph = load_checkpoint(tiny["llama"])
     runner_calls = []
@@ -91,7 +91,7 @@ def test_sensitivity_estimated_from_gradients(tiny, monkeypatch, method):
     if method == "fisher":
         pass_ = AutoPrecision(weight_bits=6.0, sensitivity_paragraphs=4, sensitivity_method="fisher")
     else:
-        monkeypatch.setattr(precision_plan, "MEASURED_PROBE_BUDGET", 0)
+        monkeypatch.setattr(precision_sensitivity, "MEASURED_PROBE_BUDGET", 0)
         pass_ = AutoPrecision(weight_bits=6.0, sensitivity_paragraphs=4)
     Pipeline((pass_,)).run(graph, ctx)
     assert runner_calls == []  # no probe measured
