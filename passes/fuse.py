@@ -49,15 +49,8 @@ from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.kernels.registry import weight_format
-from kiln.passes.base import (
-    MAX_PARAGRAPHS,
-    ExecutedGraph,
-    Pass,
-    PassContext,
-    PassMetric,
-    PassResult,
-    check_range,
-)
+from kiln.passes.base import MAX_PARAGRAPHS, Pass, PassContext, PassResult, check_range
+from kiln.passes.gate_result import ExecutedGraph, PassMetric
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 from kiln.passes.tensor_store import release_freed_memory
 from kiln.runtime.spec import KernelFusion, LayerSpec, LinearSpec, ModelSpec

@@ -14,7 +14,8 @@ import torch
 from kiln.kernels.targets import get_target
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.runner import RuntimeRunner
-from kiln.passes.base import GateResult, PassContext, config_dict, run_gated
+from kiln.passes.base import PassContext, config_dict, run_gated
+from kiln.passes.gate_result import GateResult
 from kiln.passes.weight_quant import CalibrationCache, WeightQuantization
 from tests.conftest import CALIB_TEXT, STORIES, needs_stories
 from tests.tiny_models import make_tiny_checkpoint

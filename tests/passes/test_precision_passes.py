@@ -21,7 +21,8 @@ from kiln.optimizer.recipes import resolve_recipe
 from kiln.optimizer.runner import RuntimeRunner
 from kiln.optimizer.logit_kl import LogitKl, render_heatmap
 from kiln.passes.auto_precision import AutoPrecision
-from kiln.passes.base import GateResult, PassContext, Pipeline
+from kiln.passes.base import PassContext, Pipeline
+from kiln.passes.gate_result import GateResult
 from kiln.passes.precision_options import OPTIONS, default_candidates, target_fp4
 from kiln.passes.production_precision import ProductionPrecision
 from tests.conftest import CALIB_TEXT, EVAL_TEXT, STORIES, needs_stories
