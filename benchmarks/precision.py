@@ -285,7 +285,7 @@ def hf_compare(baseline, model, lists):
     import torch
 
     from kiln.calibration.metrics import kl_terms
-    from kiln.passes.base import GateResult
+    from kiln.passes.gate_result import GateResult
 
     nll, base_nll, kl, agree, count = 0.0, 0.0, 0.0, 0, 0
     with torch.no_grad():

@@ -209,7 +209,8 @@ def read_records(path: Path, builder: str) -> list[str]:
     into a temporary cache, removed afterwards, so nothing lands in the user's Hugging Face cache."""
     if path.stat().st_size == 0:  # `datasets` answers an empty JSON file with a bare StopIteration
         raise KilnError(f"{path} holds no records")
-    import datasets  # slow to import (over a second): only for record files
+    # lazy: datasets (with pyarrow) takes over a second to import, and only record files need it
+    import datasets
     import pyarrow
 
     verbosity, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()

@@ -83,6 +83,29 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
         consume_hessian: factor in `hessian`'s own buffer (fp32, contiguous), which is overwritten, instead of
             in a [K, K] copy (0.8 GB at an 8B model's down_proj); the result then holds no Hessian.
     """
+    static = _check_arguments(w, hessian, damping, act_order, scales, static_scales)
+    w = w.float()
+    k = w.shape[1]
+    diag = torch.diagonal(hessian).float().clone()
+    dead = diag <= 0
+    diag[dead] = 1.0  # an input that is never active: nothing to compensate
+    importance = diag
+    global_scale = _global_scale(layout, w, scales, importance, global_scale)
+    # fp8: one block spans the row, so dynamic == static
+    dynamic = not static and layout.codec.blocked
+    fixed = None if dynamic else choose_scales(layout, w, scales, importance, global_scale)
+    perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(k)
+    columns = _GptqColumns(layout, scales, importance, global_scale, fixed)
+    # the factor is handed over, not kept here: the loop frees it before gathering the values
+    values = columns.run(w, _inverse_hessian_factor(hessian, perm, diag, damping, consume_hessian), perm, batch)
+    result_scales = fixed if fixed is not None else _concat_block_scales(layout, columns.chosen_stored,
+                                                                         global_scale)
+    return GptqResult(values, result_scales, w, None if consume_hessian else hessian)
+
+
+def _check_arguments(w: Tensor, hessian: Tensor, damping: float, act_order: bool, scales: str,
+                     static_scales: bool | None) -> bool:
+    """gptq_quantize's arguments checked; whether its scales are static."""
     if w.ndim != 2 or hessian.shape != (w.shape[1], w.shape[1]):
         raise ValueError(f"gptq_quantize: w [N, K] and hessian [K, K] needed, got {tuple(w.shape)} and "
                          f"{tuple(hessian.shape)}")
@@ -93,29 +116,24 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
     static = act_order if static_scales is None else static_scales
     if act_order and not static:
         raise ValueError("act_order needs static scales: its column order scatters every block")
-    w = w.float()
-    n_rows, k = w.shape
-    bs = layout.block_size(k)
-    diag = torch.diagonal(hessian).float().clone()
-    dead = diag <= 0
-    diag[dead] = 1.0  # an input that is never active: nothing to compensate
-    importance = diag
-    if layout.codec.takes_global_scale and global_scale is None:  # one per-tensor scale, from the source
-        global_scale = choose_scales(layout, w, scales, importance).stored["weight_scale_2"]
-    elif layout.codec.takes_global_scale:
-        global_scale = global_scale.float().reshape(())
-    else:
-        global_scale = None
-    # fp8: one block spans the row, so dynamic == static
-    dynamic = not static and layout.codec.blocked
-    if not dynamic:
-        fixed = choose_scales(layout, w, scales, importance, global_scale)
-        multiplier = fixed.multiplier.clone()
-    else:
-        multiplier = torch.zeros(n_rows, layout.num_blocks(k))
-        chosen_stored: list[dict[str, Tensor]] = []
+    return static
 
-    perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(k)
+
+def _global_scale(layout: WeightLayout, w: Tensor, scales: str, importance: Tensor,
+                  given: Tensor | None) -> Tensor | None:
+    """The per-tensor scale every block's scale multiplies (NVFP4's): `given`, or chosen from the source
+    weight; None for formats without one."""
+    if not layout.codec.takes_global_scale:
+        return None
+    if given is None:
+        return choose_scales(layout, w, scales, importance).stored["weight_scale_2"]
+    return given.float().reshape(())
+
+
+def _inverse_hessian_factor(hessian: Tensor, perm: Tensor, diag: Tensor, damping: float,
+                            consume_hessian: bool) -> Tensor:
+    """U (H^-1 = U^T U, upper) of the damped Hessian in `perm`'s column order (_inverse_cholesky_upper);
+    `consume_hessian`: computed in `hessian`'s own buffer."""
     damp = damping * float(diag.mean())
     # A = J P H P^T J (J the reversal, see _inverse_cholesky_upper): H in the chosen order, reversed
     reverse = perm.flip(0)
@@ -125,47 +143,59 @@ def gptq_quantize(w: Tensor, hessian: Tensor, layout: WeightLayout, *, damping: 
         a = permute_symmetric_(hessian, reverse)
     else:
         a = hessian.float()[reverse.unsqueeze(1), reverse.unsqueeze(0)]  # one [K, K] copy
-    upper = _inverse_cholesky_upper(a, diag[reverse] + damp, float(diag.mean()))  # dead inputs' diag is 1
-    del a
-    # one column-major [K, N] buffer: row `col` holds the column's working weights until it is quantized, then
-    # its values; a lazy batch is [columns, N], so each column's rounding and rank-1 update read contiguous rows
-    # (on an [N, K] layout every column is strided, several times slower for 4096+ rows)
-    work = w.T[perm].contiguous()  # [K, N]
-    block_of = perm // bs  # each permuted column's scale block
-    multiplier_t = None if dynamic else multiplier.T.contiguous()  # [blocks, N]
+    return _inverse_cholesky_upper(a, diag[reverse] + damp, float(diag.mean()))  # dead inputs' diag is 1
 
-    if dynamic:
-        batch = max(bs, batch // bs * bs)  # a block never straddles two lazy batches
-    for i1 in range(0, k, batch):
-        i2 = min(i1 + batch, k)
-        w1 = work[i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        u1 = upper[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if dynamic and col % bs == 0:  # first column of a block: choose its scale now
-                cols = slice(i, min(i + bs, i2 - i1))
-                part = choose_scales(layout, w1[cols].T, scales, importance[col: col + bs], global_scale)
-                multiplier[:, col // bs] = part.multiplier[:, 0]
-                chosen_stored.append(part.stored)
-            m = multiplier[:, block_of[col]] if dynamic else multiplier_t[block_of[col]]
-            q = layout.round_(w1[i] / m).mul_(m)
-            work[col] = q
-            e = (w1[i] - q) / u1[i, i]
-            w1[i:] -= u1[i, i:].unsqueeze(1) * e.unsqueeze(0)
-            err1[i] = e
-        for r1 in range(i2, k, UPDATE_ROWS):  # the later columns, a slab at a time (no [K, N] temporary)
-            r2 = min(r1 + UPDATE_ROWS, k)
-            work[r1:r2] -= upper[i1:i2, r1:r2].T @ err1
-    del upper
 
-    values = work.T[:, torch.argsort(perm)]  # one [N, K] copy, unpermuted as it is gathered
-    del work
-    if not dynamic:
-        result_scales = fixed
-    else:
-        result_scales = _concat_block_scales(layout, chosen_stored, global_scale)
-    return GptqResult(values, result_scales, w, None if consume_hessian else hessian)
+class _GptqColumns:
+    """GPTQ's column loop over one weight: static scales (`fixed`) or, when None, each block's scale chosen as
+    the loop reaches its first column (then kept in `chosen_stored`, in block order)."""
+
+    def __init__(self, layout: WeightLayout, scales: str, importance: Tensor, global_scale: Tensor | None,
+                 fixed: Scales | None) -> None:
+        self.layout, self.scales, self.importance, self.global_scale = layout, scales, importance, global_scale
+        self.fixed = fixed
+        self.chosen_stored: list[dict[str, Tensor]] = []
+
+    def run(self, w: Tensor, upper: Tensor, perm: Tensor, batch: int) -> Tensor:
+        """The quantized values [N, K] of w (fp32) in the original column order; `upper` is freed."""
+        layout, dynamic = self.layout, self.fixed is None
+        n_rows, k = w.shape
+        bs = layout.block_size(k)
+        multiplier = torch.zeros(n_rows, layout.num_blocks(k)) if dynamic else self.fixed.multiplier.clone()
+        # one column-major [K, N] buffer: row `col` holds the column's working weights until it is quantized,
+        # then its values; a lazy batch is [columns, N], so each column's rounding and rank-1 update read
+        # contiguous rows (on an [N, K] layout every column is strided, several times slower for 4096+ rows)
+        work = w.T[perm].contiguous()  # [K, N]
+        block_of = perm // bs  # each permuted column's scale block
+        multiplier_t = None if dynamic else multiplier.T.contiguous()  # [blocks, N]
+        if dynamic:
+            batch = max(bs, batch // bs * bs)  # a block never straddles two lazy batches
+        for i1 in range(0, k, batch):
+            i2 = min(i1 + batch, k)
+            w1 = work[i1:i2].clone()
+            err1 = torch.zeros_like(w1)
+            u1 = upper[i1:i2, i1:i2]
+            for i in range(i2 - i1):
+                col = i1 + i
+                if dynamic and col % bs == 0:  # first column of a block: choose its scale now
+                    cols = slice(i, min(i + bs, i2 - i1))
+                    part = choose_scales(layout, w1[cols].T, self.scales, self.importance[col: col + bs],
+                                         self.global_scale)
+                    multiplier[:, col // bs] = part.multiplier[:, 0]
+                    self.chosen_stored.append(part.stored)
+                m = multiplier[:, block_of[col]] if dynamic else multiplier_t[block_of[col]]
+                q = layout.round_(w1[i] / m).mul_(m)
+                work[col] = q
+                e = (w1[i] - q) / u1[i, i]
+                w1[i:] -= u1[i, i:].unsqueeze(1) * e.unsqueeze(0)
+                err1[i] = e
+            for r1 in range(i2, k, UPDATE_ROWS):  # the later columns, a slab at a time (no [K, N] temporary)
+                r2 = min(r1 + UPDATE_ROWS, k)
+                work[r1:r2] -= upper[i1:i2, r1:r2].T @ err1
+        del upper
+        values = work.T[:, torch.argsort(perm)]  # one [N, K] copy, unpermuted as it is gathered
+        del work
+        return values
 
 
 def rtn_quantize(w: Tensor, layout: WeightLayout, hessian: Tensor | None = None, scales: str = "absmax") -> GptqResult:
@@ -183,7 +213,7 @@ def cholesky_in_place(a: Tensor) -> bool:
     LAPACK's potrf through scipy: torch's Cholesky (even with out=) allocates a second [K, K], 0.8 GB at an 8B
     model's down_proj (K = 14336). The row-major buffer read column-major is its transpose, so LAPACK's lower
     factor L (a = L L^T) is torch's U = L^T."""
-    from scipy.linalg import lapack
+    from scipy.linalg import lapack  # lazy: about half a second to import, and only GPTQ factorizes
 
     with one_blas_thread():
         _, info = lapack.spotrf(a.numpy().T, lower=1, clean=0, overwrite_a=1)
@@ -196,7 +226,7 @@ def one_blas_thread() -> Iterator[None]:
     the BLAS threads, so U's last bits, and after them GPTQ's grid points, would depend on the thread count
     (tests/calibration/test_gptq.py). One thread costs the factorization its parallel speed-up: potrf and trtri
     take 0.68 s instead of 0.38 s at K = 4096 and 4.7 s instead of 2.4 s at K = 8192 on this project's 2 cores."""
-    from threadpoolctl import threadpool_limits
+    from threadpoolctl import threadpool_limits  # lazy: a tenth of a second to import, only for GPTQ
 
     with threadpool_limits(limits=1, user_api="blas"):
         yield
@@ -218,7 +248,7 @@ def _inverse_cholesky_upper(a: Tensor, diagonal: Tensor, diag_mean: float) -> Te
     buffer's lower triangle only: a failed try is undone from the untouched strict upper triangle
     (symmetric), so a retry needs no copy of H. Reversing the whole buffer (both axes at once) turns L^-1
     into U."""
-    from scipy.linalg import lapack
+    from scipy.linalg import lapack  # lazy: about half a second to import, and only GPTQ factorizes
 
     extra = 0.0
     for attempt in range(8):

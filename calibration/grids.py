@@ -31,7 +31,6 @@ from kiln.kernels.registry import WEIGHT_FORMATS, WEIGHT_SPELLINGS, quantized_sp
 from kiln.kernels.weight_codec import WeightCodec
 
 FORMATS = quantized_spellings()
-E8M0_FORMATS = (WeightFormat.MXFP4, WeightFormat.MXFP6)  # power-of-two block scales, one per 32
 FP8_GRANULARITIES = ("per_channel", "per_tensor")
 
 

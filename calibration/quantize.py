@@ -21,6 +21,7 @@ from kiln.calibration.gptq import gptq_quantize
 from kiln.calibration.grids import WeightLayout
 from kiln.calibration.scale_search import mse_scales
 from kiln.kernels.errors import KilnError, check_choice
+from kiln.kernels.nvfp4 import nvfp4_global_scale
 from kiln.kernels.registry import parse_weight_format, quantized_spellings, weight_format
 
 WEIGHT_FORMATS = quantized_spellings()
@@ -99,8 +100,6 @@ def static_input_scale(fmt: str, absmax: torch.Tensor) -> torch.Tensor:
 def shared_global_scales(weights: dict[str, torch.Tensor], keys: dict[str, str]) -> dict[str, torch.Tensor]:
     """NVFP4 per-tensor scale per weight: amax / (6 * 448) over every weight with the same key (fused siblings;
     ModelOpt's export unifies them the same way)."""
-    from kiln.kernels.nvfp4 import nvfp4_global_scale
-
     amax: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         m = w.abs().amax().float()

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kiln.calibration.grids import E8M0_FORMATS, Scales, WeightLayout
-from kiln.kernels.formats import WeightFormat
+from kiln.calibration.grids import Scales, WeightLayout
 from kiln.kernels.fp4 import E2M1_MAX
+from kiln.kernels.mxfp4 import e8m0_to_float32
 
 NVFP4_CODE_OFFSETS = (0, -1, 1, 2, 3, 4, 5, 6)  # e4m3 code steps from the absmax code; 4/6 is ~4.7 steps
 MXFP4_EXPONENT_OFFSETS = (0, 1, -1)
@@ -59,7 +59,7 @@ def mse_scales(layout: WeightLayout, w: Tensor, importance: Tensor | None = None
                global_scale: Tensor | None = None) -> Scales:
     """The stored scales, per block, that minimize the importance-weighted squared error of w [N, K]."""
     w = w.float()
-    if layout.format == WeightFormat.NVFP4:
+    if layout.codec.takes_global_scale:
         if global_scale is not None:
             return _nvfp4_block_search(layout, w, importance, global_scale)[0]
         # The per-tensor scale maps the largest block scale onto E4M3's 448, which leaves the block holding the
@@ -68,12 +68,10 @@ def mse_scales(layout: WeightLayout, w: Tensor, importance: Tensor | None = None
         found = [_nvfp4_block_search(layout, w, importance, g) for g in (g6, g6 * (E2M1_MAX / 4))]
         return min(found, key=lambda f: f[1])[0]  # ties keep the absmax per-tensor scale
     base = layout.absmax_scales(w, global_scale)
-    if layout.format in E8M0_FORMATS:
+    if layout.codec.power_of_two_block_scales:
         codes = base.stored["weight_scale"].to(torch.int16)
         offsets = torch.tensor(MXFP4_EXPONENT_OFFSETS, dtype=torch.int16)
         cand = (codes.unsqueeze(-1) + offsets).clamp(0, 254).to(torch.uint8)  # [N, blocks, C]
-        from kiln.kernels.mxfp4 import e8m0_to_float32
-
         best = _argmin(block_errors(layout, w, e8m0_to_float32(cand), importance))
         return layout.mxfp4_scales(cand.gather(-1, best.unsqueeze(-1)).squeeze(-1))
     # fp8: free fp32 scales, absmax * ratio

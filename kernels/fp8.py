@@ -242,6 +242,9 @@ class Fp8E4M3Format(ScaledFp8Codec):
             return scale.reshape(-1, 1), {"weight_scale": scale}
         return self.grid_scales({"weight_scale": fp8_scale_per_tensor(w)}, granularity, w.shape[0])
 
+    per_tensor_weight_scale = True
+    absmax_ranks_like_mse = True
+
 
 def _positive_0dim(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())

@@ -271,5 +271,9 @@ class Mxfp4Format(WeightCodec):
     def grid_pack(self, values, stored_scales):
         return self._quantize(values, scale_e8m0=stored_scales.get("weight_scale")).tensors()
 
+    static_activation_refusal = "its E8M0 block scales are always dynamic"
+    coarse_grid = True
+    power_of_two_block_scales = True
+
 
 MXFP4_FORMAT = Mxfp4Format()

@@ -331,5 +331,8 @@ class Nvfp4Format(WeightCodec):
         return nvfp4_quantize(values, global_scale=stored_scales["weight_scale_2"],
                               block_scale=stored_scales["weight_scale"]).tensors()
 
+    gptq_act_order_default = False
+    coarse_grid = True
+
 
 NVFP4_FORMAT = Nvfp4Format()

@@ -157,3 +157,20 @@ class WeightCodec:
 
     def __repr__(self) -> str:
         return f"<weight format {self.name}>"
+
+    # --- what the quantization passes ask --------------------------------------------------------------------------
+    per_tensor_weight_scale: bool = False
+    """Whether granularity "per_tensor" stores one weight_scale for every row: stacked siblings are then
+    quantized one by one, and fused parts keep or repeat their scale instead of concatenating rows."""
+    static_activation_refusal: str | None = None
+    """Why activations='static' is refused for a format that quantizes activations (None: allowed)."""
+    absmax_ranks_like_mse: bool = False
+    """Weight-only, whether absmax scales rank AWQ's candidate scalings as the MSE scale search does (a grid
+    fine enough that the search moves little), so AWQ searches with them at a fraction of the cost."""
+    gptq_act_order_default: bool = True
+    """GPTQ's act-order unless a recipe says (False: block scales are chosen as GPTQ reaches each block)."""
+    coarse_grid: bool = False
+    """A 4-bit grid: its quantized activations lose enough that weight-only is a rung above them, and end-to-end
+    tuning of its grid points pays (a finer grid's tuning fits the calibration text instead)."""
+    power_of_two_block_scales: bool = False
+    """Whether its block scales are E8M0 exponents: the MSE scale search tries the neighbouring exponents."""

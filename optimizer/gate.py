@@ -30,7 +30,8 @@ from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.kernels.progress import stage
 from kiln.optimizer.lower import kv_cache_table, lower_tensors, roundtrip
-from kiln.passes.base import GateResult, MetricResult, Pass, PassMetric
+from kiln.passes.base import Pass
+from kiln.passes.gate_result import GateResult, MetricResult, PassMetric
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.engine import Engine
 from kiln.runtime.model import QuantLinear

@@ -15,8 +15,8 @@ from kiln.calibration.sensitivity import Choice, cheapest_bytes, solve_assignmen
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.targets import Target
 from kiln.passes.base import check_range
-from kiln.passes.precision_options import BF16, OPTIONS, default_candidates
-from kiln.passes.precision_plan import GroupPlan, PrecisionPass, group_loss
+from kiln.passes.precision_options import BF16, OPTIONS, GroupPlan, default_candidates
+from kiln.passes.precision_plan import PrecisionPass, group_loss
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,10 @@ from kiln.passes.base import (
     STEPS_WHY,
     Pass,
     PassContext,
-    PassMetric,
     PassResult,
     check_range,
 )
+from kiln.passes.gate_result import PassMetric
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.spec import ExtraModuleSpec, LayerSpec, LinearSpec, norm_size
 

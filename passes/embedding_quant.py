@@ -31,6 +31,7 @@ import torch
 
 from kiln.calibration.quantize import quantize_weight
 from kiln.kernels.errors import KilnError, check_choice
+from kiln.kernels.nvfp4 import nvfp4_global_scale
 from kiln.kernels.registry import parse_weight_format
 from kiln.kernels.registry import weight_format as format_object
 from kiln.passes.base import Pass, PassContext, PassResult
@@ -49,8 +50,6 @@ def quantize_rows(w: torch.Tensor, fmt: str, method: str, rows_per_chunk: int = 
     codec = format_object(stored)
     global_scale = None
     if codec.takes_global_scale:
-        from kiln.kernels.nvfp4 import nvfp4_global_scale
-
         amax = max((w[i: i + rows_per_chunk].abs().amax().float() for i in range(0, w.shape[0], rows_per_chunk)),
                    key=float)
         global_scale = nvfp4_global_scale(amax.reshape(1))

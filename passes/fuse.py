@@ -48,15 +48,9 @@ import torch
 from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import ActivationFormat, WeightFormat
-from kiln.passes.base import (
-    MAX_PARAGRAPHS,
-    ExecutedGraph,
-    Pass,
-    PassContext,
-    PassMetric,
-    PassResult,
-    check_range,
-)
+from kiln.kernels.registry import weight_format
+from kiln.passes.base import MAX_PARAGRAPHS, Pass, PassContext, PassResult, check_range
+from kiln.passes.gate_result import ExecutedGraph, PassMetric
 from kiln.passes.graph import Linear, ModelGraph, QuantizedWeight
 from kiln.passes.tensor_store import release_freed_memory
 from kiln.runtime.spec import KernelFusion, LayerSpec, LinearSpec, ModelSpec
@@ -81,7 +75,7 @@ def concat_stored(fmt: str, parts: Sequence[Mapping[str, torch.Tensor]], rows: S
         values = [p[key] for p in parts]
         if len({v.dtype for v in values}) > 1:
             return f"their {key} dtypes differ"
-        if key in ROW_TENSORS or (key == "weight_scale" and fmt != WeightFormat.FP8_E4M3):
+        if key in ROW_TENSORS or (key == "weight_scale" and not weight_format(fmt).per_tensor_weight_scale):
             out[key] = torch.cat(values)
         elif key == "weight_scale":  # FP8: [rows, 1] per channel, or one value per tensor
             per_tensor = [v.numel() == 1 for v in values]
@@ -117,7 +111,8 @@ def split_stored(fmt: str, tensors: Mapping[str, torch.Tensor], rows: Sequence[i
     scale back (its rows must all hold it)."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in rows]
     for key, value in tensors.items():
-        if key in ROW_TENSORS or (key == "weight_scale" and (fmt != WeightFormat.FP8_E4M3 or value.numel() > 1)):
+        if key in ROW_TENSORS or (key == "weight_scale" and (not weight_format(fmt).per_tensor_weight_scale
+                                                              or value.numel() > 1)):
             if value.shape[0] != sum(rows):
                 raise KilnError(f"fused tensor {key} has {value.shape[0]} rows, its parts {sum(rows)}")
             for i, piece in enumerate(value.split(list(rows))):

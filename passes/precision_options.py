@@ -5,10 +5,12 @@ input activations, with what each costs in stored bytes and which targets run it
                          mxfp6)
     default_candidates   every option a target runs (what auto-precision searches by default)
     target_fp4           the FP4 option a target runs fastest (production-precision's "fp4")
+    GroupPlan            one layer group's linears and candidate options, with what each costs
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kiln.kernels.errors import KilnError
@@ -104,3 +106,19 @@ def option(name: str) -> PrecisionOption:
         return OPTIONS[name]
     except KeyError:
         raise KilnError(f"unknown precision option {name!r}; choose one of {', '.join(OPTIONS)}") from None
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One layer group a precision pass assigns an option: its linears and candidate options, with what each
+    costs in stored bytes."""
+
+    name: str
+    linears: tuple[str, ...]
+    candidates: tuple[str, ...]  # option names, cheapest first
+    weights: int  # number of weight elements
+    cost: Mapping[str, int]  # option -> stored bytes
+
+    @property
+    def is_experts(self) -> bool:
+        return self.name.endswith(".experts")

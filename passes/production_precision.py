@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kiln.kernels.errors import KilnError, check_choice
-from kiln.kernels.formats import WeightFormat
+from kiln.kernels.registry import weight_format
 from kiln.kernels.targets import Target
 from kiln.passes.base import check_range
 from kiln.passes.precision_options import ATTENTION_ROLES, BF16, OPTIONS, runs_on, target_fp4
@@ -61,9 +61,10 @@ class ProductionPrecision(PrecisionPass):
         start = self.policy_option(lin_roles, target)
         ladder = [start]
         opt = OPTIONS[start]
-        if opt.weight_format in (WeightFormat.NVFP4, WeightFormat.MXFP4) and opt.quantizes_activations:
+        codec = weight_format(opt.weight)
+        if codec.coarse_grid and opt.quantizes_activations:
             ladder.append(opt.weight)  # the same format weight-only
-        if opt.weight_format not in (WeightFormat.FP8_E4M3, WeightFormat.DENSE):
+        if codec.bits_per_weight < weight_format(OPTIONS["fp8"].weight).bits_per_weight:  # FP8 is a rung up
             ladder.append("fp8-w8a8" if runs_on(OPTIONS["fp8-w8a8"], target) else "fp8")
         ladder.append(BF16)
         return tuple(dict.fromkeys(ladder))

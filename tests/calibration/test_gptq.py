@@ -19,7 +19,7 @@ from kiln.calibration.gptq import (
 )
 from kiln.calibration.grids import WeightLayout
 from kiln.calibration.scale_search import mse_scales
-from kiln.passes.weight_quant import quantize_linear_weight
+from kiln.passes.linear_quant import quantize_linear_weight
 
 FORMATS = ("fp8", "nvfp4", "mxfp4", "mxfp6")
 
@@ -103,7 +103,7 @@ def test_siblings_quantized_together_equal_one_by_one(fmt):
     """q/k/v (one Hessian) go through one stacked GPTQ: rows are independent, so the stored tensors are the
     ones each weight gets alone (NVFP4 with the siblings' shared per-tensor scale)."""
     from kiln.calibration.quantize import shared_global_scales
-    from kiln.passes.weight_quant import quantize_sibling_weights
+    from kiln.passes.linear_quant import quantize_sibling_weights
 
     w, x = correlated_layer(n_out=80, k=64)
     parts = list(w.split([32, 16, 32]))
@@ -120,7 +120,7 @@ def test_siblings_quantized_together_equal_one_by_one(fmt):
 
 def test_large_siblings_are_quantized_one_by_one(monkeypatch):
     """Above STACK_BYTES the siblings are not stacked (memory), with the same stored values."""
-    import kiln.passes.weight_quant as wq
+    import kiln.passes.linear_quant as wq
 
     w, x = correlated_layer(n_out=64, k=64)
     parts, h = list(w.split([32, 32])), x.T @ x / x.shape[0]

@@ -8,7 +8,7 @@ import torch
 
 from kiln.calibration.grids import WeightLayout
 from kiln.calibration.scale_search import block_errors, mse_scales
-from kiln.passes.weight_quant import quantize_linear_weight
+from kiln.passes.linear_quant import quantize_linear_weight
 
 CASES = [("fp8", "per_channel"), ("fp8", "per_tensor"), ("nvfp4", "per_channel"), ("mxfp4", "per_channel"),
          ("mxfp6", "per_channel")]

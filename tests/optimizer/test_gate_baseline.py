@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln.passes.base import GateResult
+from kiln.passes.gate_result import GateResult
 from tests.breakage import broken_copy
 from tests.conftest import EVAL_TEXT, STORIES, needs_stories
 

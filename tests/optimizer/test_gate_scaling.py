@@ -18,7 +18,8 @@ from kiln.kernels.targets import get_target
 from kiln.optimizer import gate as gate_module
 from kiln.optimizer.gate import AccuracyGate, artifact_floors, check_floors, engine_from_graph, score
 from kiln.optimizer.loader import load_checkpoint
-from kiln.passes.base import GateResult, Pass, PassContext, PassResult, Pipeline
+from kiln.passes.base import Pass, PassContext, PassResult, Pipeline
+from kiln.passes.gate_result import GateResult
 from kiln.passes.weight_quant import WeightQuantization
 from kiln.runtime.engine import Engine, load_tokenizer
 from tests.breakage import broken_copy

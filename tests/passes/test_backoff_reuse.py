@@ -14,7 +14,8 @@ import torch
 from kiln.kernels.targets import get_target
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.runner import RuntimeRunner
-from kiln.passes.base import GateResult, PassContext, config_dict, run_gated
+from kiln.passes.base import PassContext, config_dict, run_gated
+from kiln.passes.gate_result import GateResult
 from kiln.passes.weight_quant import CalibrationCache, WeightQuantization
 from tests.conftest import CALIB_TEXT, STORIES, needs_stories
 from tests.tiny_models import make_tiny_checkpoint
@@ -109,7 +110,7 @@ def test_a_reusing_attempt_stores_what_a_full_calibration_stores(four_blocks, na
 
 
 def test_blocks_before_the_first_kept_one_are_not_recalibrated(four_blocks, monkeypatch):
-    from kiln.passes import weight_quant
+    from kiln.passes import block_calibration
 
     graph = load_checkpoint(four_blocks)
     tokens = token_lists(graph.spec.vocab_size)
@@ -119,8 +120,8 @@ def test_blocks_before_the_first_kept_one_are_not_recalibrated(four_blocks, monk
     cache = config.apply(graph, ctx).calibration
     graph.restore(state)
     quantized: list[str] = []
-    real = weight_quant.quantize_sibling_weights
-    monkeypatch.setattr(weight_quant, "quantize_sibling_weights",
+    real = block_calibration.quantize_sibling_weights
+    monkeypatch.setattr(block_calibration, "quantize_sibling_weights",
                         lambda ws, *a, **k: quantized.append(len(ws)) or real(ws, *a, **k))
     observed: list[int] = []
     session_type = type(ctx.runner.session(graph))

@@ -19,7 +19,8 @@ from kiln.optimizer.lower import write_artifact
 from kiln.optimizer.runner import RuntimeRunner
 from kiln.passes.base import PassContext, Pipeline
 from kiln.passes.kv_cache import KvCacheQuantization
-from kiln.passes.mla import MlaConversion, choose_ranks, converted_layer, install, unconvertible
+from kiln.passes.mla import MlaConversion
+from kiln.passes.mla_factorize import choose_ranks, converted_layer, install, unconvertible
 from kiln.runtime.artifact import WEIGHTS
 from kiln.runtime.kv_format import kv_bytes_per_token
 from tests.conftest import STORIES, needs_stories

@@ -10,7 +10,8 @@ import torch
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
-from kiln.passes.base import GateResult, Pass, PassContext, PassResult, Pipeline
+from kiln.passes.base import Pass, PassContext, PassResult, Pipeline
+from kiln.passes.gate_result import GateResult
 from kiln.passes.weight_quant import WeightQuantization
 from tests.passes.destructive import Scramble
 

@@ -21,7 +21,8 @@ from kiln.optimizer.recipes import resolve_recipe
 from kiln.optimizer.runner import RuntimeRunner
 from kiln.optimizer.logit_kl import LogitKl, render_heatmap
 from kiln.passes.auto_precision import AutoPrecision
-from kiln.passes.base import GateResult, PassContext, Pipeline
+from kiln.passes.base import PassContext, Pipeline
+from kiln.passes.gate_result import GateResult
 from kiln.passes.precision_options import OPTIONS, default_candidates, target_fp4
 from kiln.passes.production_precision import ProductionPrecision
 from tests.conftest import CALIB_TEXT, EVAL_TEXT, STORIES, needs_stories
@@ -81,7 +82,7 @@ def test_auto_assigns_one_option_per_group_within_the_budget(tiny):
 def test_sensitivity_estimated_from_gradients(tiny, monkeypatch, method):
     """sensitivity_method "fisher" (or "auto" past MEASURED_PROBE_BUDGET) fills the same table from one
     gradient pass; it ranks FP4 above FP8, and the solver assigns within the budget from it."""
-    from kiln.passes import precision_plan
+    from kiln.passes import precision_sensitivity
 
     graph = load_checkpoint(tiny["llama"])
     runner_calls = []
@@ -91,7 +92,7 @@ def test_sensitivity_estimated_from_gradients(tiny, monkeypatch, method):
     if method == "fisher":
         pass_ = AutoPrecision(weight_bits=6.0, sensitivity_paragraphs=4, sensitivity_method="fisher")
     else:
-        monkeypatch.setattr(precision_plan, "MEASURED_PROBE_BUDGET", 0)
+        monkeypatch.setattr(precision_sensitivity, "MEASURED_PROBE_BUDGET", 0)
         pass_ = AutoPrecision(weight_bits=6.0, sensitivity_paragraphs=4)
     Pipeline((pass_,)).run(graph, ctx)
     assert runner_calls == []  # no probe measured

@@ -19,7 +19,8 @@ from kiln.kernels.targets import get_target
 from kiln.optimizer.gate import AccuracyGate, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import write_artifact
-from kiln.passes.base import Pass, PassContext, PassMetric, PassResult, Pipeline
+from kiln.passes.base import Pass, PassContext, PassResult, Pipeline
+from kiln.passes.gate_result import PassMetric
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.spec import LinearSpec, ModelSpec
 from tests.conftest import EVAL_TEXT, STORIES, needs_stories

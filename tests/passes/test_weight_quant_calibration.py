@@ -16,8 +16,10 @@ from kiln.optimizer.calibration_session import RuntimeCalibrator
 from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.runner import RuntimeRunner
+from kiln.passes.awq_fold import awq_groups, fold_input_scale
 from kiln.passes.base import PassContext, Pipeline
-from kiln.passes.weight_quant import WeightQuantization, _awq_groups, _fold_input_scale, stage_of
+from kiln.passes.linear_quant import stage_of
+from kiln.passes.weight_quant import WeightQuantization
 from kiln.runtime.engine import Engine
 from tests.conftest import CALIB_TEXT, EVAL_TEXT, STORIES, needs_stories
 
@@ -40,14 +42,14 @@ def test_awq_folding_keeps_the_fp32_function(generated_checkpoint):
     source = dict(graph.tensors)
     g = torch.Generator().manual_seed(1)
     for block in graph.blocks:
-        groups, why_not = _awq_groups(graph, block.index)
+        groups, why_not = awq_groups(graph, block.index)
         assert why_not is None and len(groups) == 4
         for group in groups:
             k = graph.linears[group.consumers[0]].in_features
             scale = torch.rand(k, generator=g) * 1.5 + 0.5
             if group.tie is not None:  # o_proj: query heads sharing a KV head share a scale
                 scale = scale[: int(group.tie.max()) + 1][group.tie]
-            _fold_input_scale(graph, group, scale)
+            fold_input_scale(graph, group, scale)
     torch.testing.assert_close(logits(graph, tokens), before, atol=1e-5, rtol=1e-5)
     assert graph.tensors[graph.embedding] is embedding  # the tied embedding is never touched
     changed = [n for n in source if graph.tensors[n] is not source[n]]
@@ -282,21 +284,21 @@ def test_calibrated_pass_runs_on_every_architecture(tiny_checkpoints, model_type
 def test_awq_folds_keep_the_function(tiny_checkpoints, model_type):
     """Folding per-channel scales into every AWQ group (norm -> q/k/v and gate/up, v -> o, up -> down) leaves
     the model's logits as they were: Gemma's norms scale by (1 + w), so the fold divides (1 + w), not w."""
-    from kiln.passes.weight_quant import _awq_groups, _fold_input_scale
+    from kiln.passes.awq_fold import awq_groups, fold_input_scale
 
     graph = load_checkpoint(tiny_checkpoints[model_type])
     tokens = token_lists(graph.spec.vocab_size, count=2)
     before = engine_from_graph(graph).logits(tokens)
     gen = torch.Generator().manual_seed(0)
     for layer in range(len(graph.spec.layers)):
-        groups, why = _awq_groups(graph, layer)
+        groups, why = awq_groups(graph, layer)
         assert not why and any(g.producer_is_norm for g in groups)
         for group in groups:
             width = graph.linears[group.consumers[0]].in_features
             scale = torch.rand(width, generator=gen) + 0.5
             if group.tie is not None:  # o_proj: the query heads reading one KV head share its channels' scale
                 scale = (torch.rand(int(group.tie.max()) + 1, generator=gen) + 0.5)[group.tie]
-            _fold_input_scale(graph, group, scale)
+            fold_input_scale(graph, group, scale)
     after = engine_from_graph(graph).logits(tokens)
     assert not torch.equal(graph.tensors["model.layers.0.input_layernorm.weight"],
                            load_checkpoint(tiny_checkpoints[model_type]).tensors["model.layers.0.input_layernorm.weight"])
