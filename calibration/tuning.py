@@ -8,7 +8,7 @@ where that lowers the loss: the KL divergence from the source model's next-token
 calibration tokens. Norm weights (stored in full precision) are tuned with them.
 
     for step in range(steps):                       # batches cycle over the calibration set
-        loss = KL(p_source || p_quantized) on one batch      # optimizer.calibration_session computes it
+        loss = KL(p_source || p_quantized) on one batch      # optimizer.measure.calibration_session computes it
         V -= adam(grad)    with a cosine learning-rate decay to 0
     stored values = Q(V) with the same scales        # so the artifact stores grid points as before
 

@@ -169,7 +169,7 @@ def _num(value: float) -> str:
 
 
 # The numeric options' ranges, checked while the command line is parsed (report's --context and --price-per-hour
-# are checked by optimizer.economics, the gate floors by optimizer.gate.check_floors, both before any work)
+# are checked by optimizer.economics, the gate floors by optimizer.measure.gate.check_floors, both before any work)
 _PARAGRAPHS = _bounded("--paragraphs", 1, MAX_PARAGRAPHS, integer=True, why="each is scored")
 _CALIB_TOKENS = _bounded("--calib-tokens", 1, integer=True)
 _WEIGHT_BITS = _bounded("--weight-bits", 0, 16, low_open=True)
@@ -466,7 +466,7 @@ def _score_artifact(artifact: Path, data: Path, paragraphs: int, force: bool = F
     """Score the artifact on `data`, paragraphs cut at its context; refuse text it cannot read unless `force`."""
     from kiln import runtime
     from kiln.calibration.data import load_token_lists, token_cap
-    from kiln.optimizer.gate import check_native_text, score
+    from kiln.optimizer.measure.gate import check_native_text, score
 
     engine = runtime.load(artifact, device=device)
     tokens = load_token_lists(engine._tokenizer(), data, paragraphs, token_cap(engine.spec.max_position_embeddings),
@@ -656,7 +656,7 @@ def gate(
 
     Recovery comes with a 95% paired-bootstrap interval over the paragraphs; --decision lower holds its lower
     end to the floor."""
-    from kiln.optimizer.gate import check_floors
+    from kiln.optimizer.measure.gate import check_floors
     from kiln.optimizer.gate_report import FORMATS
 
     check_floors(min_recovery, max_kl, min_top1)
@@ -665,7 +665,7 @@ def gate(
         raise KilnError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if decision not in ("point", "lower"):
         raise KilnError(f"--decision must be point or lower, got {decision!r}")
-    from kiln.optimizer.generation_check import GenerationFloors
+    from kiln.optimizer.measure.generation_check import GenerationFloors
 
     given = {"agreement": min_gen_agreement, "distinct4_ratio": min_distinct_ratio,
              "first_divergence": min_first_divergence}
@@ -683,7 +683,7 @@ def gate(
     started = time.perf_counter()
     from kiln import runtime
     from kiln.calibration.data import load_token_lists, token_cap
-    from kiln.optimizer.gate import (
+    from kiln.optimizer.measure.gate import (
         AccuracyGate,
         Check,
         artifact_floors,
@@ -728,14 +728,14 @@ def gate(
               "tokens": result.tokens, "min_recovery": min_recovery, "max_kl": max_kl, "min_top1": min_top1,
               "suspect": result.suspect}
     if generate:
-        from kiln.optimizer.generation_check import generation_prompts, long_generation
+        from kiln.optimizer.measure.generation_check import generation_prompts, long_generation
 
         _log(f"long generation: {generate} prompts x {generate_tokens} tokens, baseline and artifact")
         long = long_generation(engine, reference, generation_prompts(tokens, generate), generate_tokens)
         checks += long.checks(gen_floors)
         fields["generation"] = long.to_json()
     if tasks is not None:
-        from kiln.optimizer.tasks import run_tasks
+        from kiln.optimizer.eval.tasks import run_tasks
 
         task_checks, task_results = run_tasks(tasks, engine, reference, limit=task_limit, log=_log)
         checks += task_checks

@@ -166,7 +166,7 @@ class GateResult:
     min_top1: float | None = None  # least pass_top1
     reference_kl: float = 0.0  # KL and top-1 of the graph this pass started from (0 and 1 for the first pass)
     reference_top1: float = 1.0
-    # 95% paired-bootstrap interval on `recovery` over the scored documents (optimizer.gate.recovery_interval)
+    # 95% paired-bootstrap interval on `recovery` over the scored documents (optimizer.measure.gate.recovery_interval)
     recovery_interval: tuple[float, float] | None = None
 
     @property
@@ -283,7 +283,7 @@ class CalibrationSession(Protocol):
 
 class ModelRunner(Protocol):
     """Everything a pass asks of the model, answered by running it with the runtime's numerics on the
-    calibration tokens; implemented in optimizer/runner.py (passes/ never imports the runtime)."""
+    calibration tokens; implemented in optimizer/measure/runner.py (passes/ never imports the runtime)."""
 
     calibration_tokens: Sequence[Sequence[int]]  # tokenized calibration paragraphs (calibration.txt)
 
@@ -319,7 +319,7 @@ class ModelRunner(Protocol):
         """A draft module's self-distillation objective on every calibration paragraph plus `extra_token_lists`
         (e.g. the graph's own generations), against the graph as it stands:
         `.parameters` (tensor name -> trainable tensor, from `init`), `.loss(step)` (forward and backward on one
-        batch), `len()` and `.batch_tokens(step)` (optimizer.draft_training)."""
+        batch), `len()` and `.batch_tokens(step)` (optimizer.measure.draft_training)."""
 
 
 @dataclass

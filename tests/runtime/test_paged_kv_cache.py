@@ -209,9 +209,9 @@ def test_fp8_kv_greedy_256_tokens_agrees_with_bf16_on_stories260k():
     """
     from kiln.calibration.data import load_token_lists
     from kiln.kernels.targets import get_target
-    from kiln.optimizer.gate import engine_from_graph
+    from kiln.optimizer.measure.gate import engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
-    from kiln.optimizer.runner import RuntimeRunner
+    from kiln.optimizer.measure.runner import RuntimeRunner
     from kiln.passes.base import PassContext
     from kiln.passes.kv_cache import KvCacheQuantization
     from kiln.runtime.engine import decode_one_token, load_tokenizer, prefill

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.gate import engine_from_graph
+from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.scheduler import SamplingParams, Scheduler
 from tests.conftest import EVAL_TEXT, STORIES

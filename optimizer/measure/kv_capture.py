@@ -1,7 +1,7 @@
 """Calibration activations for passes, computed by the runtime's own modules (optimizer may import runtime).
 
-    KvCapture      `ModelRunner.capture_kv` (optimizer.runner): K/V cache activations on the calibration tokens
-    RuntimeCalibrator (optimizer.calibration_session)  `ModelRunner.session`: per-linear inputs, block by block
+    KvCapture      `ModelRunner.capture_kv` (optimizer.measure.runner): K/V cache activations on the calibration tokens
+    RuntimeCalibrator (optimizer.measure.calibration_session)  `ModelRunner.session`: per-linear inputs, block by block
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.calibration_session import RuntimeCalibrationSession
+from kiln.optimizer.measure.calibration_session import RuntimeCalibrationSession
 from kiln.optimizer.lower import lower_tensors
 from kiln.passes.graph import ModelGraph
 

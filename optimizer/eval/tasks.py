@@ -59,7 +59,7 @@ import torch
 from kiln.calibration.data import length_batches
 from kiln.kernels.errors import KilnError
 from kiln.kernels.progress import stage
-from kiln.optimizer.gate import BATCH_TOKENS, MAX_FLOOR, Check, head_log_probs
+from kiln.optimizer.measure.gate import BATCH_TOKENS, MAX_FLOOR, Check, head_log_probs
 from kiln.runtime.engine import Engine
 
 INSTALL_HINT = "pip install 'kiln[tasks]'"
@@ -95,7 +95,7 @@ def engine_lm(engine: Engine, max_length: int | None = None, batch_tokens: int =
 @functools.cache
 def engine_lm_class():
     """`EngineLM`, lm-eval's `TemplateLM` over a Kiln `Engine`; defined on first use, as lm-eval is the optional
-    `tasks` extra. lm-eval's model `kiln` (kiln.optimizer.lm_eval_model.KilnLM) is this class over an artifact."""
+    `tasks` extra. lm-eval's model `kiln` (kiln.optimizer.eval.lm_eval_model.KilnLM) is this class over an artifact."""
     lm_eval = _lm_eval()
 
     class EngineLM(lm_eval.api.model.TemplateLM):
@@ -261,7 +261,7 @@ def task_floor(name: str, metadata: dict | None, higher_is_better: dict[str, boo
     bounds = {k: metadata[k] for k in FLOOR_KEYS if metadata.get(k) is not None}
     if not bounds:
         raise KilnError(f"task {name} has no floor: give its metadata kiln_metric and kiln_min_recovery, kiln_min "
-                        "or kiln_max (see kiln.optimizer.tasks)")
+                        "or kiln_max (see kiln.optimizer.eval.tasks)")
     metric = metadata.get("kiln_metric")
     if not isinstance(metric, str) or not metric:
         raise KilnError(f"task {name}: metadata kiln_metric must name one of its metrics "

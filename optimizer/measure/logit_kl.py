@@ -1,4 +1,4 @@
-"""Sensitivity through the runtime (`ModelRunner.logit_kl`, optimizer.runner) and its picture (a layers x
+"""Sensitivity through the runtime (`ModelRunner.logit_kl`, optimizer.measure.runner) and its picture (a layers x
 formats heatmap).
 
     kl = LogitKl(source_graph, calibration_token_lists)
@@ -43,7 +43,7 @@ from kiln.calibration.metrics import kl_terms
 from kiln.calibration.sensitivity import SensitivityTable
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import KvFormat
-from kiln.optimizer.gate import BATCH_TOKENS
+from kiln.optimizer.measure.gate import BATCH_TOKENS
 from kiln.optimizer.lower import kv_cache_table, lower_tensors
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.kv_format import KvStream, resolve_kv_streams
@@ -257,7 +257,7 @@ class _Probe:
 
 
 class LogitKl:
-    """`RuntimeRunner.logit_kl` (optimizer.runner): KL of the final logits against the source.
+    """`RuntimeRunner.logit_kl` (optimizer.measure.runner): KL of the final logits against the source.
 
     `builds` counts the model parts built so far (EMBEDDING, HEAD, block index), `blocks_run` the blocks run
     per batch of paragraphs: what a probe cost."""

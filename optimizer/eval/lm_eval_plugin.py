@@ -8,7 +8,7 @@ never uses lm-eval loads nothing of Kiln's) and nothing outside the standard lib
 millisecond, and adds one import hook to `sys.meta_path`. The hook acts once, on the first import of
 `lm_eval.models`: after that module has filled the registry with lm-eval's own names, it adds `kiln` as a lazy
 placeholder (`MODEL_TARGET`, the entry point pyproject.toml declares in the group `lm_eval.models`), which
-lm-eval loads only when asked for it. Kiln's `register()` (kiln.optimizer.lm_eval_model) imports this module
+lm-eval loads only when asked for it. Kiln's `register()` (kiln.optimizer.eval.lm_eval_model) imports this module
 the usual way.
 
     lm_eval --model kiln --model_args artifact=DIR --tasks TASK --include_path examples/tasks
@@ -23,7 +23,7 @@ import sys
 
 HOOKED_MODULE = "lm_eval.models"  # the module whose import fills lm-eval's model registry
 MODEL_NAME = "kiln"
-MODEL_TARGET = "kiln.optimizer.lm_eval_model:KilnLM"  # as [project.entry-points."lm_eval.models"] declares
+MODEL_TARGET = "kiln.optimizer.eval.lm_eval_model:KilnLM"  # as [project.entry-points."lm_eval.models"] declares
 
 
 def register_placeholder() -> bool:
@@ -87,7 +87,7 @@ def uninstall() -> None:
 
 
 def _is_hook(finder) -> bool:
-    # by name: the .pth's copy of this source and an imported kiln.optimizer.lm_eval_plugin define two classes
+    # by name: the .pth's copy of this source and an imported kiln.optimizer.eval.lm_eval_plugin define two classes
     return type(finder).__name__ == LmEvalModelsHook.__name__
 
 
