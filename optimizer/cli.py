@@ -23,7 +23,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kiln.kernels import progress
-from kiln.kernels.errors import BelowFloor, KilnError
+from kiln.kernels.errors import KilnError
+from kiln.optimizer.errors import BelowFloor
 from kiln.optimizer.progress_view import reporter_for, timing_table
 
 # rich_markup_mode=None: click's plain help, which gives each option's names their own line when they are long;
@@ -656,8 +657,8 @@ def gate(
 
     Recovery comes with a 95% paired-bootstrap interval over the paragraphs; --decision lower holds its lower
     end to the floor."""
-    from kiln.optimizer.measure.gate import check_floors
     from kiln.optimizer.gate_report import FORMATS
+    from kiln.optimizer.measure.gate import check_floors
 
     check_floors(min_recovery, max_kl, min_top1)
     fmt = "json" if as_json else fmt
@@ -683,6 +684,7 @@ def gate(
     started = time.perf_counter()
     from kiln import runtime
     from kiln.calibration.data import load_token_lists, token_cap
+    from kiln.optimizer.loader import load_checkpoint
     from kiln.optimizer.measure.gate import (
         AccuracyGate,
         Check,
@@ -691,7 +693,6 @@ def gate(
         check_native_text,
         engine_from_graph,
     )
-    from kiln.optimizer.loader import load_checkpoint
 
     engine = runtime.load(artifact, device=device)
     source = load_checkpoint(baseline, log=_log)

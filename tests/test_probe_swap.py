@@ -11,8 +11,8 @@ from kiln.calibration.data import length_batches
 from kiln.calibration.metrics import kl_terms
 from kiln.calibration.quantize import calibrated_weight
 from kiln.kernels.formats import KvFormat, WeightFormat
-from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.optimizer.measure.logit_kl import HEAD, LogitKl
 from kiln.passes.graph import QuantizedWeight
 from kiln.passes.precision_options import OPTIONS

@@ -34,9 +34,9 @@ from pathlib import Path
 
 from kiln import runtime
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.measure.gate import BATCH_TOKENS
 from kiln.optimizer.eval.lm_eval_plugin import MODEL_NAME, register_placeholder
 from kiln.optimizer.eval.tasks import engine_lm_class
+from kiln.optimizer.measure.gate import BATCH_TOKENS
 
 MODEL_ARGS = ("artifact", "max_length", "batch_tokens", "batch_size", "max_batch_size", "device")
 MAX_MESSAGE = 300  # the longest error line kiln-lm-eval prints, as the optimize command line bounds its own

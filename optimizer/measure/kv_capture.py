@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.measure.calibration_session import RuntimeCalibrationSession
 from kiln.optimizer.lower import lower_tensors
+from kiln.optimizer.measure.calibration_session import RuntimeCalibrationSession
 from kiln.passes.graph import ModelGraph
 
 

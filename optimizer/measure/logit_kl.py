@@ -43,8 +43,8 @@ from kiln.calibration.metrics import kl_terms
 from kiln.calibration.sensitivity import SensitivityTable
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import KvFormat
-from kiln.optimizer.measure.gate import BATCH_TOKENS
 from kiln.optimizer.lower import kv_cache_table, lower_tensors
+from kiln.optimizer.measure.gate import BATCH_TOKENS
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.kv_format import KvStream, resolve_kv_streams
 from kiln.runtime.model import (

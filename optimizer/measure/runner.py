@@ -28,10 +28,10 @@ from collections.abc import Sequence
 import torch
 
 from kiln.calibration.data import FORWARD_BATCH_TOKENS
-from kiln.optimizer.measure.kv_capture import KvCapture
 from kiln.optimizer.measure.calibration_session import RuntimeCalibrationSession, RuntimeCalibrator
 from kiln.optimizer.measure.fisher import Candidates, FisherKl
 from kiln.optimizer.measure.gate import engine_from_graph
+from kiln.optimizer.measure.kv_capture import KvCapture
 from kiln.optimizer.measure.logit_kl import LogitKl
 from kiln.passes.graph import ModelGraph
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.optimizer.measure.fisher import FisherKl
 from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.measure.fisher import FisherKl
 from kiln.optimizer.measure.logit_kl import LogitKl
 from tests.conftest import needs_stories
 from tests.test_probe_swap import linears_of, quantize, random_tokens, restore

@@ -29,8 +29,8 @@ def lm_eval():
 
 @pytest.fixture(scope="module")
 def engine(lm_eval):
-    from kiln.optimizer.measure.gate import engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.measure.gate import engine_from_graph
     from kiln.runtime.engine import load_tokenizer
 
     if not (STORIES / "config.json").is_file():
@@ -99,8 +99,8 @@ def test_loglikelihood_equals_a_direct_computation_with_the_engine(lm_eval, engi
 
 @needs_shared
 def test_full_vocabulary_logits_exist_only_for_a_chunk_of_scored_positions(lm_eval, engine, monkeypatch):
-    from kiln.optimizer.measure import gate as gate_module
     from kiln.optimizer.eval.tasks import engine_lm
+    from kiln.optimizer.measure import gate as gate_module
     from kiln.runtime.engine import Engine
 
     requests = instances("loglikelihood", *LOGLIKELIHOOD)
@@ -164,8 +164,8 @@ def test_the_example_tasks_run_end_to_end_on_stories260k(lm_eval, engine):
 
 @needs_shared
 def test_a_worse_candidate_fails_its_floors(lm_eval, engine):
-    from kiln.optimizer.measure.gate import engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.measure.gate import engine_from_graph
 
     graph = load_checkpoint(STORIES)
     for layer in range(len(graph.blocks)):  # attention's and the MLP's outputs gone: the model reads one token

@@ -11,9 +11,9 @@ import torch
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
-from kiln.optimizer.measure.kv_capture import KvCapture
-from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.measure.gate import engine_from_graph
+from kiln.optimizer.measure.kv_capture import KvCapture
 from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.passes.base import GateResult, Pass, PassContext, PassResult, Pipeline
 from kiln.passes.kv_cache import KvCacheQuantization

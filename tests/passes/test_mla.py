@@ -13,9 +13,9 @@ import torch
 from kiln import runtime
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
-from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import write_artifact
+from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.passes.base import PassContext, Pipeline
 from kiln.passes.kv_cache import KvCacheQuantization

@@ -11,10 +11,10 @@ from kiln.calibration.quantize import static_input_scale
 from kiln.kernels.errors import KilnError
 from kiln.kernels.rotation import block_hadamard
 from kiln.kernels.targets import get_target
+from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.measure import calibration_session as calibrator_module
 from kiln.optimizer.measure.calibration_session import RuntimeCalibrator
 from kiln.optimizer.measure.gate import engine_from_graph
-from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.passes.base import PassContext, Pipeline
 from kiln.passes.weight_quant import WeightQuantization, _awq_groups, _fold_input_scale, stage_of

@@ -9,8 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.passes.draft_head import attach, head_module, init_tensors
 from kiln.runtime.speculative import (
     Drafter,
