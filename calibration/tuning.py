@@ -82,7 +82,7 @@ def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], st
     gradient, the loss) among its threads, so each thread count sums in another order, and hundreds of steps
     of straight-through rounding turn a last-bit difference into other grid points (the auto recipe's recovery
     moved by 0.004 between thread counts: benchmarks/results/tuning.md). On one thread, with MKL's strict mode
-    set by optimizer.cli.pin_cpu_numerics, it stores the same weights whether torch has one thread or two."""
+    set by optimizer.numerics.pin_cpu_numerics, it stores the same weights whether torch has one thread or two."""
     if steps <= 0:
         return []
     if lr <= 0:
