@@ -30,7 +30,10 @@ site.py skipped .pth files, e.g. `python -S`), and `kiln-lm-eval` is lm-eval's o
 from __future__ import annotations
 
 import sys
+from importlib.metadata import version
 from pathlib import Path
+
+import torch
 
 from kiln import runtime
 from kiln.kernels.errors import KilnError
@@ -64,8 +67,6 @@ class KilnLM(engine_lm_class()):
 def _device(device: str | None) -> str:
     """lm-eval's device as the runtime's: a CUDA device where one exists (packed weights, bf16 activations),
     else the CPU reference (lm-eval passes cuda:0 unless told otherwise, GPU or not, as its HF model falls back)."""
-    import torch
-
     wanted = str(device or "cpu")
     return wanted if not wanted.startswith("cuda") or torch.cuda.is_available() else "cpu"
 
@@ -88,7 +89,9 @@ def _check_batch_size(batch_size) -> None:
 def register() -> None:
     """Make sure lm-eval's model registry has `kiln` (the .pth hook has normally added it already): lm-eval's
     own models are registered first, as its `get_model` registers them only while the registry is empty."""
-    import lm_eval.models  # noqa: F401 -- fills the registry with lm-eval's own names (and, through the hook, kiln)
+    # lazy: lm-eval is the optional `tasks` extra; importing lm_eval.models fills the registry with its own names
+    # (and, through the hook, kiln)
+    import lm_eval.models  # noqa: F401
 
     if not register_placeholder():
         raise KilnError(f"lm-eval's model registry refused the name {MODEL_NAME!r}: lm-eval "
@@ -96,15 +99,13 @@ def register() -> None:
 
 
 def _lm_eval_version() -> str:
-    from importlib.metadata import version
-
     return version("lm-eval")
 
 
 def main() -> None:
     """`kiln-lm-eval ARGS`: lm-eval's command line (`lm_eval ARGS`) with the model `kiln` registered; a
     KilnError (a missing or damaged artifact, a request Kiln refuses) is one line on stderr, exit code 2."""
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.__main__ import cli_evaluate  # lazy: lm-eval is the optional `tasks` extra
 
     try:
         register()

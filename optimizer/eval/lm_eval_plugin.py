@@ -30,7 +30,7 @@ def register_placeholder() -> bool:
     """Add `kiln` to lm-eval's model registry as a lazy `module:object` placeholder unless a name `kiln` is
     there already; True when the registry has the name afterwards."""
     try:
-        from lm_eval.api.registry import model_registry
+        from lm_eval.api.registry import model_registry  # lazy: only once lm-eval itself is being imported
 
         if MODEL_NAME not in model_registry:
             model_registry.register(MODEL_NAME, target=MODEL_TARGET)
@@ -62,7 +62,7 @@ class LmEvalModelsHook:
     def find_spec(self, fullname, path, target=None):
         if fullname != HOOKED_MODULE:
             return None
-        import importlib.util
+        import importlib.util  # lazy: this source runs at every interpreter start; only lm-eval's import needs it
 
         uninstall()
         try:

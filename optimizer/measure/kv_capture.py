@@ -14,6 +14,7 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
 from kiln.optimizer.measure.calibration_session import RuntimeCalibrationSession
 from kiln.passes.graph import ModelGraph
+from kiln.runtime.model import Transformer
 
 
 class _RecordingCache:
@@ -44,8 +45,6 @@ class KvCapture:
 
     @torch.inference_mode()
     def __call__(self, graph: ModelGraph) -> dict[int, tuple[torch.Tensor, ...]]:
-        from kiln.runtime.model import Transformer
-
         tensors, formats = lower_tensors(graph)
         session = RuntimeCalibrationSession(graph, self.token_lists, self.max_batch_tokens, device=self.device)
         model = session.to_device(Transformer(graph.spec, tensors, formats).eval())

@@ -29,6 +29,7 @@ import torch
 
 from kiln.calibration.data import FORWARD_BATCH_TOKENS
 from kiln.optimizer.measure.calibration_session import RuntimeCalibrationSession, RuntimeCalibrator
+from kiln.optimizer.measure.draft_training import DraftDistillation
 from kiln.optimizer.measure.fisher import Candidates, FisherKl
 from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.optimizer.measure.kv_capture import KvCapture
@@ -83,7 +84,5 @@ class RuntimeRunner:
                                                             seed=seed, stop_ids=stop_ids)]
 
     def draft_distillation(self, graph: ModelGraph, module, init, extra_token_lists, max_batch_tokens: int = 2048):
-        from kiln.optimizer.measure.draft_training import DraftDistillation
-
         text = [*self._calibrator.token_lists, *extra_token_lists]  # every calibration paragraph, then the extra
         return DraftDistillation(graph, module, init, text, max_batch_tokens)
