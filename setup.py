@@ -1,6 +1,6 @@
 """Everything about the package is in pyproject.toml; this file only adds `kiln-lm-eval.pth` to what gets
 installed, in wheels and in editable installs alike: one line that makes lm-eval's command line know the model
-`kiln` (optimizer/lm_eval_plugin.py says how and why; reinstall after changing it)."""
+`kiln` (optimizer/eval/lm_eval_plugin.py says how and why; reinstall after changing it)."""
 
 from pathlib import Path
 
@@ -8,7 +8,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 PTH_NAME = "kiln-lm-eval.pth"
-HOOK_SOURCE = Path(__file__).parent / "optimizer" / "lm_eval_plugin.py"
+HOOK_SOURCE = Path(__file__).parent / "optimizer" / "eval" / "lm_eval_plugin.py"
 
 
 def pth_line() -> str:

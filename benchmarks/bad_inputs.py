@@ -38,7 +38,7 @@ from tests.breakage import KINDS, broken_copy
 OPTIMIZE = shutil.which("optimize") or str(Path(sys.executable).parent / "optimize")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 ERROR_PREFIXES = ("error:", "gate failed:", "interrupted", "terminated")
-MAX_LINE = 300  # the CLI's promise (optimizer.cli.MAX_MESSAGE)
+MAX_LINE = 300  # the CLI's promise (optimizer.cli.app.MAX_MESSAGE)
 SHOWN = 220  # longest stderr line printed in the table
 TIMEOUT = 300  # seconds per case
 

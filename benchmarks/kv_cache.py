@@ -29,14 +29,14 @@ from kiln.kernels.targets import get_target
 from kiln.optimizer.defaults import CALIBRATION_TEXT as CALIB
 from kiln.optimizer.defaults import EVALUATION_TEXT as EVAL
 from kiln.optimizer.defaults import STORIES260K as STORIES
-from kiln.optimizer.gate import AccuracyGate, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
-from kiln.optimizer.runner import RuntimeRunner
+from kiln.optimizer.measure.gate import AccuracyGate, engine_from_graph
+from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.passes.base import PassContext
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.runtime.engine import decode_one_token, load_tokenizer, prefill
-from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 from kiln.runtime.kv_format import kv_bytes_per_token
+from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 
 CONFIGS = [  # label, pass config (None: the BF16 baseline)
     ("bf16", None),

@@ -36,10 +36,10 @@ from kiln.kernels.targets import get_target
 from kiln.optimizer.defaults import CALIBRATION_TEXT as CALIB
 from kiln.optimizer.defaults import EVALUATION_TEXT as EVAL
 from kiln.optimizer.defaults import STORIES260K as STORIES
-from kiln.optimizer.gate import AccuracyGate, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import kv_cache_table
-from kiln.optimizer.runner import RuntimeRunner
+from kiln.optimizer.measure.gate import AccuracyGate, engine_from_graph
+from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.passes.base import PassContext, Pipeline
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.passes.mla import MlaConversion

@@ -60,8 +60,8 @@ def main() -> None:
 
     import torch
 
-    from kiln.optimizer.gate import engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.measure.gate import engine_from_graph
     from kiln.runtime.engine import load_tokenizer
 
     torch.set_num_threads(1)

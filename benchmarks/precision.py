@@ -144,8 +144,8 @@ def external_row(label: str, directory: Path, paragraphs: int, checkpoint: Path,
     import torch
 
     from kiln.calibration.data import load_token_lists, token_cap
-    from kiln.optimizer.gate import AccuracyGate, engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.measure.gate import AccuracyGate, engine_from_graph
     from kiln.runtime.engine import load_tokenizer
 
     torch.set_num_threads(1)
@@ -194,8 +194,8 @@ def stored_bits(graph, directory: Path) -> float:
 
 def kiln_ood(graph, checkpoint: Path, path: Path):
     """The built graph against its fp32 source on all the paragraphs of `path`, through Kiln's runtime."""
-    from kiln.optimizer.gate import AccuracyGate, engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.measure.gate import AccuracyGate, engine_from_graph
     from kiln.runtime.engine import load_tokenizer
 
     source = load_checkpoint(checkpoint)

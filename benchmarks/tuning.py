@@ -39,8 +39,8 @@ def main() -> None:
 
     from kiln.calibration.data import load_token_lists
     from kiln.optimizer.build import build
-    from kiln.optimizer.gate import AccuracyGate, engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.measure.gate import AccuracyGate, engine_from_graph
     from kiln.optimizer.recipes import BUDGET_RECIPES, Recipe, resolve_recipe
     from kiln.runtime.engine import load_tokenizer
 

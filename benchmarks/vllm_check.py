@@ -4,7 +4,7 @@
         [--vllm-python ~/vllm-venv/bin/python] [--paragraphs 200] [--prompts 16] [--new-tokens 64] [--out FILE.md]
 
 Two processes, because vLLM needs transformers >= 5.16 and Kiln pins < 5.15 (for ModelOpt): this script runs in
-Kiln's venv and scores the artifact through Kiln's runtime (`optimize eval`'s loop, `kiln.optimizer.gate.score`);
+Kiln's venv and scores the artifact through Kiln's runtime (`optimize eval`'s loop, `kiln.optimizer.measure.gate.score`);
 it then runs itself again under `--vllm-python` with `--vllm-side`, which imports vLLM only (not Kiln), scores
 the same ids through vLLM's `prompt_logprobs` and decodes the same prompts greedily. The two halves exchange JSON.
 docs/exports.md gives the venv recipe.
@@ -86,7 +86,7 @@ def kiln_side(artifact: Path, data: Path, paragraphs: int, prompts: int, new_tok
 
     from kiln import runtime
     from kiln.calibration.data import load_token_lists, token_cap
-    from kiln.optimizer.gate import score
+    from kiln.optimizer.measure.gate import score
 
     started = time.perf_counter()
     engine = runtime.load(artifact)

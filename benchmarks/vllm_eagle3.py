@@ -62,8 +62,8 @@ def kiln_side(artifact: Path, target: Path, prompts: int, new_tokens: int, k: in
 
     from kiln.calibration.data import load_token_lists
     from kiln.optimizer.defaults import EVALUATION_TEXT
-    from kiln.optimizer.gate import engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.measure.gate import engine_from_graph
     from kiln.passes.draft_head import attach
     from kiln.runtime.artifact import WEIGHTS, read_manifest
     from kiln.runtime.engine import load_tokenizer

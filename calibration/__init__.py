@@ -12,6 +12,6 @@
     tuning        end-to-end tuning of grid points with straight-through rounding (KL to the source)
     sensitivity   per-group sensitivity tables and the budgeted format assignment
 
-Imports only `kernels`. The activations come from `PassContext.runner` (optimizer.runner), which runs
+Imports only `kernels`. The activations come from `PassContext.runner` (optimizer.measure.runner), which runs
 the runtime's own modules block by block, so nothing here needs the runtime.
 """

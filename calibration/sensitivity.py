@@ -2,7 +2,7 @@
 
     table[group][option] = loss of quantizing `group` alone to `option`, everything else as it was
                            (Kiln measures mean per-token KL(baseline || candidate) of the final logits on
-                           calibration text, through the runtime; see optimizer.logit_kl)
+                           calibration text, through the runtime; see optimizer.measure.logit_kl)
     cost[group][option]  = bytes the group's weights and scales take in `option`
 
     solve_assignment(choices, budget):  minimize  sum_g table[g][o_g]  subject to  sum_g cost[g][o_g] <= budget

@@ -8,7 +8,7 @@ where that lowers the loss: the KL divergence from the source model's next-token
 calibration tokens. Norm weights (stored in full precision) are tuned with them.
 
     for step in range(steps):                       # batches cycle over the calibration set
-        loss = KL(p_source || p_quantized) on one batch      # optimizer.calibration_session computes it
+        loss = KL(p_source || p_quantized) on one batch      # optimizer.measure.calibration_session computes it
         V -= adam(grad)    with a cosine learning-rate decay to 0
     stored values = Q(V) with the same scales        # so the artifact stores grid points as before
 
@@ -82,7 +82,7 @@ def tune(parameters: Sequence[Tensor], loss: Callable[[int], Tensor | float], st
     gradient, the loss) among its threads, so each thread count sums in another order, and hundreds of steps
     of straight-through rounding turn a last-bit difference into other grid points (the auto recipe's recovery
     moved by 0.004 between thread counts: benchmarks/results/tuning.md). On one thread, with MKL's strict mode
-    set by optimizer.cli.pin_cpu_numerics, it stores the same weights whether torch has one thread or two."""
+    set by optimizer.numerics.pin_cpu_numerics, it stores the same weights whether torch has one thread or two."""
     if steps <= 0:
         return []
     if lr <= 0:

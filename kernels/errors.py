@@ -1,18 +1,14 @@
-"""The exceptions that carry Kiln's exit codes, on the lowest floor so every package can raise them.
+"""The user-facing error, on the lowest floor because every package raises it (kernels included).
 
     KilnError      bad input anywhere (checkpoint, config, recipe, artifact, impossible request): exit 2
-    BelowFloor     a gate measured the artifact below its floor (or --strict met a reverted pass): exit 1
 
-The CLI turns both into one line on stderr; anything else escaping is a bug and keeps its traceback.
+The CLI turns it into one line on stderr; anything else escaping is a bug and keeps its traceback. Exit 1
+(a gate below its floor) is the optimizer's own: BelowFloor, in kiln.optimizer.errors.
 """
 
 
 class KilnError(Exception):
     """A user-facing error: bad checkpoint, bad config, impossible request. The message is one line."""
-
-
-class BelowFloor(Exception):
-    """An accuracy floor was not met. The message is one line."""
 
 
 def check_choice(field_name: str, value, allowed) -> None:

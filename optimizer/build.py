@@ -17,20 +17,21 @@ from kiln.calibration.data import (
     tokenize_paragraphs,
     within_tokens,
 )
-from kiln.kernels.errors import BelowFloor, KilnError
+from kiln.kernels.errors import KilnError
 from kiln.kernels.progress import stage
 from kiln.kernels.targets import get_target
 from kiln.optimizer.defaults import default_data
 from kiln.optimizer.economics import build_economics
-from kiln.optimizer.gate import AccuracyGate, check_floors, check_native_text, engine_from_graph
+from kiln.optimizer.errors import BelowFloor
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, write_artifact
+from kiln.optimizer.measure.gate import AccuracyGate, check_floors, check_native_text, engine_from_graph
+from kiln.optimizer.measure.logit_kl import precision_files
+from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.optimizer.numerics import warn_if_unpinned
 from kiln.optimizer.output_dir import check_output
 from kiln.optimizer.recipes import Recipe, resolve_recipe
 from kiln.optimizer.report import calibration_summary, render_report
-from kiln.optimizer.runner import RuntimeRunner
-from kiln.optimizer.logit_kl import precision_files
 from kiln.passes.base import PassContext, PassRecord, Pipeline
 from kiln.passes.graph import ModelGraph
 from kiln.passes.tensor_store import bound_heap
@@ -119,7 +120,7 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     Observation, K/V capture and sensitivity use the first `calib_paragraphs` calibration paragraphs and
     end-to-end tuning all of them; `calib_tokens` bounds both (whole paragraphs in file order, at least one).
     `min_recovery`, `max_kl` and `min_top1` replace every pass's default floors. Paragraphs are cut at the
-    model's context (calibration.data.token_cap). Gate text the model cannot read (optimizer.gate.
+    model's context (calibration.data.token_cap). Gate text the model cannot read (optimizer.measure.gate.
     check_native_text) is refused unless `force`. `device` ("cuda"): the gate runs through the runtime on the
     GPU (what ships there: packed weights, bf16), and calibration's block forwards, K/V capture, sensitivity
     probes, Fisher sweeps and end-to-end tuning run there in fp32; the weight searches (GPTQ, AWQ, scale
@@ -207,7 +208,7 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     manifest = {
         "source": {"checkpoint": graph.source.name, "model_type": graph.model_type,
                    "weight_files": dict(graph.source.weight_files),
-                   # the gate's baseline must match both (optimizer.gate.check_baseline)
+                   # the gate's baseline must match both (optimizer.measure.gate.check_baseline)
                    **({"config_sha256": graph.source.config_sha256} if graph.source.config_sha256 else {})},
         "target": tgt.name,
         "recipe": {"name": rec.name, "passes": [r.config for r in records] if records else []},

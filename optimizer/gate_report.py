@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
-from kiln.optimizer.gate import Check
+from kiln.optimizer.measure.gate import Check
 
 FORMATS = ("text", "json", "markdown", "junit")
 

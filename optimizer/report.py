@@ -127,7 +127,7 @@ def render_report(manifest: dict) -> str:
 
         lines += ["", *kv_markdown(manifest["kv_budget"])]
     if manifest.get("precision"):
-        from kiln.optimizer.logit_kl import precision_markdown
+        from kiln.optimizer.measure.logit_kl import precision_markdown
 
         lines += ["", *precision_markdown(manifest["precision"])]
     lines += ["", "## Formats", "", "| format | linears |", "|---|---:|"]

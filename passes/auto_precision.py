@@ -35,7 +35,7 @@ class AutoPrecision(PrecisionPass):
                       on the calibration inputs' Hessian); both from calibration/
         sensitivity_paragraphs  calibration paragraphs the KL is measured on
         sensitivity_method  "kl" (one probe per group and option, measured), "fisher" (estimated from one
-                      gradient pass, optimizer.fisher) or "auto" (measured up to MEASURED_PROBE_BUDGET)
+                      gradient pass, optimizer.measure.fisher) or "auto" (measured up to MEASURED_PROBE_BUDGET)
         sensitivity   (group, option, KL) entries measured before (back-off carries them); empty: measure
         promote       groups promoted one rung each after solving, in order (what back-off adds)
         max_back_offs promotions to try before the pass is reverted; None: until every group is at its

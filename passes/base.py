@@ -142,7 +142,7 @@ class CalibrationSession(Protocol):
 
 class ModelRunner(Protocol):
     """Everything a pass asks of the model, answered by running it with the runtime's numerics on the
-    calibration tokens; implemented in optimizer/runner.py (passes/ never imports the runtime)."""
+    calibration tokens; implemented in optimizer/measure/runner.py (passes/ never imports the runtime)."""
 
     calibration_tokens: Sequence[Sequence[int]]  # tokenized calibration paragraphs (calibration.txt)
 
@@ -178,7 +178,7 @@ class ModelRunner(Protocol):
         """A draft module's self-distillation objective on every calibration paragraph plus `extra_token_lists`
         (e.g. the graph's own generations), against the graph as it stands:
         `.parameters` (tensor name -> trainable tensor, from `init`), `.loss(step)` (forward and backward on one
-        batch), `len()` and `.batch_tokens(step)` (optimizer.draft_training)."""
+        batch), `len()` and `.batch_tokens(step)` (optimizer.measure.draft_training)."""
 
 
 @dataclass

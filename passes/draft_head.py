@@ -8,7 +8,7 @@ head and a DeepSeek MTP layer alike:
 
 The decoder layer has the target's last layer's shape (attention and a dense MLP), initialised at random
 (initialising it from the target's last layer did not help: the issue's measurement). Training
-(optimizer.draft_training) distils the target itself: KL to its logits and regression on its features, on
+(optimizer.measure.draft_training) distils the target itself: KL to its logits and regression on its features, on
 calibration.txt and on the target's own greedy continuations of calibration prompts, after every pass that
 changes the target (so the head drafts for the model that ships). The target is untouched: the gate's
 recovery is exact, and the pass's own gate metric is tau, tokens per target call at `draft_tokens` drafts

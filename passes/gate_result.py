@@ -76,7 +76,7 @@ class GateResult:
     min_top1: float | None = None  # least pass_top1
     reference_kl: float = 0.0  # KL and top-1 of the graph this pass started from (0 and 1 for the first pass)
     reference_top1: float = 1.0
-    # 95% paired-bootstrap interval on `recovery` over the scored documents (optimizer.gate.recovery_interval)
+    # 95% paired-bootstrap interval on `recovery` over the scored documents (optimizer.measure.gate.recovery_interval)
     recovery_interval: tuple[float, float] | None = None
 
     @property

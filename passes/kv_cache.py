@@ -2,7 +2,7 @@
 
 Preconditions: a loaded graph; MLA conversion, when in the pipeline, has run (the cache of an MLA layer is
 its compressed latent and roped key part, and their dims decide what fits). Static scales need K/V
-activations on calibration text, which the driver's runner provides (`ctx.runner.capture_kv`, optimizer.runner).
+activations on calibration text, which the driver's runner provides (`ctx.runner.capture_kv`, optimizer.measure.runner).
 What it does: annotates `graph.kv_cache[layer]` with the format the runtime stores that layer's cache in
 (the artifact's manifest "kv_cache" table, runtime.kv_format) and its calibrated scales:
     fp8    E4M3 values; scales per tensor (amax / 448 over the calibration tokens), per KV head, or

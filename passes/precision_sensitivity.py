@@ -153,7 +153,7 @@ class SensitivityMeasurement:
             for name in p.candidates:
                 losses[g][name] = 0.0 if name == BF16 else max(float(estimated[(g, name)]), 0.0)
         ctx.log(f"{self.name}: sensitivity of {len(plan)} groups estimated from gradients ({len(entries)} "
-                f"candidates, {paragraphs} calibration paragraphs; optimizer.fisher)")
+                f"candidates, {paragraphs} calibration paragraphs; optimizer.measure.fisher)")
         return SensitivityTable(losses, "kl-fisher", tokens, 0.0)
 
     def _check_table(self, plan: dict[str, GroupPlan], table: SensitivityTable) -> None:

@@ -111,7 +111,9 @@ def read_manifest(path: Path | str, verify: bool = True) -> dict:
     if verify:
         verify_checksums(root, manifest)
         # the writer of an artifact writes its checksums too: its architecture must agree with its tensors
-        from kiln.runtime.structure import check_structure  # lazy: it imports torch; reading a manifest does not
+        from kiln.runtime.structure import (
+            check_structure,  # lazy: it imports torch; reading a manifest does not
+        )
 
         check_structure(artifact_file(root, manifest, WEIGHTS), manifest)
     return manifest

@@ -18,6 +18,8 @@ from kiln.kernels.errors import KilnError
 from kiln.runtime.artifact import WEIGHTS, artifact_file, clip, has_tokenizer, read_manifest
 from kiln.runtime.draft import DRAFT_KINDS, draft_module
 from kiln.runtime.kv_format import resolve_kv_streams
+from kiln.runtime.kv_pools import kv_groups, pool_bytes_per_token
+from kiln.runtime.kv_step import DecodeTables, StepView
 from kiln.runtime.model import (
     QuantLinear,
     Transformer,
@@ -26,8 +28,6 @@ from kiln.runtime.model import (
     onednn_fits,
     place,
 )
-from kiln.runtime.kv_pools import kv_groups, pool_bytes_per_token
-from kiln.runtime.kv_step import DecodeTables, StepView
 from kiln.runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from kiln.runtime.sampling import check_repetition_penalty
 from kiln.runtime.scheduler import SamplingParams, Scheduler

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.optimizer.cli import pin_cpu_numerics
+from kiln.optimizer.numerics import pin_cpu_numerics
 
 # the CLI's MKL and OpenBLAS modes, set before torch or scipy computes anything (the tests build as it does)
 pin_cpu_numerics()

@@ -1,4 +1,4 @@
-"""Sensitivity probes (optimizer.logit_kl.LogitKl) swap only what a probe changed, and compute exactly what
+"""Sensitivity probes (optimizer.measure.logit_kl.LogitKl) swap only what a probe changed, and compute exactly what
 the runtime computes: every probe is checked against the full lowering it replaces (engine_from_graph: the
 whole graph lowered, round-tripped and loaded, the source's log-probs kept at full vocabulary)."""
 
@@ -11,9 +11,9 @@ from kiln.calibration.data import length_batches
 from kiln.calibration.metrics import kl_terms
 from kiln.calibration.quantize import calibrated_weight
 from kiln.kernels.formats import KvFormat, WeightFormat
-from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
-from kiln.optimizer.logit_kl import HEAD, LogitKl
+from kiln.optimizer.measure.gate import engine_from_graph
+from kiln.optimizer.measure.logit_kl import HEAD, LogitKl
 from kiln.passes.graph import QuantizedWeight
 from kiln.passes.precision_options import OPTIONS
 from tests.conftest import STORIES, needs_stories

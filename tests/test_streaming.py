@@ -13,10 +13,10 @@ from kiln.calibration import data
 from kiln.calibration.data import ACTIVATION_BYTES, FORWARD_BATCH_TOKENS, forward_batch_tokens
 from kiln.calibration.observers import InputObserver
 from kiln.kernels.targets import get_target
-from kiln.optimizer.calibration_session import RuntimeCalibrator
 from kiln.optimizer.loader import CheckpointTensors, load_checkpoint
 from kiln.optimizer.lower import lower_tensors, tensor_bytes, write_artifact, write_safetensors
-from kiln.optimizer.runner import RuntimeRunner
+from kiln.optimizer.measure.calibration_session import RuntimeCalibrator
+from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.passes.base import PassContext, Pipeline
 from kiln.passes.tensor_store import Spilled, SpilledTensors, SpillFile, TensorStore
 from kiln.passes.weight_quant import WeightQuantization

@@ -239,7 +239,7 @@ def test_gptq_factors_with_openblas_avx2_kernels_on_every_x86_cpu():
     import scipy.linalg  # noqa: F401  (loads scipy's OpenBLAS)
     from threadpoolctl import threadpool_info
 
-    from kiln.optimizer.cli import has_avx2
+    from kiln.optimizer.numerics import has_avx2
 
     if not has_avx2(confirmed=True):
         pytest.skip("not an x86-64 CPU seen to have AVX2: OpenBLAS is left to choose")

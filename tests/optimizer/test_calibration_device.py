@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.optimizer.kv_capture import KvCapture
-from kiln.optimizer.calibration_session import RuntimeCalibrator
-from kiln.optimizer.fisher import FisherKl
 from kiln.optimizer.loader import load_checkpoint
-from kiln.optimizer.logit_kl import LogitKl
+from kiln.optimizer.measure.calibration_session import RuntimeCalibrator
+from kiln.optimizer.measure.fisher import FisherKl
+from kiln.optimizer.measure.kv_capture import KvCapture
+from kiln.optimizer.measure.logit_kl import LogitKl
 from kiln.passes.end_to_end_tuning import tune_end_to_end
 from tests.test_probe_swap import linears_of, quantize, random_tokens, restore
 

@@ -11,8 +11,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from kiln.optimizer.cli import CPU_NUMERICS
 from kiln.optimizer.defaults import SAMPLE_TEXT
+from kiln.optimizer.numerics import CPU_NUMERICS
 from kiln.optimizer.recipes import resolve_recipe
 from kiln.passes.base import config_dict
 from tests.breakage import MESSAGES, broken_copy

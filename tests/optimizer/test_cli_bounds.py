@@ -102,7 +102,7 @@ def test_a_conflicting_recipe_is_refused_before_the_checkpoint_is_read(cli, tmp_
 
 
 def test_the_bootstrap_refuses_an_unbounded_resample_count_from_python_too():
-    from kiln.optimizer.gate import MAX_RESAMPLES, recovery_interval
+    from kiln.optimizer.measure.gate import MAX_RESAMPLES, recovery_interval
     from tests.conftest import refused
 
     refused(recovery_interval, [1.0], [1.0], [3], 10**11, match=f"--resamples must be an integer in [1, {MAX_RESAMPLES}]")

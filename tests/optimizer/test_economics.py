@@ -265,7 +265,7 @@ def test_report_of_an_mla_artifact_prices_the_conversion_per_layer(cli, tiny_che
     from kiln.kernels.targets import get_target
     from kiln.optimizer.loader import load_checkpoint
     from kiln.optimizer.lower import write_artifact
-    from kiln.optimizer.runner import RuntimeRunner
+    from kiln.optimizer.measure.runner import RuntimeRunner
     from kiln.passes.base import PassContext, Pipeline
     from kiln.passes.kv_cache import KvCacheQuantization
     from kiln.passes.mla import MlaConversion

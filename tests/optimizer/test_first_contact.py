@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kiln.optimizer import cli
+from kiln.optimizer.cli import threads as cli_threads
 from kiln.optimizer.numerics import has_avx2
 
 
@@ -21,7 +21,7 @@ def machine(monkeypatch):
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
         monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load), raising=False)
-        monkeypatch.setattr(cli, "physical_cores", lambda allowed: cores)
+        monkeypatch.setattr(cli_threads, "physical_cores", lambda allowed: cores)
 
     return make
 
@@ -35,7 +35,7 @@ def machine(monkeypatch):
 ])
 def test_threads_follow_cores_affinity_and_load(machine, cpus, cores, load, threads, busy):
     machine(cpus, cores, load)
-    count, why = cli.choose_threads()
+    count, why = cli_threads.choose_threads()
     assert count == threads
     assert ("busy" in why) == busy and f"{cpus} CPUs available" in why
 
@@ -43,11 +43,11 @@ def test_threads_follow_cores_affinity_and_load(machine, cpus, cores, load, thre
 def test_omp_num_threads_wins(machine, monkeypatch):
     machine(2, 2, 9.0)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert cli.choose_threads() == (2, "OMP_NUM_THREADS")
+    assert cli_threads.choose_threads() == (2, "OMP_NUM_THREADS")
 
 
 def test_physical_cores_reads_cpuinfo():
-    count = cli.physical_cores()
+    count = cli_threads.physical_cores()
     if count is None:
         pytest.skip("no /proc/cpuinfo topology here")
     assert 1 <= count <= (os.cpu_count() or count)

@@ -1,14 +1,14 @@
-"""The gradient estimate of sensitivity (optimizer.fisher.FisherKl) against the measured KL it stands in for
-(optimizer.logit_kl.LogitKl, itself checked against the full lowering in tests/test_probe_swap.py)."""
+"""The gradient estimate of sensitivity (optimizer.measure.fisher.FisherKl) against the measured KL it stands in for
+(optimizer.measure.logit_kl.LogitKl, itself checked against the full lowering in tests/test_probe_swap.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kiln.optimizer.fisher import FisherKl
 from kiln.optimizer.loader import load_checkpoint
-from kiln.optimizer.logit_kl import LogitKl
+from kiln.optimizer.measure.fisher import FisherKl
+from kiln.optimizer.measure.logit_kl import LogitKl
 from tests.conftest import needs_stories
 from tests.test_probe_swap import linears_of, quantize, random_tokens, restore
 

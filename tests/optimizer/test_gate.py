@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.calibration.data import load_token_lists, read_paragraphs
-from kiln.optimizer.gate import AccuracyGate, engine_from_graph, score
+from kiln.optimizer.measure.gate import AccuracyGate, engine_from_graph, score
 from kiln.passes.weight_quant import WeightQuantization
 from kiln.runtime.engine import load_tokenizer
 from tests.conftest import EVAL_TEXT, STORIES, needs_stories

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.optimizer.gate import recovery_interval
+from kiln.optimizer.measure.gate import recovery_interval
 from tests.conftest import EVAL_TEXT, STORIES, needs_stories, untuned
 
 

@@ -15,9 +15,9 @@ from kiln.calibration.data import load_token_lists
 from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
-from kiln.optimizer import gate as gate_module
-from kiln.optimizer.gate import AccuracyGate, artifact_floors, check_floors, engine_from_graph, score
 from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.measure import gate as gate_module
+from kiln.optimizer.measure.gate import AccuracyGate, artifact_floors, check_floors, engine_from_graph, score
 from kiln.passes.base import Pass, PassContext, PassResult, Pipeline
 from kiln.passes.gate_result import GateResult
 from kiln.passes.weight_quant import WeightQuantization

@@ -1,5 +1,5 @@
-"""lm-eval's model `kiln` (kiln.optimizer.lm_eval_model): lm-eval finds it by name (its own command line too,
-through the installed .pth hook, kiln.optimizer.lm_eval_plugin), and what lm-eval's own evaluator measures
+"""lm-eval's model `kiln` (kiln.optimizer.eval.lm_eval_model): lm-eval finds it by name (its own command line too,
+through the installed .pth hook, kiln.optimizer.eval.lm_eval_plugin), and what lm-eval's own evaluator measures
 through it equals what Kiln's scorer (`optimize eval`) and `Engine.generate` give on the same artifact."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ pytestmark = needs_shared
 @pytest.fixture(scope="module")
 def kiln_lm():
     pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install -e '.[tasks]')")
-    from kiln.optimizer.lm_eval_model import KilnLM, register
+    from kiln.optimizer.eval.lm_eval_model import KilnLM, register
 
     register()
     return KilnLM
@@ -64,7 +64,7 @@ def test_lm_eval_resolves_the_name_kiln_to_kiln_lm(kiln_lm):
     from lm_eval.api.registry import get_model
     from lm_eval.models.dummy import DummyLM
 
-    from kiln.optimizer.lm_eval_model import register
+    from kiln.optimizer.eval.lm_eval_model import register
 
     [declared] = entry_points(group="lm_eval.models", name="kiln")  # what lm-eval's plugin discovery reads
     assert declared.load() is kiln_lm
@@ -118,7 +118,7 @@ def test_the_installed_hook_registers_kiln_in_a_fresh_interpreter(kiln_lm):
     proc = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["kiln.optimizer.lm_eval_model", "KilnLM", "True", "True"]
+    assert proc.stdout.split() == ["kiln.optimizer.eval.lm_eval_model", "KilnLM", "True", "True"]
 
 
 def test_lm_eval_command_line_runs_model_kiln_as_typed(kiln_lm, artifact, short_paragraphs, tmp_path, cli):
@@ -184,7 +184,7 @@ def test_kiln_lm_eval_prints_a_kiln_error_as_one_line(kiln_lm, tmp_path, monkeyp
     import lm_eval.__main__
     from lm_eval.api.registry import get_model
 
-    from kiln.optimizer import lm_eval_model
+    from kiln.optimizer.eval import lm_eval_model
 
     def cli_evaluate():  # lm-eval's command line, less the indexing of its own task catalogue (30 s)
         get_model(sys.argv[2]).create_from_arg_string(sys.argv[4])

@@ -1,4 +1,4 @@
-"""lm-eval tasks through Kiln's runtime (kiln.optimizer.tasks): the requests equal lm-eval's own HFLM on the same
+"""lm-eval tasks through Kiln's runtime (kiln.optimizer.eval.tasks): the requests equal lm-eval's own HFLM on the same
 checkpoint, the example tasks run end to end on stories260K, and floors hold or fail as declared."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.optimizer.tasks import check_task, run_tasks
+from kiln.optimizer.eval.tasks import check_task, run_tasks
 from tests.conftest import EVAL_TEXT, ROOT, STORIES, refused
 
 EXAMPLES = ROOT / "examples" / "tasks"
@@ -29,8 +29,8 @@ def lm_eval():
 
 @pytest.fixture(scope="module")
 def engine(lm_eval):
-    from kiln.optimizer.gate import engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.measure.gate import engine_from_graph
     from kiln.runtime.engine import load_tokenizer
 
     if not (STORIES / "config.json").is_file():
@@ -63,7 +63,7 @@ ROLLING = "Once upon a time, there was a little girl named Lily. She loved to pl
 @needs_shared
 @pytest.mark.parametrize("max_length", [None, 8])  # 8: contexts cut from the left, text in several windows
 def test_requests_equal_lm_evals_hflm(lm_eval, engine, max_length):
-    from kiln.optimizer.tasks import engine_lm
+    from kiln.optimizer.eval.tasks import engine_lm
 
     ours = engine_lm(engine, max_length=max_length)
     theirs = hflm(max_length=max_length)
@@ -79,7 +79,7 @@ def test_requests_equal_lm_evals_hflm(lm_eval, engine, max_length):
 
 @needs_shared
 def test_loglikelihood_equals_a_direct_computation_with_the_engine(lm_eval, engine):
-    from kiln.optimizer.tasks import engine_lm
+    from kiln.optimizer.eval.tasks import engine_lm
 
     tok = engine.tokenizer
     ours = engine_lm(engine)
@@ -99,8 +99,8 @@ def test_loglikelihood_equals_a_direct_computation_with_the_engine(lm_eval, engi
 
 @needs_shared
 def test_full_vocabulary_logits_exist_only_for_a_chunk_of_scored_positions(lm_eval, engine, monkeypatch):
-    from kiln.optimizer import gate as gate_module
-    from kiln.optimizer.tasks import engine_lm
+    from kiln.optimizer.eval.tasks import engine_lm
+    from kiln.optimizer.measure import gate as gate_module
     from kiln.runtime.engine import Engine
 
     requests = instances("loglikelihood", *LOGLIKELIHOOD)
@@ -126,7 +126,7 @@ def test_full_vocabulary_logits_exist_only_for_a_chunk_of_scored_positions(lm_ev
 
 @needs_shared
 def test_generate_until_equals_hflms_greedy_text(lm_eval, engine):
-    from kiln.optimizer.tasks import engine_lm
+    from kiln.optimizer.eval.tasks import engine_lm
 
     requests = [("Once upon a time", {"until": ["."], "max_gen_toks": 40}),
                 ("Lily went to the park", {"until": ["\n\n", "ball"], "max_gen_toks": 30}),
@@ -164,8 +164,8 @@ def test_the_example_tasks_run_end_to_end_on_stories260k(lm_eval, engine):
 
 @needs_shared
 def test_a_worse_candidate_fails_its_floors(lm_eval, engine):
-    from kiln.optimizer.gate import engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.measure.gate import engine_from_graph
 
     graph = load_checkpoint(STORIES)
     for layer in range(len(graph.blocks)):  # attention's and the MLP's outputs gone: the model reads one token

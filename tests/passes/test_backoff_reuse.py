@@ -13,7 +13,7 @@ import torch
 
 from kiln.kernels.targets import get_target
 from kiln.optimizer.loader import load_checkpoint
-from kiln.optimizer.runner import RuntimeRunner
+from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.passes.base import PassContext, config_dict, run_gated
 from kiln.passes.gate_result import GateResult
 from kiln.passes.weight_quant import CalibrationCache, WeightQuantization
@@ -135,7 +135,7 @@ def test_blocks_before_the_first_kept_one_are_not_recalibrated(four_blocks, monk
 
 
 def test_a_session_resumes_only_where_the_graph_is_what_the_checkpoint_went_through(four_blocks):
-    from kiln.optimizer.calibration_session import RuntimeCalibrator
+    from kiln.optimizer.measure.calibration_session import RuntimeCalibrator
 
     graph = load_checkpoint(four_blocks)
     tokens = token_lists(graph.spec.vocab_size)
@@ -285,7 +285,7 @@ def test_a_touched_step_recalibrates_only_the_blocks_with_a_newly_kept_linear(fo
 
 
 def test_an_inexact_resume_takes_the_checkpoint_whatever_the_blocks_before_hold(four_blocks):
-    from kiln.optimizer.calibration_session import RuntimeCalibrator
+    from kiln.optimizer.measure.calibration_session import RuntimeCalibrator
 
     graph = load_checkpoint(four_blocks)
     tokens = token_lists(graph.spec.vocab_size)

@@ -121,9 +121,9 @@ def test_gemma3_gets_an_mtp_head_that_drafts_losslessly(tiny_checkpoints):
     import torch
 
     from kiln.kernels.targets import get_target
-    from kiln.optimizer.gate import engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
-    from kiln.optimizer.runner import RuntimeRunner
+    from kiln.optimizer.measure.gate import engine_from_graph
+    from kiln.optimizer.measure.runner import RuntimeRunner
     from kiln.passes.base import PassContext, Pipeline
 
     graph = load_checkpoint(tiny_checkpoints["gemma3_text"])

@@ -18,9 +18,9 @@ from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
 from kiln.optimizer.build import build
 from kiln.optimizer.export import export
-from kiln.optimizer.gate import AccuracyGate, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import write_artifact
+from kiln.optimizer.measure.gate import AccuracyGate, engine_from_graph
 from kiln.optimizer.recipes import Recipe, resolve_recipe
 from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.passes.base import PassContext, Pipeline
@@ -261,7 +261,7 @@ def test_nvfp4_global_scales_and_input_scales_must_agree(tiny_checkpoints):
 
 
 def _runner(graph):
-    from kiln.optimizer.runner import RuntimeRunner
+    from kiln.optimizer.measure.runner import RuntimeRunner
 
     return RuntimeRunner(graph, _tokens(graph.spec.vocab_size, count=4, length=32))
 

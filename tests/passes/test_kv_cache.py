@@ -11,10 +11,10 @@ import torch
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
-from kiln.optimizer.gate import engine_from_graph
-from kiln.optimizer.kv_capture import KvCapture
 from kiln.optimizer.loader import load_checkpoint
-from kiln.optimizer.runner import RuntimeRunner
+from kiln.optimizer.measure.gate import engine_from_graph
+from kiln.optimizer.measure.kv_capture import KvCapture
+from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.passes.base import Pass, PassContext, PassResult, Pipeline
 from kiln.passes.gate_result import GateResult
 from kiln.passes.kv_cache import KvCacheQuantization

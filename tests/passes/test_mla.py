@@ -13,10 +13,10 @@ import torch
 from kiln import runtime
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
-from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import write_artifact
-from kiln.optimizer.runner import RuntimeRunner
+from kiln.optimizer.measure.gate import engine_from_graph
+from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.passes.base import PassContext, Pipeline
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.passes.mla import MlaConversion
@@ -340,7 +340,7 @@ def test_a_rank_probe_rebuilds_and_reruns_only_the_converted_block(tiny_checkpoi
     and the KL equals a fresh measurement of the same graph."""
     from collections import Counter
 
-    from kiln.optimizer.logit_kl import LogitKl
+    from kiln.optimizer.measure.logit_kl import LogitKl
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     tokens = _tokens(graph.spec.vocab_size, count=8)

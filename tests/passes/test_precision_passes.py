@@ -17,9 +17,9 @@ from kiln.calibration.sensitivity import SensitivityTable
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
 from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.measure.logit_kl import LogitKl, render_heatmap
+from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.optimizer.recipes import resolve_recipe
-from kiln.optimizer.runner import RuntimeRunner
-from kiln.optimizer.logit_kl import LogitKl, render_heatmap
 from kiln.passes.auto_precision import AutoPrecision
 from kiln.passes.base import PassContext, Pipeline
 from kiln.passes.gate_result import GateResult

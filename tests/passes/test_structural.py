@@ -16,9 +16,9 @@ import torch
 
 from kiln import runtime
 from kiln.kernels.targets import get_target
-from kiln.optimizer.gate import AccuracyGate, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import write_artifact
+from kiln.optimizer.measure.gate import AccuracyGate, engine_from_graph
 from kiln.passes.base import Pass, PassContext, PassResult, Pipeline
 from kiln.passes.gate_result import PassMetric
 from kiln.passes.graph import ModelGraph

@@ -11,11 +11,11 @@ from kiln.calibration.quantize import static_input_scale
 from kiln.kernels.errors import KilnError
 from kiln.kernels.rotation import block_hadamard
 from kiln.kernels.targets import get_target
-from kiln.optimizer import calibration_session as calibrator_module
-from kiln.optimizer.calibration_session import RuntimeCalibrator
-from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
-from kiln.optimizer.runner import RuntimeRunner
+from kiln.optimizer.measure import calibration_session as calibrator_module
+from kiln.optimizer.measure.calibration_session import RuntimeCalibrator
+from kiln.optimizer.measure.gate import engine_from_graph
+from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.passes.awq_fold import awq_groups, fold_input_scale
 from kiln.passes.base import PassContext, Pipeline
 from kiln.passes.linear_quant import stage_of
@@ -179,7 +179,7 @@ def test_gptq_awq_and_tuning_store_grid_values_and_lower_the_kl(generated_checkp
 @needs_stories
 def test_gptq_beats_round_to_nearest_on_the_real_model():
     from kiln.calibration.data import load_token_lists
-    from kiln.optimizer.gate import AccuracyGate
+    from kiln.optimizer.measure.gate import AccuracyGate
     from kiln.runtime.engine import load_tokenizer
 
     graph = load_checkpoint(STORIES)
@@ -369,7 +369,7 @@ def test_awq_hands_the_first_stage_its_folded_statistics(tiny_checkpoints, monke
     (False, False, 1),
 ])
 def test_observations_per_block(tiny_checkpoints, monkeypatch, true_sequential, awq, observations):
-    from kiln.optimizer.calibration_session import RuntimeCalibrationSession
+    from kiln.optimizer.measure.calibration_session import RuntimeCalibrationSession
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     tokens = token_lists(graph.spec.vocab_size)

@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.engine import Engine
-from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 from kiln.runtime.model import MlaAttention
+from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 
 
 def _engine(ckpt) -> Engine:

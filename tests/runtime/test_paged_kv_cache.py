@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.engine import Engine
-from tests.runtime.contiguous_kv_cache import ContiguousKVCache
-from kiln.runtime.kv_format import KvStream
 from kiln.runtime.kv_blocks import BlockAllocator, KvCacheFull
+from kiln.runtime.kv_format import KvStream
 from kiln.runtime.paged_kv_cache import PagedKVCache
 from tests.conftest import CALIB_TEXT, STORIES, needs_stories
+from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 
 torch.set_num_threads(1)
 
@@ -210,9 +210,9 @@ def test_fp8_kv_greedy_256_tokens_agrees_with_bf16_on_stories260k():
     """
     from kiln.calibration.data import load_token_lists
     from kiln.kernels.targets import get_target
-    from kiln.optimizer.gate import engine_from_graph
     from kiln.optimizer.loader import load_checkpoint
-    from kiln.optimizer.runner import RuntimeRunner
+    from kiln.optimizer.measure.gate import engine_from_graph
+    from kiln.optimizer.measure.runner import RuntimeRunner
     from kiln.passes.base import PassContext
     from kiln.passes.kv_cache import KvCacheQuantization
     from kiln.runtime.engine import decode_one_token, load_tokenizer, prefill

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.engine import Engine, load_tokenizer
-from kiln.runtime.kv_format import KvStream
 from kiln.runtime.kv_blocks import BlockAllocator, KvCacheFull
+from kiln.runtime.kv_format import KvStream
 from kiln.runtime.paged_kv_cache import PagedKVCache
 from kiln.runtime.scheduler import QueueFull, SamplingParams, Scheduler
 from tests.conftest import EVAL_TEXT, STORIES

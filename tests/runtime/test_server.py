@@ -326,8 +326,8 @@ def test_a_failed_step_fails_its_requests_and_serving_goes_on(artifact):
     import asyncio
 
     from kiln import runtime
-    from kiln.runtime.scheduler import SamplingParams, Scheduler
     from kiln.runtime.engine_loop import EngineLoop
+    from kiln.runtime.scheduler import SamplingParams, Scheduler
     from kiln.runtime.server_metrics import ServerMetrics
 
     engine = runtime.load(artifact)

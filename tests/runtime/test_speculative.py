@@ -9,8 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.gate import engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
+from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.passes.draft_head import attach, head_module, init_tensors
 from kiln.runtime.speculative import (
     Drafter,
@@ -181,7 +181,7 @@ def test_greedy_speculative_is_plain_decoding_on_200_prompts(stories):
 def test_greedy_speculative_with_an_fp8_kv_cache_and_a_repetition_penalty(stories):
     from kiln.calibration.data import load_token_lists
     from kiln.kernels.targets import get_target
-    from kiln.optimizer.runner import RuntimeRunner
+    from kiln.optimizer.measure.runner import RuntimeRunner
     from kiln.passes.base import PassContext
     from kiln.passes.kv_cache import KvCacheQuantization
 

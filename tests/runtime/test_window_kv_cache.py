@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.engine import Engine
-from kiln.runtime.kv_format import KvStream
 from kiln.runtime.kv_blocks import KvCacheFull
+from kiln.runtime.kv_format import KvStream
 from kiln.runtime.kv_pools import KvGroup, kv_groups, pool_bytes_per_token, stored_bytes_per_token
 from kiln.runtime.paged_kv_cache import PagedKVCache
 from kiln.runtime.scheduler import SamplingParams, Scheduler

@@ -2,13 +2,13 @@
 
     kiln-lm-eval --model kiln --model_args artifact=DIR --tasks TASK --include_path examples/tasks
 
-`KilnLM` is `EngineLM` (kiln.optimizer.tasks, the adapter `optimize gate --tasks` uses) over the engine of the
+`KilnLM` is `EngineLM` (kiln.optimizer.eval.tasks, the adapter `optimize gate --tasks` uses) over the engine of the
 artifact `DIR`: the same tokenization as lm-eval's HFLM, loglikelihood and rolling windows scored by the
 engine, greedy decoding; a request for sampling is refused. Its `--model_args`:
 
     artifact=DIR        the artifact directory (required); a missing or damaged one is a one-line KilnError
     max_length=N        bound every forward sequence to N tokens (default: the model's context)
-    batch_tokens=N      tokens per forward batch, padding included (default: kiln.optimizer.gate.BATCH_TOKENS)
+    batch_tokens=N      tokens per forward batch, padding included (default: kiln.optimizer.measure.gate.BATCH_TOKENS)
 
 Kiln batches by tokens, not requests: lm-eval's `batch_size` (an integer, `auto` or `auto:N`) and
 `max_batch_size` are accepted and change nothing (results do not depend on them). lm-eval's `device` (its
@@ -16,9 +16,9 @@ command line passes `cuda:0` unless told otherwise) places the engine: a CUDA de
 exists (runtime.Engine), and the CPU reference runs otherwise.
 
 Registration. The model is declared where lm-eval's plugin guide puts out-of-tree models, the entry-point
-group `lm_eval.models` (pyproject.toml: `kiln = "kiln.optimizer.lm_eval_model:KilnLM"`). lm-eval 0.4.13, the
+group `lm_eval.models` (pyproject.toml: `kiln = "kiln.optimizer.eval.lm_eval_model:KilnLM"`). lm-eval 0.4.13, the
 version Kiln pins, reads no entry points, so installing Kiln also installs a .pth hook
-(kiln.optimizer.lm_eval_plugin) that adds the same placeholder to lm-eval's registry when lm-eval fills it:
+(kiln.optimizer.eval.lm_eval_plugin) that adds the same placeholder to lm-eval's registry when lm-eval fills it:
 `lm_eval --model kiln ...` works as it stands. `register()` does the same explicitly (for an environment where
 site.py skipped .pth files, e.g. `python -S`), and `kiln-lm-eval` is lm-eval's own command line
 (`lm_eval.__main__.cli_evaluate`, the same arguments) that prints a KilnError as one line. In Python:
@@ -30,13 +30,16 @@ site.py skipped .pth files, e.g. `python -S`), and `kiln-lm-eval` is lm-eval's o
 from __future__ import annotations
 
 import sys
+from importlib.metadata import version
 from pathlib import Path
+
+import torch
 
 from kiln import runtime
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.gate import BATCH_TOKENS
-from kiln.optimizer.lm_eval_plugin import MODEL_NAME, register_placeholder
-from kiln.optimizer.tasks import engine_lm_class
+from kiln.optimizer.eval.lm_eval_plugin import MODEL_NAME, register_placeholder
+from kiln.optimizer.eval.tasks import engine_lm_class
+from kiln.optimizer.measure.gate import BATCH_TOKENS
 
 MODEL_ARGS = ("artifact", "max_length", "batch_tokens", "batch_size", "max_batch_size", "device")
 MAX_MESSAGE = 300  # the longest error line kiln-lm-eval prints, as the optimize command line bounds its own
@@ -64,8 +67,6 @@ class KilnLM(engine_lm_class()):
 def _device(device: str | None) -> str:
     """lm-eval's device as the runtime's: a CUDA device where one exists (packed weights, bf16 activations),
     else the CPU reference (lm-eval passes cuda:0 unless told otherwise, GPU or not, as its HF model falls back)."""
-    import torch
-
     wanted = str(device or "cpu")
     return wanted if not wanted.startswith("cuda") or torch.cuda.is_available() else "cpu"
 
@@ -88,7 +89,9 @@ def _check_batch_size(batch_size) -> None:
 def register() -> None:
     """Make sure lm-eval's model registry has `kiln` (the .pth hook has normally added it already): lm-eval's
     own models are registered first, as its `get_model` registers them only while the registry is empty."""
-    import lm_eval.models  # noqa: F401 -- fills the registry with lm-eval's own names (and, through the hook, kiln)
+    # lazy: lm-eval is the optional `tasks` extra; importing lm_eval.models fills the registry with its own names
+    # (and, through the hook, kiln)
+    import lm_eval.models  # noqa: F401
 
     if not register_placeholder():
         raise KilnError(f"lm-eval's model registry refused the name {MODEL_NAME!r}: lm-eval "
@@ -96,15 +99,13 @@ def register() -> None:
 
 
 def _lm_eval_version() -> str:
-    from importlib.metadata import version
-
     return version("lm-eval")
 
 
 def main() -> None:
     """`kiln-lm-eval ARGS`: lm-eval's command line (`lm_eval ARGS`) with the model `kiln` registered; a
     KilnError (a missing or damaged artifact, a request Kiln refuses) is one line on stderr, exit code 2."""
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.__main__ import cli_evaluate  # lazy: lm-eval is the optional `tasks` extra
 
     try:
         register()

@@ -36,8 +36,8 @@ import torch
 from kiln.calibration.data import length_batches
 from kiln.kernels import progress
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.calibration_session import _Batch, _RecordingWeights
 from kiln.optimizer.lower import lower_tensors
+from kiln.optimizer.measure.calibration_session import _Batch, _RecordingWeights
 from kiln.passes.graph import ModelGraph, QuantizedWeight
 from kiln.runtime.model import QuantLinear, Transformer, Weights, place
 

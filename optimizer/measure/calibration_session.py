@@ -1,4 +1,4 @@
-"""The calibration sessions of `ModelRunner.session` (optimizer.runner): the runtime's own modules run over
+"""The calibration sessions of `ModelRunner.session` (optimizer.measure.runner): the runtime's own modules run over
 the calibration tokens, one block at a time, as the graph stands at that moment.
 
     session = RuntimeCalibrator(calibration_tokens).session(graph)   # RuntimeRunner.session(graph)
@@ -66,7 +66,7 @@ MICRO_BATCH_TOKENS = 512  # distillation's autograd batch: SmolLM2's activations
 
 
 class RuntimeCalibrator:
-    """The sessions behind `RuntimeRunner.session` (optimizer.runner).
+    """The sessions behind `RuntimeRunner.session` (optimizer.measure.runner).
 
     `observe` runs over the first `observe_sequences` token lists (None: all): Hessians and ranges settle
     within a few hundred paragraphs. Distillation, which fits many more parameters, uses every token list.

@@ -1,4 +1,4 @@
-"""Sensitivity through the runtime (`ModelRunner.logit_kl`, optimizer.runner) and its picture (a layers x
+"""Sensitivity through the runtime (`ModelRunner.logit_kl`, optimizer.measure.runner) and its picture (a layers x
 formats heatmap).
 
     kl = LogitKl(source_graph, calibration_token_lists)
@@ -31,10 +31,12 @@ the graph's (CPU) tensors.
 from __future__ import annotations
 
 import io
+import json
 import math
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -43,8 +45,8 @@ from kiln.calibration.metrics import kl_terms
 from kiln.calibration.sensitivity import SensitivityTable
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import KvFormat
-from kiln.optimizer.gate import BATCH_TOKENS
 from kiln.optimizer.lower import kv_cache_table, lower_tensors
+from kiln.optimizer.measure.gate import BATCH_TOKENS
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.kv_format import KvStream, resolve_kv_streams
 from kiln.runtime.model import (
@@ -257,7 +259,7 @@ class _Probe:
 
 
 class LogitKl:
-    """`RuntimeRunner.logit_kl` (optimizer.runner): KL of the final logits against the source.
+    """`RuntimeRunner.logit_kl` (optimizer.measure.runner): KL of the final logits against the source.
 
     `builds` counts the model parts built so far (EMBEDDING, HEAD, block index), `blocks_run` the blocks run
     per batch of paragraphs: what a probe cost."""
@@ -386,11 +388,10 @@ def render_heatmap(table: SensitivityTable, chosen: Mapping[str, str] | None = N
 
     Entries a group was not measured in are blank; BF16 (KL 0) is drawn at the colour scale's floor.
     """
-    import matplotlib
+    import matplotlib  # lazy: slow to import, and only this picture needs it
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    matplotlib.use("Agg")  # before pyplot: no display
+    import matplotlib.pyplot as plt  # lazy: as matplotlib
 
     groups, options = table.groups(), table.options()
     if not groups or not options:
@@ -434,8 +435,6 @@ def precision_files(precision: Mapping | None) -> dict[str, bytes]:
     sensitivity.png (the heatmap). Nothing when no precision pass ran."""
     if not precision:
         return {}
-    import json
-
     table = SensitivityTable.from_json(precision["sensitivity"])
     chosen = {g: entry["option"] for g, entry in precision["groups"].items()}
     document = {"pass": precision["pass"], "sensitivity": precision["sensitivity"], "chosen": chosen,

@@ -2,16 +2,16 @@
 modules on the calibration tokens.
 
     runner = RuntimeRunner(source_graph, calibration_tokens)
-    runner.session(graph)            observe linears' inputs block by block; distillation (optimizer.calibration_session)
-    runner.capture_kv(graph)         K/V cache activations (optimizer.kv_capture.KvCapture)
-    runner.logit_kl(graph, n)        KL(source || graph) of the final logits on n paragraphs (optimizer.logit_kl:
+    runner.session(graph)            observe linears' inputs block by block; distillation (optimizer.measure.calibration_session)
+    runner.capture_kv(graph)         K/V cache activations (optimizer.measure.kv_capture.KvCapture)
+    runner.logit_kl(graph, n)        KL(source || graph) of the final logits on n paragraphs (optimizer.measure.logit_kl:
                                      one kept model; a probe rebuilds and reruns only what it changed)
-    runner.estimated_kl(graph, candidates, n)   each candidate's KL from one gradient pass (optimizer.fisher):
+    runner.estimated_kl(graph, candidates, n)   each candidate's KL from one gradient pass (optimizer.measure.fisher):
                                      what precision passes use where measuring every probe costs too much
-    runner.logits(graph, lists)      full-sequence logits through the runtime (optimizer.gate.engine_from_graph)
+    runner.logits(graph, lists)      full-sequence logits through the runtime (optimizer.measure.gate.engine_from_graph)
     runner.generate(graph, prompts, n)   greedy continuations through the runtime
     runner.draft_distillation(graph, module, init, extra)   a draft head's self-distillation objective on all
-                                     the calibration text plus `extra` token lists (optimizer.draft_training)
+                                     the calibration text plus `extra` token lists (optimizer.measure.draft_training)
 
 `device` ("cuda"): everything above runs there (observation's block forwards and its Gram products, K/V
 capture, sensitivity probes, Fisher sweeps, distillation, `logits`/`generate`) except the draft head's
@@ -28,11 +28,12 @@ from collections.abc import Sequence
 import torch
 
 from kiln.calibration.data import FORWARD_BATCH_TOKENS
-from kiln.optimizer.kv_capture import KvCapture
-from kiln.optimizer.calibration_session import RuntimeCalibrationSession, RuntimeCalibrator
-from kiln.optimizer.fisher import Candidates, FisherKl
-from kiln.optimizer.gate import engine_from_graph
-from kiln.optimizer.logit_kl import LogitKl
+from kiln.optimizer.measure.calibration_session import RuntimeCalibrationSession, RuntimeCalibrator
+from kiln.optimizer.measure.draft_training import DraftDistillation
+from kiln.optimizer.measure.fisher import Candidates, FisherKl
+from kiln.optimizer.measure.gate import engine_from_graph
+from kiln.optimizer.measure.kv_capture import KvCapture
+from kiln.optimizer.measure.logit_kl import LogitKl
 from kiln.passes.graph import ModelGraph
 
 
@@ -83,7 +84,5 @@ class RuntimeRunner:
                                                             seed=seed, stop_ids=stop_ids)]
 
     def draft_distillation(self, graph: ModelGraph, module, init, extra_token_lists, max_batch_tokens: int = 2048):
-        from kiln.optimizer.draft_training import DraftDistillation
-
         text = [*self._calibrator.token_lists, *extra_token_lists]  # every calibration paragraph, then the extra
         return DraftDistillation(graph, module, init, text, max_batch_tokens)

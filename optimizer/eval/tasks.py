@@ -54,12 +54,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kiln.calibration.data import length_batches
 from kiln.kernels.errors import KilnError
 from kiln.kernels.progress import stage
-from kiln.optimizer.gate import BATCH_TOKENS, MAX_FLOOR, Check, head_log_probs
+from kiln.optimizer.measure.gate import BATCH_TOKENS, MAX_FLOOR, Check, head_log_probs
 from kiln.runtime.engine import Engine
 
 INSTALL_HINT = "pip install 'kiln[tasks]'"
@@ -73,6 +74,7 @@ RANDOM_SEED, OTHER_SEED = 0, 1234  # lm-eval's simple_evaluate defaults (python;
 def _lm_eval():
     """lm-eval's modules, imported only when tasks run (it is the optional `tasks` extra)."""
     try:
+        # lazy: lm-eval is the optional `tasks` extra
         import lm_eval.api.model
         import lm_eval.api.task
         import lm_eval.evaluator
@@ -95,7 +97,7 @@ def engine_lm(engine: Engine, max_length: int | None = None, batch_tokens: int =
 @functools.cache
 def engine_lm_class():
     """`EngineLM`, lm-eval's `TemplateLM` over a Kiln `Engine`; defined on first use, as lm-eval is the optional
-    `tasks` extra. lm-eval's model `kiln` (kiln.optimizer.lm_eval_model.KilnLM) is this class over an artifact."""
+    `tasks` extra. lm-eval's model `kiln` (kiln.optimizer.eval.lm_eval_model.KilnLM) is this class over an artifact."""
     lm_eval = _lm_eval()
 
     class EngineLM(lm_eval.api.model.TemplateLM):
@@ -150,47 +152,58 @@ def engine_lm_class():
             return score_continuations(self.engine, pairs, self.max_length, self.batch_tokens)
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = True) -> list[float]:
-            windows, owner = [], []
-            for i, (string,) in enumerate(request.args for request in requests):
-                tokens = self.tok_encode(string, add_special_tokens=False)
-                for window in lm_eval.utils.get_rolling_token_windows(
-                        token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-                        context_len=1):
-                    windows.append(lm_eval.utils.make_disjoint_window(window))
-                    owner.append(i)
-            totals = [0.0] * len(requests)
-            scores = score_continuations(self.engine, windows, self.max_length, self.batch_tokens)
-            for i, (logprob, _) in zip(owner, scores, strict=True):
-                totals[i] += logprob
-            return totals
+            return _loglikelihood_rolling(self, requests, lm_eval.utils)
 
         def generate_until(self, requests, disable_tqdm: bool = True) -> list[str]:
-            from lm_eval.models import utils as model_utils
-
-            results: list[str | None] = [None] * len(requests)
-            groups: dict[str, list[int]] = {}
-            for i, request in enumerate(requests):  # one decoding setting per group, as HFLM groups them
-                groups.setdefault(repr(sorted(request.args[1].items())), []).append(i)
-            eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-            for rows in groups.values():
-                kwargs = model_utils.normalize_gen_kwargs(requests[rows[0]].args[1], DEFAULT_MAX_GEN_TOKS)
-                if kwargs.get("do_sample"):
-                    raise KilnError(f"task {requests[rows[0]].task_name} asks for sampling (do_sample: true); "
-                                    "Kiln's lm-eval model decodes greedily: set do_sample: false")
-                until = model_utils.handle_stop_sequences(kwargs["until"], eos=eos)
-                new_tokens = kwargs["max_gen_toks"]
-                room = self.max_length - new_tokens
-                if room < 1:
-                    raise KilnError(f"max_gen_toks {new_tokens} leaves no room for a prompt in the model's context "
-                                    f"{self.max_length}")
-                # an empty context with a tokenizer that adds no BOS still needs a token to condition on
-                prompts = [self.tok_encode(requests[i].args[0])[-room:] or [self.prefix_token_id] for i in rows]
-                for texts, batch in generate(self.engine, prompts, new_tokens, until, self.batch_tokens):
-                    for j, text in zip(batch, texts, strict=True):
-                        results[rows[j]] = model_utils.postprocess_generated_text(text, until, None)
-            return results
+            return _generate_until(self, requests)
 
     return EngineLM
+
+
+def _loglikelihood_rolling(lm, requests, lm_eval_utils) -> list[float]:
+    """`EngineLM.loglikelihood_rolling`: each request's text cut into lm-eval's disjoint rolling windows, scored,
+    and summed per request."""
+    windows, owner = [], []
+    for i, (string,) in enumerate(request.args for request in requests):
+        tokens = lm.tok_encode(string, add_special_tokens=False)
+        for window in lm_eval_utils.get_rolling_token_windows(
+                token_list=tokens, prefix_token=lm.prefix_token_id, max_seq_len=lm.max_length, context_len=1):
+            windows.append(lm_eval_utils.make_disjoint_window(window))
+            owner.append(i)
+    totals = [0.0] * len(requests)
+    scores = score_continuations(lm.engine, windows, lm.max_length, lm.batch_tokens)
+    for i, (logprob, _) in zip(owner, scores, strict=True):
+        totals[i] += logprob
+    return totals
+
+
+def _generate_until(lm, requests) -> list[str]:
+    """`EngineLM.generate_until`: greedy decoding of each request, grouped by decoding setting as HFLM groups
+    them, cut at the stop sequences."""
+    from lm_eval.models import utils as model_utils  # lazy: lm-eval is the optional `tasks` extra
+
+    results: list[str | None] = [None] * len(requests)
+    groups: dict[str, list[int]] = {}
+    for i, request in enumerate(requests):  # one decoding setting per group, as HFLM groups them
+        groups.setdefault(repr(sorted(request.args[1].items())), []).append(i)
+    eos = lm.tok_decode([lm.eot_token_id], skip_special_tokens=False)
+    for rows in groups.values():
+        kwargs = model_utils.normalize_gen_kwargs(requests[rows[0]].args[1], DEFAULT_MAX_GEN_TOKS)
+        if kwargs.get("do_sample"):
+            raise KilnError(f"task {requests[rows[0]].task_name} asks for sampling (do_sample: true); "
+                            "Kiln's lm-eval model decodes greedily: set do_sample: false")
+        until = model_utils.handle_stop_sequences(kwargs["until"], eos=eos)
+        new_tokens = kwargs["max_gen_toks"]
+        room = lm.max_length - new_tokens
+        if room < 1:
+            raise KilnError(f"max_gen_toks {new_tokens} leaves no room for a prompt in the model's context "
+                            f"{lm.max_length}")
+        # an empty context with a tokenizer that adds no BOS still needs a token to condition on
+        prompts = [lm.tok_encode(requests[i].args[0])[-room:] or [lm.prefix_token_id] for i in rows]
+        for texts, batch in generate(lm.engine, prompts, new_tokens, until, lm.batch_tokens):
+            for j, text in zip(batch, texts, strict=True):
+                results[rows[j]] = model_utils.postprocess_generated_text(text, until, None)
+    return results
 
 
 def score_continuations(engine: Engine, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int,
@@ -261,7 +274,7 @@ def task_floor(name: str, metadata: dict | None, higher_is_better: dict[str, boo
     bounds = {k: metadata[k] for k in FLOOR_KEYS if metadata.get(k) is not None}
     if not bounds:
         raise KilnError(f"task {name} has no floor: give its metadata kiln_metric and kiln_min_recovery, kiln_min "
-                        "or kiln_max (see kiln.optimizer.tasks)")
+                        "or kiln_max (see kiln.optimizer.eval.tasks)")
     metric = metadata.get("kiln_metric")
     if not isinstance(metric, str) or not metric:
         raise KilnError(f"task {name}: metadata kiln_metric must name one of its metrics "
@@ -392,7 +405,8 @@ def _load_tasks(lm_eval, tasks_file: Path) -> dict:
 
 def _defined_name(tasks_file: Path) -> str:
     """The group or task name `tasks_file` defines."""
-    from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval's own reader: it knows `!function`
+    # lazy: lm-eval is the optional `tasks` extra; its own YAML reader knows `!function`
+    from lm_eval.tasks._yaml_loader import load_yaml
 
     try:
         config = load_yaml(tasks_file.resolve(), resolve_func=False)
@@ -434,30 +448,16 @@ def _plain(results: dict) -> dict:
 
 @contextlib.contextmanager
 def _seeded():
-    states = random.getstate(), _numpy_state(), torch.get_rng_state()
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
     random.seed(RANDOM_SEED)
     torch.manual_seed(OTHER_SEED)
-    if states[1] is not None:
-        import numpy as np
-
-        np.random.seed(OTHER_SEED)
+    np.random.seed(OTHER_SEED)
     try:
         yield
     finally:
         random.setstate(states[0])
         torch.set_rng_state(states[2])
-        if states[1] is not None:
-            import numpy as np
-
-            np.random.set_state(states[1])
-
-
-def _numpy_state():
-    try:
-        import numpy as np
-    except ImportError:
-        return None
-    return np.random.get_state()
+        np.random.set_state(states[1])
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ never uses lm-eval loads nothing of Kiln's) and nothing outside the standard lib
 millisecond, and adds one import hook to `sys.meta_path`. The hook acts once, on the first import of
 `lm_eval.models`: after that module has filled the registry with lm-eval's own names, it adds `kiln` as a lazy
 placeholder (`MODEL_TARGET`, the entry point pyproject.toml declares in the group `lm_eval.models`), which
-lm-eval loads only when asked for it. Kiln's `register()` (kiln.optimizer.lm_eval_model) imports this module
+lm-eval loads only when asked for it. Kiln's `register()` (kiln.optimizer.eval.lm_eval_model) imports this module
 the usual way.
 
     lm_eval --model kiln --model_args artifact=DIR --tasks TASK --include_path examples/tasks
@@ -23,14 +23,14 @@ import sys
 
 HOOKED_MODULE = "lm_eval.models"  # the module whose import fills lm-eval's model registry
 MODEL_NAME = "kiln"
-MODEL_TARGET = "kiln.optimizer.lm_eval_model:KilnLM"  # as [project.entry-points."lm_eval.models"] declares
+MODEL_TARGET = "kiln.optimizer.eval.lm_eval_model:KilnLM"  # as [project.entry-points."lm_eval.models"] declares
 
 
 def register_placeholder() -> bool:
     """Add `kiln` to lm-eval's model registry as a lazy `module:object` placeholder unless a name `kiln` is
     there already; True when the registry has the name afterwards."""
     try:
-        from lm_eval.api.registry import model_registry
+        from lm_eval.api.registry import model_registry  # lazy: only once lm-eval itself is being imported
 
         if MODEL_NAME not in model_registry:
             model_registry.register(MODEL_NAME, target=MODEL_TARGET)
@@ -62,7 +62,7 @@ class LmEvalModelsHook:
     def find_spec(self, fullname, path, target=None):
         if fullname != HOOKED_MODULE:
             return None
-        import importlib.util
+        import importlib.util  # lazy: this source runs at every interpreter start; only lm-eval's import needs it
 
         uninstall()
         try:
@@ -87,7 +87,7 @@ def uninstall() -> None:
 
 
 def _is_hook(finder) -> bool:
-    # by name: the .pth's copy of this source and an imported kiln.optimizer.lm_eval_plugin define two classes
+    # by name: the .pth's copy of this source and an imported kiln.optimizer.eval.lm_eval_plugin define two classes
     return type(finder).__name__ == LmEvalModelsHook.__name__
 
 

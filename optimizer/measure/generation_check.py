@@ -31,7 +31,7 @@ import torch
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.progress import stage
-from kiln.optimizer.gate import Check
+from kiln.optimizer.measure.gate import Check
 from kiln.runtime.engine import Engine
 
 PROMPT_TOKENS = 16

@@ -1,7 +1,7 @@
 """Calibration activations for passes, computed by the runtime's own modules (optimizer may import runtime).
 
-    KvCapture      `ModelRunner.capture_kv` (optimizer.runner): K/V cache activations on the calibration tokens
-    RuntimeCalibrator (optimizer.calibration_session)  `ModelRunner.session`: per-linear inputs, block by block
+    KvCapture      `ModelRunner.capture_kv` (optimizer.measure.runner): K/V cache activations on the calibration tokens
+    RuntimeCalibrator (optimizer.measure.calibration_session)  `ModelRunner.session`: per-linear inputs, block by block
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from collections.abc import Sequence
 import torch
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.calibration_session import RuntimeCalibrationSession
 from kiln.optimizer.lower import lower_tensors
+from kiln.optimizer.measure.calibration_session import RuntimeCalibrationSession
 from kiln.passes.graph import ModelGraph
+from kiln.runtime.model import Transformer
 
 
 class _RecordingCache:
@@ -44,8 +45,6 @@ class KvCapture:
 
     @torch.inference_mode()
     def __call__(self, graph: ModelGraph) -> dict[int, tuple[torch.Tensor, ...]]:
-        from kiln.runtime.model import Transformer
-
         tensors, formats = lower_tensors(graph)
         session = RuntimeCalibrationSession(graph, self.token_lists, self.max_batch_tokens, device=self.device)
         model = session.to_device(Transformer(graph.spec, tensors, formats).eval())
