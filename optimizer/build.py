@@ -21,14 +21,14 @@ from kiln.kernels.errors import BelowFloor, KilnError
 from kiln.kernels.progress import stage
 from kiln.kernels.targets import get_target
 from kiln.optimizer.defaults import default_data
-from kiln.optimizer.economics import build_economics
+from kiln.optimizer.report.economics import build_economics
 from kiln.optimizer.gate import AccuracyGate, check_floors, check_native_text, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, write_artifact
 from kiln.optimizer.numerics import warn_if_unpinned
 from kiln.optimizer.output_dir import check_output
 from kiln.optimizer.recipes import Recipe, resolve_recipe
-from kiln.optimizer.report import calibration_summary, render_report
+from kiln.optimizer.report.artifact_report import calibration_summary, render_report
 from kiln.optimizer.runner import RuntimeRunner
 from kiln.optimizer.logit_kl import precision_files
 from kiln.passes.base import PassContext, PassRecord, Pipeline

@@ -199,7 +199,7 @@ _GPUS_PER_REPLICA = _bounded("--gpus-per-replica", 1, 1024, integer=True)
 
 def _gate_table(records_json: list[dict]) -> Table:
     """One column per pass, one row per figure: stays whole in an 80-column terminal."""
-    from kiln.optimizer.report import floor_cell
+    from kiln.optimizer.report.artifact_report import floor_cell
 
     table = Table(title="accuracy gate (through the runtime)")
     table.add_column("")
@@ -275,7 +275,7 @@ def build(
     """Optimize CHECKPOINT with RECIPE for TARGET and write an engine artifact."""
     from kiln.optimizer.build import build as run_build
     from kiln.optimizer.defaults import default_checkpoint, shared_dir
-    from kiln.optimizer.report import human_bytes
+    from kiln.optimizer.report.artifact_report import human_bytes
 
     count, why = THREADS or use_threads()
     said = []
@@ -312,11 +312,11 @@ def build(
     sizes.add_row("artifact", str(result.weight_bytes), human_bytes(result.weight_bytes))
     sizes.add_row("ratio", f"{result.weight_bytes / src:.3f}", "")
     out.print(sizes)
-    from kiln.optimizer.report import embedding_lines
+    from kiln.optimizer.report.artifact_report import embedding_lines
 
     for line in embedding_lines(manifest):
         out.print(Text(line), soft_wrap=True)
-    from kiln.optimizer.kv_report import kv_tables
+    from kiln.optimizer.report.kv_report import kv_tables
 
     for kv_table in kv_tables(manifest["kv_budget"]):
         out.print(kv_table)
@@ -429,7 +429,7 @@ def inspect(
         "passes": [{"name": p["name"], "decision": p["decision"], "gate": p["gate"]} for p in manifest["passes"]],
         "architecture": _architecture_summary(manifest["architecture"]),
     }
-    from kiln.optimizer.kv_report import artifact_kv_budget, kv_tables
+    from kiln.optimizer.report.kv_report import artifact_kv_budget, kv_tables
 
     kv = manifest.get("kv_budget") or artifact_kv_budget(artifact, manifest)
     summary["kv_bytes_per_token"] = kv["kv_bytes_per_token"]
@@ -438,7 +438,7 @@ def inspect(
     if as_json:
         print(json.dumps(summary, indent=2))
         return
-    from kiln.optimizer.report import human_bytes
+    from kiln.optimizer.report.artifact_report import human_bytes
 
     table = Table(title=f"{artifact}: {manifest['source']['model_type']} for {manifest['target']}")
     table.add_column("module")
@@ -657,7 +657,7 @@ def gate(
     Recovery comes with a 95% paired-bootstrap interval over the paragraphs; --decision lower holds its lower
     end to the floor."""
     from kiln.optimizer.gate import check_floors
-    from kiln.optimizer.gate_report import FORMATS
+    from kiln.optimizer.report.gate_report import FORMATS
 
     check_floors(min_recovery, max_kl, min_top1)
     fmt = "json" if as_json else fmt
@@ -674,7 +674,7 @@ def gate(
         raise KilnError(f"--tasks {tasks}: no such file")
     junit_inputs = [artifact, baseline, data, tasks]
     if junit is not None:  # before the gate runs, not after: never an input, a directory or the user's own file
-        from kiln.optimizer.gate_report import is_kiln_junit
+        from kiln.optimizer.report.gate_report import is_kiln_junit
         from kiln.optimizer.output_dir import check_output_file
 
         check_output_file(junit, junit_inputs, is_kiln_junit, "--junit")
@@ -745,7 +745,7 @@ def gate(
                   passed=passed, checks=[c.as_json() for c in checks])
     seconds = time.perf_counter() - started
     if junit is not None:
-        from kiln.optimizer.gate_report import is_kiln_junit, junit_xml
+        from kiln.optimizer.report.gate_report import is_kiln_junit, junit_xml
         from kiln.optimizer.output_dir import atomic_file
 
         atomic_file(junit, junit_xml(checks, f"gate {artifact.name}", seconds, result.suspect), junit_inputs,
@@ -753,11 +753,11 @@ def gate(
     if fmt == "json":
         print(json.dumps(fields, indent=2))
     elif fmt == "junit":
-        from kiln.optimizer.gate_report import junit_xml
+        from kiln.optimizer.report.gate_report import junit_xml
 
         print(junit_xml(checks, f"gate {artifact.name}", seconds, result.suspect), end="")
     elif fmt == "markdown":
-        from kiln.optimizer.gate_report import markdown
+        from kiln.optimizer.report.gate_report import markdown
 
         print(markdown(fields, checks, f"Kiln gate: {artifact.name} against {baseline}"), end="")
     else:
@@ -837,7 +837,7 @@ def report_(
 ) -> None:
     """Economics: weight and KV bytes, concurrency, decode roofline tokens/s and $/Mtok per GPU, and what each pass
     buys against its honest baseline; with --workload, co-located against disaggregated serving."""
-    from kiln.optimizer import economics as econ
+    from kiln.optimizer.report import economics as econ
 
     if output is not None:  # before any work: never an artifact, the input, or a directory of the user's
         econ.check_report_output(output, target)
@@ -845,7 +845,7 @@ def report_(
     prices = econ.parse_prices(price_per_hour, gpus)
     served = None
     if workload is not None:
-        from kiln.optimizer.serving_model import parse_workload
+        from kiln.optimizer.report.workload import parse_workload
 
         served = parse_workload(workload, rate)
     elif rate is not None:
