@@ -271,5 +271,7 @@ class Mxfp4Format(WeightCodec):
     def grid_pack(self, values, stored_scales):
         return self._quantize(values, scale_e8m0=stored_scales.get("weight_scale")).tensors()
 
+    element_bits = 4
+
 
 MXFP4_FORMAT = Mxfp4Format()

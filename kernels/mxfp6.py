@@ -213,5 +213,7 @@ class Mxfp6Format(Mxfp4Format):
     def grid_round_(self, scaled):
         return scaled.copy_(e2m3_decode(e2m3_encode(scaled)))
 
+    element_bits = 6
+
 
 MXFP6_FORMAT = Mxfp6Format()

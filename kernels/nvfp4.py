@@ -331,5 +331,7 @@ class Nvfp4Format(WeightCodec):
         return nvfp4_quantize(values, global_scale=stored_scales["weight_scale_2"],
                               block_scale=stored_scales["weight_scale"]).tensors()
 
+    element_bits = 4
+
 
 NVFP4_FORMAT = Nvfp4Format()

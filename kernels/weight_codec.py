@@ -157,3 +157,6 @@ class WeightCodec:
 
     def __repr__(self) -> str:
         return f"<weight format {self.name}>"
+
+    element_bits: int = 16
+    """Bits of one stored value, scales not counted (FP8: 8, FP6: 6, FP4: 4; dense: BF16's 16)."""

@@ -19,7 +19,12 @@ from kiln.optimizer.report.waterfall import Scenario, scenario
 from kiln.runtime.artifact import MANIFEST, read_json, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json
 
-CONFIG_WEIGHTS = ("bf16", "fp8", "nvfp4")
+# --weights: every linear's but the LM head's and routers' (format, activations, what the note adds)
+CONFIG_WEIGHTS = {
+    "bf16": None,
+    "fp8": (WeightFormat.FP8_E4M3, ActivationFormat.FP8_DYNAMIC_PER_TOKEN, ", W8A8"),
+    "nvfp4": (WeightFormat.NVFP4, ActivationFormat.NVFP4, ", W4A4 where the GPU has FP4 tensor cores"),
+}
 CONFIG_KV = {"bf16": None, "fp8": {"format": KvFormat.FP8_E4M3, "scaling": "per_tensor"},
              "nvfp4": {"format": KvFormat.NVFP4, "scaling": "e4m3_block16"}}
 
@@ -87,17 +92,15 @@ def config_scenario(name: str, spec: ModelSpec, weights: str = "bf16", kv: str =
         raise KilnError(f"--weights must be one of {', '.join(CONFIG_WEIGHTS)}, got {weights!r}")
     if kv not in CONFIG_KV:
         raise KilnError(f"--kv must be one of {', '.join(CONFIG_KV)}, got {kv!r}")
-    formats = {}
-    if weights != "bf16":
-        fmt, act = ((WeightFormat.FP8_E4M3, ActivationFormat.FP8_DYNAMIC_PER_TOKEN) if weights == "fp8"
-                    else (WeightFormat.NVFP4, ActivationFormat.NVFP4))
+    formats, assumed = {}, CONFIG_WEIGHTS[weights]
+    if assumed:
+        fmt, act, _ = assumed
         for lin in spec.linears():
             if lin.role not in ("lm_head", "router"):
                 formats[lin.name] = {"format": fmt, "activation": act}
     table = {str(layer.index): CONFIG_KV[kv] for layer in spec.layers} if CONFIG_KV[kv] else None
     notes = (f"assumed formats: weights {weights} (all linears but the LM head and routers"
-             + (", W8A8" if weights == "fp8" else ", W4A4 where the GPU has FP4 tensor cores" if weights == "nvfp4"
-                else "") + f"), KV cache {kv}; no weights read (meta figures)",)
+             + (assumed[2] if assumed else "") + f"), KV cache {kv}; no weights read (meta figures)",)
     return scenario(name, "config", spec, spec, formats, table, spec.tie_word_embeddings, speculation, notes)
 
 

@@ -12,15 +12,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kiln.kernels.formats import ActivationFormat, WeightFormat
+from kiln.kernels.registry import WEIGHT_FORMATS
 from kiln.kernels.targets import Device
 from kiln.optimizer.report.figures import LinearCost, ModelFigures, linear_cost, spec_figures
 from kiln.optimizer.report.roofline import Speculation, decode_step, max_batch, usd_per_mtok
 from kiln.runtime.kv_format import kv_bytes_per_token
 from kiln.runtime.spec import LinearSpec, ModelSpec
 
-FP4_FORMATS = (WeightFormat.NVFP4, WeightFormat.MXFP4)
-# what the "weights FP4" step prices against FP8 on the same linears: the formats below 8 bits a weight
-BELOW_FP8_FORMATS = (*FP4_FORMATS, WeightFormat.MXFP6)
+FP8_STEP_FORMAT = WeightFormat.FP8_E4M3
+"""The "weights FP8" step's format: what it prices the FP4/FP6 linears as (the FP4 step's baseline), and the
+linears its note counts as its own."""
 
 
 # --- the waterfall --------------------------------------------------------------------------------------------------
@@ -60,6 +61,26 @@ def price_steps(steps: Sequence[Step], device: Device, price_per_hour: float, co
     return rows
 
 
+def _element_bits(fmt: str) -> int | None:
+    """Bits of one stored value of `fmt` (kernels' WeightCodec.element_bits); None for a name no format has, which
+    linear_cost refuses."""
+    codec = WEIGHT_FORMATS.get(fmt)
+    return None if codec is None else codec.element_bits
+
+
+def _below_fp8(fmt: str) -> bool:
+    """Whether the "weights FP4" step prices `fmt` (against FP8 on the same linears): below 8 bits a value."""
+    bits = _element_bits(fmt)
+    return bits is not None and bits < 8
+
+
+def _quantized(fmt: str) -> bool:
+    """Whether `fmt` stores a weight quantized, not as its values (dense); an unknown name counts, for linear_cost
+    to refuse."""
+    codec = WEIGHT_FORMATS.get(fmt)
+    return codec is None or codec.dequantizes
+
+
 def _format_of(formats: Mapping[str, Mapping], lin: LinearSpec) -> Mapping:
     return formats.get(lin.name) or {"format": WeightFormat.DENSE, "activation": ActivationFormat.NONE}
 
@@ -67,16 +88,16 @@ def _format_of(formats: Mapping[str, Mapping], lin: LinearSpec) -> Mapping:
 def _cost(formats: Mapping[str, Mapping], fp4_as_fp8: bool) -> Callable[[LinearSpec], LinearCost]:
     def cost(lin: LinearSpec) -> LinearCost:
         e = _format_of(formats, lin)
-        if fp4_as_fp8 and e["format"] in BELOW_FP8_FORMATS:  # the FP8 baseline: same linears, same activation choice
+        if fp4_as_fp8 and _below_fp8(e["format"]):  # the FP8 baseline: same linears, same activation choice
             act = (ActivationFormat.NONE if e.get("activation", "none") == "none"
                    else ActivationFormat.FP8_DYNAMIC_PER_TOKEN)
-            return linear_cost(lin, WeightFormat.FP8_E4M3, act)
+            return linear_cost(lin, FP8_STEP_FORMAT, act)
         return linear_cost(lin, e["format"], e.get("activation", ActivationFormat.NONE), e.get("in_features"))
     return cost
 
 
-def _format_summary(formats: Mapping[str, Mapping], fmts: Sequence[str]) -> str:
-    counts = Counter((e["format"], e.get("activation", "none")) for e in formats.values() if e["format"] in fmts)
+def _format_summary(formats: Mapping[str, Mapping]) -> str:
+    counts = Counter((e["format"], e.get("activation", "none")) for e in formats.values())
     return ", ".join(f"{n} linears {fmt}" + ("" if act == "none" else f" with {act} activations")
                      for (fmt, act), n in sorted(counts.items()))
 
@@ -109,24 +130,25 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
     window_sizes = sorted({layer.attention.sliding_window for layer in source_spec.layers} - {None})
     local = sum(1 for layer in source_spec.layers if layer.attention.sliding_window)
     table_entry = formats.get(spec.embedding.removesuffix(".weight"))
-    if not table_entry or table_entry.get("role") != "embedding" or table_entry["format"] == WeightFormat.DENSE:
+    if not table_entry or table_entry.get("role") != "embedding" or not _quantized(table_entry["format"]):
         table_entry = None
 
     def table(fp4_as_fp8: bool) -> LinearCost | None:
         """The embedding table stored quantized, priced like a weight-only linear of its shape (the LM head's)."""
         if table_entry is None:
             return None
-        if fp4_as_fp8 and table_entry["format"] in BELOW_FP8_FORMATS:
-            return linear_cost(spec.lm_head, WeightFormat.FP8_E4M3, ActivationFormat.NONE)
+        if fp4_as_fp8 and _below_fp8(table_entry["format"]):
+            return linear_cost(spec.lm_head, FP8_STEP_FORMAT, ActivationFormat.NONE)
         return linear_cost(spec.lm_head, table_entry["format"], ActivationFormat.NONE, table_entry.get("in_features"))
 
     table_note = ("" if table_entry is None else f"; the embedding table {table_entry['format']}"
                   + (" (the tied LM head reads it)" if lm_head_tied else ""))
-    quantized = {k: e for k, e in formats.items() if e["format"] != WeightFormat.DENSE and e.get("role") != "embedding"}
-    fp4 = {k: e for k, e in quantized.items() if e["format"] in BELOW_FP8_FORMATS}
+    quantized = {k: e for k, e in formats.items() if _quantized(e["format"]) and e.get("role") != "embedding"}
+    fp4 = {k: e for k, e in quantized.items() if _below_fp8(e["format"])}
+    fp8 = {k: e for k, e in quantized.items() if e["format"] == FP8_STEP_FORMAT}
     # the weight steps apply when only the table is quantized, too
     weights_step = bool(quantized) or table_entry is not None
-    fp4_step = bool(fp4) or (table_entry is not None and table_entry["format"] in BELOW_FP8_FORMATS)
+    fp4_step = bool(fp4) or (table_entry is not None and _below_fp8(table_entry["format"]))
     restructured = [a.attention.kind for a in source_spec.layers] != [b.attention.kind for b in spec.layers]
     served = _cost(formats, False)
     kinds = sorted({layer.attention.kind.upper() for layer in source_spec.layers})
@@ -151,12 +173,12 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
              spec_figures(spec, _cost(formats, True), kv_bf16, lm_head_tied, table=table(True)) if weights_step
              else None,
              note=(("FP8 in place of the FP4/FP6 linears (the FP4 step's baseline); " if fp4_step else "")
-                   + (_format_summary(quantized, (WeightFormat.FP8_E4M3,)) or "no FP8 linears of its own")
+                   + (_format_summary(fp8) or "no FP8 linears of its own")
                    + table_note if weights_step else "not applied: every linear BF16")),
-        Step("fp4", "weights FP4/FP6" if any(e["format"] == WeightFormat.MXFP6 for e in fp4.values())
+        Step("fp4", "weights FP4/FP6" if any(_element_bits(e["format"]) == 6 for e in fp4.values())
              else "weights FP4", "FP8 on the same GPU",
              spec_figures(spec, served, kv_bf16, lm_head_tied, table=table(False)) if fp4_step else None,
-             note=(_format_summary(fp4, BELOW_FP8_FORMATS) or "no FP4 linears of its own") + table_note if fp4_step
+             note=(_format_summary(fp4) or "no FP4 linears of its own") + table_note if fp4_step
              else "not applied: no FP4 weights"),
         Step("kv", "KV-cache quantization", "a BF16 KV cache",
              spec_figures(spec, served, kv_served, lm_head_tied, table=table(False)) if kv_served != kv_bf16 else None,
