@@ -62,7 +62,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
 from kiln.kernels.errors import KilnError
-
 from kiln.optimizer.report.economics_text import economics_markdown, economics_tables, not_modelled_text
 from kiln.optimizer.report.prices import (
     PRICE_NOTE,
