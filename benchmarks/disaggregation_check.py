@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch
 
-from kiln.optimizer.serving_model import MeasuredCost, RequestClass, colocated_state, most
+from kiln.optimizer.report.serving_model import MeasuredCost, RequestClass, colocated_state, most
 
 MEASURED = ROOT / "benchmarks" / "results" / "disaggregation_measured.json"
 SERVER = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_queue": 64, "ttft_slo": 1.0, "tpot_slo": 0.1}

@@ -196,6 +196,8 @@ class ScaledFp8Codec(WeightCodec):
         weight = (values / scale).clamp(-self.grid_max, self.grid_max).to(self.storage_dtype)
         return {"weight": weight, "weight_scale": scale}
 
+    element_bits = 8
+
 
 class Fp8E4M3Format(ScaledFp8Codec):
     """FP8 E4M3 weights with an fp32 scale per output channel ([N, 1]) or per tensor (0-dim); W8A16, or W8A8 with

@@ -274,6 +274,7 @@ class Mxfp4Format(WeightCodec):
     static_activation_refusal = "its E8M0 block scales are always dynamic"
     coarse_grid = True
     power_of_two_block_scales = True
+    element_bits = 4
 
 
 MXFP4_FORMAT = Mxfp4Format()

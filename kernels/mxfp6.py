@@ -214,6 +214,7 @@ class Mxfp6Format(Mxfp4Format):
         return scaled.copy_(e2m3_decode(e2m3_encode(scaled)))
 
     coarse_grid = False
+    element_bits = 6
 
 
 MXFP6_FORMAT = Mxfp6Format()

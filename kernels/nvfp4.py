@@ -333,6 +333,7 @@ class Nvfp4Format(WeightCodec):
 
     gptq_act_order_default = False
     coarse_grid = True
+    element_bits = 4
 
 
 NVFP4_FORMAT = Nvfp4Format()

@@ -174,3 +174,5 @@ class WeightCodec:
     tuning of its grid points pays (a finer grid's tuning fits the calibration text instead)."""
     power_of_two_block_scales: bool = False
     """Whether its block scales are E8M0 exponents: the MSE scale search tries the neighbouring exponents."""
+    element_bits: int = 16
+    """Bits of one stored value, scales not counted (FP8: 8, FP6: 6, FP4: 4; dense: BF16's 16)."""

@@ -21,7 +21,6 @@ from kiln.kernels.errors import KilnError
 from kiln.kernels.progress import stage
 from kiln.kernels.targets import get_target
 from kiln.optimizer.defaults import default_data
-from kiln.optimizer.economics import build_economics
 from kiln.optimizer.errors import BelowFloor
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, write_artifact
@@ -31,7 +30,8 @@ from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.optimizer.numerics import warn_if_unpinned
 from kiln.optimizer.output_dir import check_output
 from kiln.optimizer.recipes import Recipe, resolve_recipe
-from kiln.optimizer.report import calibration_summary, render_report
+from kiln.optimizer.report.artifact_report import calibration_summary, render_report
+from kiln.optimizer.report.economics import build_economics
 from kiln.passes.base import PassContext, PassRecord, Pipeline
 from kiln.passes.graph import ModelGraph
 from kiln.passes.tensor_store import bound_heap

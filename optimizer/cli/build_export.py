@@ -28,8 +28,8 @@ from kiln.optimizer.cli.options import (
 from kiln.optimizer.cli.progress_view import timing_table
 from kiln.optimizer.cli.tables import gate_table, precision_table
 from kiln.optimizer.cli.threads import chosen_threads
-from kiln.optimizer.kv_report import kv_tables
-from kiln.optimizer.report import embedding_lines, human_bytes
+from kiln.optimizer.report.artifact_report import embedding_lines, human_bytes
+from kiln.optimizer.report.kv_report import kv_tables
 
 
 def build(

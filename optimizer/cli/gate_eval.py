@@ -75,8 +75,8 @@ def gate(
     Recovery comes with a 95% paired-bootstrap interval over the paragraphs; --decision lower holds its lower
     end to the floor."""
     # lazy: imports torch (through kiln.optimizer.measure.gate), which --help never needs
-    from kiln.optimizer.gate_report import is_kiln_junit
     from kiln.optimizer.output_dir import check_output_file
+    from kiln.optimizer.report.gate_report import is_kiln_junit
 
     fmt = "json" if as_json else fmt
     gen_floors = _check_gate_request(min_recovery, max_kl, min_top1, fmt, decision, tasks,
@@ -112,9 +112,9 @@ def _check_gate_request(min_recovery: float, max_kl: float | None, min_top1: flo
     """Refuse, before any work, what the gate could not honour; the long generation's floors (defaults where
     `generation_floors` holds None)."""
     # lazy: each imports torch, which --help never needs
-    from kiln.optimizer.gate_report import FORMATS
     from kiln.optimizer.measure.gate import check_floors
     from kiln.optimizer.measure.generation_check import GenerationFloors
+    from kiln.optimizer.report.gate_report import FORMATS
 
     check_floors(min_recovery, max_kl, min_top1)
     if fmt not in FORMATS:
@@ -208,8 +208,8 @@ def _task_checks(engine, reference, tasks: Path, task_limit: int | None, fields:
 
 def _write_junit(junit: Path, junit_inputs: list, checks, name: str, seconds: float, suspect) -> None:
     # lazy: imports torch (through kiln.optimizer.measure.gate), which --help never needs
-    from kiln.optimizer.gate_report import is_kiln_junit, junit_xml
     from kiln.optimizer.output_dir import atomic_file
+    from kiln.optimizer.report.gate_report import is_kiln_junit, junit_xml
 
     atomic_file(junit, junit_xml(checks, name, seconds, suspect), junit_inputs, is_kiln_junit, "--junit")
 
@@ -217,7 +217,7 @@ def _write_junit(junit: Path, junit_inputs: list, checks, name: str, seconds: fl
 def _print_gate(fmt: str, fields: dict, checks, artifact: Path, baseline: str, seconds: float, result) -> None:
     """The gate's result on stdout, as --format asks."""
     # lazy: imports torch (through kiln.optimizer.measure.gate), which --help never needs
-    from kiln.optimizer.gate_report import junit_xml, markdown
+    from kiln.optimizer.report.gate_report import junit_xml, markdown
 
     if fmt == "json":
         print(json.dumps(fields, indent=2))

@@ -20,8 +20,8 @@ from kiln.optimizer.cli.console import console, out
 from kiln.optimizer.cli.options import DRAFT_TOKENS, GPUS_PER_REPLICA, TAU
 from kiln.optimizer.cli.tables import gate_table, precision_table
 from kiln.optimizer.export_notes import describe_export
-from kiln.optimizer.kv_report import artifact_kv_budget, kv_tables
-from kiln.optimizer.report import human_bytes
+from kiln.optimizer.report.artifact_report import human_bytes
+from kiln.optimizer.report.kv_report import artifact_kv_budget, kv_tables
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int16": 2,
                "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "bool": 1,
@@ -164,7 +164,7 @@ def report_(
 ) -> None:
     """Economics: weight and KV bytes, concurrency, decode roofline tokens/s and $/Mtok per GPU, and what each pass
     buys against its honest baseline; with --workload, co-located against disaggregated serving."""
-    from kiln.optimizer import economics as econ  # lazy: imports torch, which --help never needs
+    from kiln.optimizer.report import economics as econ  # lazy: imports torch, which --help never needs
 
     if output is not None:  # before any work: never an artifact, the input, or a directory of the user's
         econ.check_report_output(output, target)
@@ -172,7 +172,7 @@ def report_(
     prices = econ.parse_prices(price_per_hour, gpus)
     served = None
     if workload is not None:
-        from kiln.optimizer.serving_model import parse_workload  # lazy: imports torch
+        from kiln.optimizer.report.workload import parse_workload  # lazy: imports torch
 
         served = parse_workload(workload, rate)
     elif rate is not None:

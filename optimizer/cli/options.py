@@ -53,7 +53,7 @@ def _num(value: float) -> str:
 
 
 # The numeric options' ranges, checked while the command line is parsed (report's --context and --price-per-hour
-# are checked by optimizer.economics, the gate floors by optimizer.measure.gate.check_floors, both before any work)
+# are checked by optimizer.report.economics, the gate floors by optimizer.measure.gate.check_floors, both before any work)
 PARAGRAPHS = bounded("--paragraphs", 1, MAX_PARAGRAPHS, integer=True, why="each is scored")
 CALIB_TOKENS = bounded("--calib-tokens", 1, integer=True)
 WEIGHT_BITS = bounded("--weight-bits", 0, 16, low_open=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from kiln.optimizer.report import floor_cell
+from kiln.optimizer.report.artifact_report import floor_cell
 
 
 def gate_table(records_json: list[dict]) -> Table:

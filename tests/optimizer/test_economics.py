@@ -9,16 +9,11 @@ import math
 
 import pytest
 
-from kiln.optimizer.economics import (
-    WATERFALL_PNG,
-    Speculation,
-    _speculation_of,
-    config_scenario,
-    decode_step,
-    economics_report,
-    max_batch,
-)
 from kiln.optimizer.loader_config import build_spec
+from kiln.optimizer.report.economics import economics_report
+from kiln.optimizer.report.roofline import Speculation, decode_step, max_batch
+from kiln.optimizer.report.scenarios import _speculation_of, config_scenario
+from kiln.optimizer.report.waterfall_plot import WATERFALL_PNG
 
 # Llama-3.1-8B's shape (benchmarks/streaming.py builds the same)
 LLAMA_8B = {
@@ -174,7 +169,7 @@ def test_the_waterfall_factors_multiply_to_the_total_against_honest_baselines(ll
 
 
 def test_speculation_gains_tau_at_batch_1_and_less_where_the_max_batch_is_compute_bound(llama_8b, deepseek_v3):
-    from kiln.optimizer.economics import GPUS, replica
+    from kiln.optimizer.report.roofline import GPUS, replica
 
     spec = Speculation(2.5, 3)
     dense = config_scenario("8b", llama_8b, weights="fp8").served.figures
@@ -206,7 +201,8 @@ def _measured(tmp_path, rows, break_even, nodes=12):
 def test_a_measured_speculation_prices_tau_below_its_break_even_and_turns_off_from_it(tmp_path, llama_8b):
     """tau is the one measured at the largest concurrency below the break-even (2.6 at 4 here, not 2.9 at 1
     nor 2.4 at 8); a step at the break-even batch or beyond decodes plainly."""
-    from kiln.optimizer.economics import GPUS, load_speculation
+    from kiln.optimizer.report.roofline import GPUS
+    from kiln.optimizer.report.scenarios import load_speculation
 
     spec = load_speculation(_measured(tmp_path, [(1, 2.9), (4, 2.6), (8, 2.4), (16, 2.3)], 8))
     assert (spec.tau, spec.draft_tokens, spec.break_even) == (2.6, 12, 8)
@@ -327,7 +323,7 @@ def test_a_block_formats_deployed_bytes_are_what_its_packed_weight_holds(fmt):
     import torch
 
     from kiln.calibration.quantize import quantize_weight
-    from kiln.optimizer.economics import linear_cost
+    from kiln.optimizer.report.figures import linear_cost
     from kiln.runtime.spec import LinearSpec
 
     stored = quantize_weight(torch.randn(48, 172), fmt)
@@ -373,7 +369,7 @@ def test_capacity_tiers_by_hand(llama_8b, tmp_path):
     $1.60 / (1 - 0.1 x 10/60) = $1.6271 a serving hour, x2.0896 against $3.40 on-demand; the waterfall's last
     step takes the cheapest tier, and every tier's $/Mtok is on-demand's x its price / on-demand's."""
     from kiln.kernels.errors import KilnError
-    from kiln.optimizer.economics import load_tiers, parse_prices
+    from kiln.optimizer.report.prices import load_tiers, parse_prices
 
     table = tmp_path / "tiers.yaml"
     table.write_text("h100:\n  on-demand: 3.40\n  reserved-1y: 2.40\n"

@@ -176,8 +176,8 @@ def test_a_file_output_replaces_only_kilns_own_file_atomically(tmp_path):
 
 
 def test_the_junit_check_recognises_only_kilns_report(tmp_path):
-    from kiln.optimizer.gate_report import is_kiln_junit, junit_xml
     from kiln.optimizer.measure.gate import Check
+    from kiln.optimizer.report.gate_report import is_kiln_junit, junit_xml
 
     ours, theirs = tmp_path / "ours.xml", tmp_path / "theirs.xml"
     ours.write_text(junit_xml([Check("recovery", 0.99, 0.9)], "gate art", 1.0))

@@ -10,21 +10,20 @@ import math
 import pytest
 
 from kiln.kernels.targets import B200, H100
-from kiln.optimizer.economics import config_scenario, decode_step, economics_report, prefill_seconds
 from kiln.optimizer.loader_config import build_spec
-from kiln.optimizer.serving_model import (
+from kiln.optimizer.report.economics import economics_report
+from kiln.optimizer.report.roofline import decode_step, prefill_seconds
+from kiln.optimizer.report.scenarios import config_scenario
+from kiln.optimizer.report.serving_model import (
     BUDGETS,
-    PRESETS,
     MeasuredCost,
     RequestClass,
     RooflineCost,
-    Workload,
     colocated_state,
-    link_bytes_per_second,
-    parse_workload,
-    serving_section,
     size_disaggregated,
 )
+from kiln.optimizer.report.serving_section import serving_section
+from kiln.optimizer.report.workload import PRESETS, Workload, link_bytes_per_second, parse_workload
 from tests.optimizer.test_economics import LLAMA_8B
 
 LINK = 50e9  # bytes/s: the default 400 Gb/s

@@ -202,7 +202,8 @@ def test_the_packed_runtime_multiplies_by_the_stored_table(artifacts, fmt, monke
 
 
 def test_the_economics_price_the_table_in_its_format(artifacts):
-    from kiln.optimizer.economics import linear_cost, manifest_scenario
+    from kiln.optimizer.report.figures import linear_cost
+    from kiln.optimizer.report.scenarios import manifest_scenario
     from kiln.runtime.artifact import read_manifest
     from kiln.runtime.spec import spec_from_json
 

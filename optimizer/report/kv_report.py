@@ -10,12 +10,14 @@ from pathlib import Path
 
 from rich.table import Table
 
+from kiln.runtime.spec import spec_from_json
+
 
 def artifact_kv_budget(artifact: Path, manifest: dict) -> dict:
     """The budget of an artifact from its manifest (architecture, KV table and stored weight bytes).
     `optimize inspect` reads the manifest's own "kv_budget" when present, so it never imports torch."""
+    # lazy: kv_budget imports torch (runtime.kv_format), which `optimize inspect` otherwise never needs
     from kiln.runtime.kv_budget import kv_budget
-    from kiln.runtime.spec import spec_from_json
 
     sizes = manifest["sizes"]
     return kv_budget(spec_from_json(manifest["architecture"]), manifest.get("kv_cache"), sizes["weight_bytes"],

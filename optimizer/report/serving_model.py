@@ -3,14 +3,14 @@ output lengths, TTFT and TPOT SLOs) and a GPU, the GPUs a co-located deployment 
 prefill and decode pools, each sized to meet its SLO; goodput per GPU, $/Mtok, and which wins.
 
 One iteration (a forward over D decode rows, each holding c tokens of KV, and a prefill chunk of P tokens after o
-cached tokens of its prompt) runs three kernels, each a roofline over economics' figures; their times add:
+cached tokens of its prompt) runs three kernels, each a roofline over the model's figures; their times add:
 
     GEMMs             max(weight bytes read for D + P tokens / HBM bandwidth, (D + P) x GEMM seconds per token)
     decode attention  D x max(KV bytes(c) / HBM bandwidth, decode attention FLOPs at c / BF16 peak)
     chunk attention   max(KV bytes(o) / HBM bandwidth, causal attention FLOPs of tokens o+1..o+P / BF16 peak)
 
 (no per-iteration overhead on a GPU: not modelled). A decode-only iteration whose GEMMs are memory-bound is
-economics.decode_step's; a prefill-only one whose GEMMs are compute-bound is economics.prefill_seconds'. One max over
+roofline.decode_step's; a prefill-only one whose GEMMs are compute-bound is roofline.prefill_seconds'. One max over
 the whole iteration would hide the decode rows' KV reads under the chunk's GEMMs, which separate kernels do not.
 
 Co-located, chunked prefill (vLLM's and Kiln's scheduler): every iteration runs the decode rows, then the prompt at
@@ -37,7 +37,7 @@ second, TPOT the fixed point above with no chunks; the KV of its sequences must 
 lambda x KV bytes(P) a second). Each pool has the fewest GPUs that meet its SLO.
 
 Goodput per GPU = lambda / GPUs (in the steady state every request meets the SLOs); tokens/s per GPU = lambda x O /
-GPUs (output tokens); $/Mtok = economics.usd_per_mtok at that rate. The fewer GPUs win; a tie goes to co-located (no
+GPUs (output tokens); $/Mtok = roofline.usd_per_mtok at that rate. The fewer GPUs win; a tie goes to co-located (no
 KV transfer, one pool). The waterfall's "disaggregation" step takes the better deployment: factor = co-located
 $/Mtok / the winner's, 1.00 when co-located wins (as a cost multiplier, at most 1.00: never worse than the baseline).
 """
@@ -46,30 +46,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import Device
-from kiln.optimizer.economics import (
-    ModelFigures,
-    decode_step,
-    gemm_seconds_per_token,
-    max_batch,
-    prefill_attention_seconds,
-    usd_per_mtok,
-)
+from kiln.optimizer.report.figures import ModelFigures
+from kiln.optimizer.report.roofline import decode_step, gemm_seconds_per_token, prefill_attention_seconds
+from kiln.optimizer.report.workload import MAX_RATE, Workload, duration
 
 DEFAULT_BUDGET = 8192  # tokens an iteration runs (decode rows + prefill chunk) before shrinking
 BUDGETS = (8192, 4096, 2048, 1024, 512, 256, 128)
-DEFAULT_LINK_GBPS = 400.0  # gigabits/s per GPU: one NDR InfiniBand NIC = 50 GB/s
 MAX_GPUS = 1 << 20
-MAX_PROMPT = 1 << 20
-MAX_RATE = 1e6
-MAX_SLO = 3600.0
 FIXED_POINT_STEPS = 400
 
-WORKLOAD_KEYS = {"rate": "rate", "prompt": "prompt_tokens", "output": "output_tokens", "ttft": "ttft_slo",
-                 "tpot": "tpot_slo"}
 SERVING_ASSUMPTIONS = (
     ("an iteration is three kernels, each a roofline at peak bandwidth and dense FLOPs: GEMMs, decode attention, "
      "chunk attention; no per-iteration overhead (launch, scheduling, sampling)"),
@@ -89,91 +77,6 @@ SERVING_NOT_MODELLED = (
 )
 
 
-# --- the workload -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Workload:
-    """What a deployment serves: Poisson arrivals at `rate` requests/s in all, each a `prompt_tokens` prompt and
-    `output_tokens` output tokens (the first from the prefill), within `ttft_slo` and `tpot_slo` seconds."""
-
-    name: str
-    rate: float
-    prompt_tokens: int
-    output_tokens: int
-    ttft_slo: float
-    tpot_slo: float
-
-    def __post_init__(self):
-        def check(key: str, value, integer: bool, low: float, high: float, what: str) -> None:
-            kind = int if integer else int | float
-            if isinstance(value, bool) or not isinstance(value, kind) or not (math.isfinite(value)
-                                                                             and low <= value <= high):
-                raise KilnError(f"--workload {key} must be {what}, got {str(value)[:40]}")
-
-        check("rate", self.rate, False, 1e-12, MAX_RATE, f"a positive number of requests/s up to {MAX_RATE:.0f}")
-        check("prompt", self.prompt_tokens, True, 1, MAX_PROMPT, f"a whole number of tokens from 1 to {MAX_PROMPT}")
-        check("output", self.output_tokens, True, 2, MAX_PROMPT,
-              f"a whole number of tokens from 2 (TPOT needs two) to {MAX_PROMPT}")
-        for key, value in (("ttft", self.ttft_slo), ("tpot", self.tpot_slo)):
-            check(key, value, False, 1e-9, MAX_SLO, f"a positive number of seconds up to {MAX_SLO:.0f}")
-
-    def describe(self) -> str:
-        return (f"{self.name}: {self.rate:g} req/s, {self.prompt_tokens} tokens in, {self.output_tokens} out, "
-                f"TTFT <= {_seconds(self.ttft_slo)}, TPOT <= {_seconds(self.tpot_slo)}")
-
-
-PRESETS: dict[str, Workload] = {
-    # a chat turn: a 2K-token conversation so far, a 256-token answer
-    "chat": Workload("chat", 100.0, 2048, 256, 1.0, 0.05),
-    # a document question: a 16K-token document, a 128-token answer; 2 s is about ten times an H100's bare
-    # prefill of it (~0.2 s), room for queueing without losing interactivity
-    "long-prompt": Workload("long-prompt", 20.0, 16384, 128, 2.0, 0.05),
-}
-
-
-def parse_workload(text: str, rate: float | None = None) -> Workload:
-    """A preset name (`chat`, `long-prompt`) or `rate=R,prompt=P,output=O,ttft=S,tpot=S` (seconds; rate in
-    requests/s); `rate` (--rate) replaces the workload's."""
-    text = text.strip()
-    if text.lower() in PRESETS:
-        workload = PRESETS[text.lower()]
-        fields = asdict(workload)
-    elif "=" in text:
-        fields = {"name": "custom"}
-        for pair in text.split(","):
-            key, sep, value = pair.partition("=")
-            key = key.strip().lower()
-            if not sep or key not in WORKLOAD_KEYS:
-                raise KilnError(f"--workload: {pair.strip()[:40]!r} is not one of "
-                                f"{', '.join(k + '=' for k in WORKLOAD_KEYS)}")
-            if WORKLOAD_KEYS[key] in fields:
-                raise KilnError(f"--workload: {key} given twice")
-            try:
-                number = float(value)
-            except ValueError:
-                raise KilnError(f"--workload {key} must be a number, got {value.strip()[:40]!r}") from None
-            if key in ("prompt", "output"):
-                if not (math.isfinite(number) and number == int(number)):
-                    raise KilnError(f"--workload {key} must be a whole number of tokens, got {value.strip()[:40]!r}")
-                number = int(number)
-            fields[WORKLOAD_KEYS[key]] = number
-        missing = [k for k, f in WORKLOAD_KEYS.items() if f not in fields and not (k == "rate" and rate is not None)]
-        if missing:
-            raise KilnError(f"--workload: missing {', '.join(missing)} (give rate=,prompt=,output=,ttft=,tpot=)")
-    else:
-        raise KilnError(f"--workload: unknown preset {text[:40]!r}; choose {', '.join(PRESETS)} or give "
-                        "rate=,prompt=,output=,ttft=,tpot=")
-    if rate is not None:
-        fields["rate"] = rate
-    return Workload(**fields)
-
-
-def link_bytes_per_second(gbps: float) -> float:
-    """--link-gbps (gigabits per second per GPU) in bytes per second."""
-    if isinstance(gbps, bool) or not isinstance(gbps, int | float) or not (math.isfinite(gbps) and 0 < gbps <= 1e6):
-        raise KilnError(f"--link-gbps must be a positive number of gigabits per second (at most 1e6), got {gbps}")
-    return gbps * 1e9 / 8
-
-
 # --- what an iteration costs ----------------------------------------------------------------------------------------
 class IterationCost:
     """Seconds of one iteration: `decode_rows` rows at `context` tokens of KV each, and a prefill chunk of
@@ -184,7 +87,7 @@ class IterationCost:
 
 
 class RooflineCost(IterationCost):
-    """A GPU described by its datasheet: the per-phase roofline over a model's economics figures."""
+    """A GPU described by its datasheet: the per-phase roofline over a model's figures (figures.py)."""
 
     def __init__(self, figures: ModelFigures, device: Device, overhead_seconds: float = 0.0):
         self.figures, self.device, self.overhead_seconds = figures, device, overhead_seconds
@@ -199,7 +102,7 @@ class RooflineCost(IterationCost):
         return self._kv[context]
 
     def decode_attention_seconds(self, context: int) -> float:
-        """Attention compute of one decode row at `context`: economics' decode step less its GEMMs."""
+        """Attention compute of one decode row at `context`: roofline's decode step less its GEMMs."""
         if context not in self._attention:
             self._attention[context] = (decode_step(self.figures, self.device, 1, context).compute_seconds
                                         - self.gemm_per_token)
@@ -302,10 +205,10 @@ class ColocatedState:
             return [self.saturated]
         out = []
         if self.ttft[0] > w.ttft_slo:
-            out.append(f"TTFT {_seconds(self.ttft[0])} > {_seconds(w.ttft_slo)}")
+            out.append(f"TTFT {duration(self.ttft[0])} > {duration(w.ttft_slo)}")
         if self.slowest > w.tpot_slo:
-            out.append(f"a {self.chunk}-token chunk iteration takes {_seconds(self.slowest)} > TPOT "
-                       f"{_seconds(w.tpot_slo)}")
+            out.append(f"a {self.chunk}-token chunk iteration takes {duration(self.slowest)} > TPOT "
+                       f"{duration(w.tpot_slo)}")
         return out
 
 
@@ -368,7 +271,7 @@ class PrefillState:
     def misses(self, w: Workload) -> list[str]:
         if self.saturated:
             return [self.saturated]
-        return [f"TTFT {_seconds(self.ttft)} > {_seconds(w.ttft_slo)}"] if self.ttft > w.ttft_slo else []
+        return [f"TTFT {duration(self.ttft)} > {duration(w.ttft_slo)}"] if self.ttft > w.ttft_slo else []
 
 
 def prefill_state(cost: IterationCost, rate: float, prompt: int, kv_bytes: float, link: float) -> PrefillState:
@@ -393,7 +296,7 @@ class DecodeState:
     def misses(self, w: Workload) -> list[str]:
         if self.saturated:
             return [self.saturated]
-        return [f"TPOT {_seconds(self.tpot)} > {_seconds(w.tpot_slo)}"] if self.tpot > w.tpot_slo else []
+        return [f"TPOT {duration(self.tpot)} > {duration(w.tpot_slo)}"] if self.tpot > w.tpot_slo else []
 
 
 def decode_state(cost: IterationCost, rate: float, prompt: int, output: int, max_sequences: float,
@@ -521,170 +424,8 @@ def size_disaggregated(cost: IterationCost, w: Workload, max_sequences: float, k
     d_capacity = most(lambda r: not decode(1, r).misses(w), w.rate / n_d) if n_d else 0.0
     idle_p, idle_d = prefill(MAX_GPUS), decode(MAX_GPUS)
     p_none = ("a prompt's KV does not fit one GPU" if not prefill_fits else
-              f"no GPU count meets TTFT: prefill {_seconds(idle_p.service)} + KV transfer "
-              f"{_seconds(idle_p.transfer)} > {_seconds(w.ttft_slo)}")
+              f"no GPU count meets TTFT: prefill {duration(idle_p.service)} + KV transfer "
+              f"{duration(idle_p.transfer)} > {duration(w.ttft_slo)}")
     d_none = f"no GPU count meets TPOT: {', '.join(idle_d.misses(w))}"
     return Disaggregated(n_p, n_d, prefill(n_p) if n_p else None, decode(n_d) if n_d else None,
                          _bound(n_p, prefill, w, p_none), _bound(n_d, decode, w, d_none), p_capacity, d_capacity)
-
-
-# --- the section ----------------------------------------------------------------------------------------------------
-def _seconds(value: float) -> str:
-    return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
-
-
-def serving_section(figures: ModelFigures, device: Device, price_per_hour: float, w: Workload,
-                    link: float = DEFAULT_LINK_GBPS * 1e9 / 8) -> dict:
-    """One GPU's serving section: both deployments sized for `w`, goodput, $/Mtok and the verdict. `link`: bytes/s
-    a GPU sends or receives KV at."""
-    cost = RooflineCost(figures, device)
-    sequences = max_batch(figures, device, w.prompt_tokens + w.output_tokens)
-    kv_prompt = figures.kv_bytes(w.prompt_tokens)
-    co = size_colocated(cost, w, sequences)
-    dis = size_disaggregated(cost, w, sequences, kv_prompt, link, max_batch(figures, device, w.prompt_tokens) >= 1)
-
-    def money(gpus: int | None) -> dict:
-        if gpus is None:
-            return {"goodput_per_gpu": None, "tokens_per_s_per_gpu": None, "usd_per_mtok": None}
-        tokens = w.rate * w.output_tokens / gpus
-        return {"goodput_per_gpu": w.rate / gpus, "tokens_per_s_per_gpu": tokens,
-                "usd_per_mtok": usd_per_mtok(price_per_hour, tokens)}
-
-    s = co.state
-    colocated = {"gpus": co.gpus, "budget": s.budget if s else None, "chunk_tokens": s.chunk if s else None,
-                 "ttft_s": s.ttft[0] if s else None, "tpot_s": s.tpot if s else None,
-                 "slowest_iteration_s": s.slowest if s else None, "decode_rows_per_gpu": s.decode_rows if s else None,
-                 "prefill_share": s.prefill_share if s else None, "bound": co.bound,
-                 "capacity_per_gpu": co.capacity, **money(co.gpus)}
-    p, d = dis.prefill, dis.decode
-    disaggregated = {"gpus": dis.gpus, "prefill_gpus": dis.prefill_gpus, "decode_gpus": dis.decode_gpus,
-                     "ttft_s": p.ttft if p else None, "tpot_s": d.tpot if d else None,
-                     "kv_transfer_s": kv_prompt / link, "kv_bytes_per_prompt": kv_prompt,
-                     "prefill_seconds": p.service if p else None, "prefill_utilisation": p.utilisation if p else None,
-                     "decode_rows_per_gpu": d.decode_rows if d else None, "prefill_bound": dis.prefill_bound,
-                     "decode_bound": dis.decode_bound, "capacity_per_gpu": dis.capacity,
-                     "prefill_capacity_per_gpu": dis.prefill_capacity, "decode_capacity_per_gpu": dis.decode_capacity,
-                     **money(dis.gpus)}
-    winner, factor = _winner(co.gpus, dis.gpus)
-    return {"max_sequences": sequences, "colocated": colocated, "disaggregated": disaggregated, "winner": winner,
-            "factor": factor, "verdict": verdict(w, co, dis, winner, factor, kv_prompt / link)}
-
-
-def _winner(co: int | None, dis: int | None) -> tuple[str | None, float | None]:
-    """The deployment with fewer GPUs (co-located on a tie) and the factor co-located $/Mtok / the winner's (None
-    where co-located meets the SLOs at no count)."""
-    if co is None and dis is None:
-        return None, 1.0
-    if dis is None or (co is not None and co <= dis):
-        return "co-located", 1.0
-    return "disaggregated", (co / dis if co is not None else None)
-
-
-def verdict(w: Workload, co: Colocated, dis: Disaggregated, winner: str | None, factor: float | None,
-            transfer: float) -> str:
-    """The verdict and why, in a few sentences."""
-    if winner is None:
-        return (f"Neither meets the SLOs. Co-located: {co.bound}. Disaggregated: prefill {dis.prefill_bound}; "
-                f"decode {dis.decode_bound}.")
-    if co.gpus is None:
-        head = f"Disaggregated wins with {dis.gpus} GPUs: co-located has {co.bound}"
-    elif dis.gpus is None:
-        head = (f"Co-located wins with {co.gpus} GPUs: disaggregated has "
-                + "; ".join(b for n, b in ((dis.prefill_gpus, dis.prefill_bound), (dis.decode_gpus, dis.decode_bound))
-                            if n is None))
-    else:
-        tie = " (a tie goes to co-located: no KV transfer, one pool)" if co.gpus == dis.gpus else ""
-        head = (f"{winner.capitalize()} wins: {co.gpus} co-located GPUs against {dis.gpus} disaggregated "
-                f"({dis.prefill_gpus} prefill + {dis.decode_gpus} decode){tie}, factor x{factor:.2f}")
-    parts = [head]
-    if co.gpus is not None:
-        s, d = co.state, co.default
-        shrink = ""
-        if s.budget != DEFAULT_BUDGET:
-            shrink = (f"; at the default {DEFAULT_BUDGET}-token budget {', '.join(d.misses(w))}, so chunks shrink to "
-                      f"{s.chunk} tokens")
-        parts.append(f"Co-located: {s.decode_rows:.0f} decode rows a GPU ride along with prefill chunks that fill "
-                     f"{s.prefill_share:.0%} of the time; TPOT {_seconds(s.tpot)} mean, {_seconds(s.slowest)} behind "
-                     f"a chunk; TTFT {_seconds(s.ttft[0])}; bound: {co.bound}{shrink}")
-    if dis.gpus is not None:
-        parts.append(f"Disaggregated: the decode pool batches {dis.decode.decode_rows:.0f} rows a GPU at TPOT "
-                     f"{_seconds(dis.decode.tpot)} (bound: {dis.decode_bound}); prefill GPUs "
-                     f"{dis.prefill.utilisation:.0%} busy, a prompt in {_seconds(dis.prefill.service)} (bound: "
-                     f"{dis.prefill_bound}); the KV transfer adds {_seconds(transfer)} to TTFT")
-    parts.append(f"Unrounded, one GPU carries {co.capacity:.3g} req/s co-located and {dis.capacity:.3g} "
-                 f"disaggregated (a prefill GPU {dis.prefill_capacity:.3g}, a decode GPU {dis.decode_capacity:.3g})")
-    return ". ".join(parts) + "."
-
-
-def disaggregation_step(section: dict | None, previous: dict) -> dict:
-    """The waterfall's step after capacity: the better deployment for the workload against co-located with chunked
-    prefill (factor 1 when co-located wins)."""
-    row = {"step": "disaggregation", "label": "disaggregation", "against": "co-located, chunked prefill",
-           "batch": previous["batch"], "tokens_per_s": previous["tokens_per_s"]}
-    if section is None:
-        return {**row, "applied": False, "factor": 1.0, "usd_per_mtok": previous["usd_per_mtok"],
-                "note": "not applied: no --workload"}
-    winner, factor = section["winner"], section["factor"]
-    if winner != "disaggregated":
-        why = "co-located wins" if winner else "neither deployment meets the SLOs"
-        return {**row, "applied": False, "factor": 1.0, "usd_per_mtok": previous["usd_per_mtok"],
-                "note": f"not applied: {why} for the workload (serving section)"}
-    cost = previous["usd_per_mtok"]
-    dis, co = section["disaggregated"], section["colocated"]
-    if factor is None or cost is None:
-        return {**row, "applied": True, "factor": None, "usd_per_mtok": cost,
-                "note": f"disaggregated meets the SLOs with {dis['gpus']} GPUs; co-located with none"}
-    return {**row, "applied": True, "factor": factor, "usd_per_mtok": cost / factor,
-            "tokens_per_s": None if previous["tokens_per_s"] is None else previous["tokens_per_s"] * factor,
-            "note": (f"{dis['prefill_gpus']} prefill + {dis['decode_gpus']} decode GPUs against {co['gpus']} "
-                     "co-located for the workload: the ratio of their goodput $/Mtok")}
-
-
-# --- rendering -------------------------------------------------------------------------------------------------------
-SERVING_COLUMNS = ("GPU", "deployment", "GPUs (p+d)", "budget", "TTFT", "TPOT mean/max", "goodput/GPU",
-                   "tok/s/GPU", "$/Mtok")
-
-
-def serving_rows(report: dict) -> tuple[list[str], list[list[str]]]:
-    """The serving table: per GPU, co-located and disaggregated (cells "-" where no count meets the SLOs)."""
-    unit = report["serving"]["unit"]
-    head = [c.replace("GPU", unit) if c != "GPU" else c for c in SERVING_COLUMNS]
-    rows = []
-    for g in report["gpus"].values():
-        s = g["serving"]
-        for name, d in (("co-located", s["colocated"]), ("disaggregated", s["disaggregated"])):
-            if d["gpus"] is None:
-                rows.append([g["device"], name, "none meets the SLOs", *["-"] * 6])
-                continue
-            split = f" ({d['prefill_gpus']}+{d['decode_gpus']})" if name == "disaggregated" else ""
-            behind = d["slowest_iteration_s"] if name == "co-located" else d["tpot_s"]
-            chunk = str(d["budget"]) if name == "co-located" else f"{DEFAULT_BUDGET} alone"
-            mark = " *" if s["winner"] == name else ""
-            rows.append([g["device"], name + mark, f"{d['gpus']}{split}", chunk, _seconds(d["ttft_s"]),
-                         f"{_seconds(d['tpot_s'])} / {_seconds(behind)}", f"{d['goodput_per_gpu']:.3g}",
-                         f"{d['tokens_per_s_per_gpu']:,.0f}", f"{d['usd_per_mtok']:.3g}"])
-    return head, rows
-
-
-def serving_title(report: dict) -> str:
-    s = report["serving"]
-    return (f"serving {s['workload']['describe']}; KV link {s['link_gbps']:g} Gb/s per GPU "
-            f"({s['link_bytes_per_s'] / 1e9:.3g} GB/s); * = the verdict")
-
-
-def serving_markdown(report: dict) -> list[str]:
-    """report.md's serving section."""
-    s = report["serving"]
-    head, rows = serving_rows(report)
-    lines = ["", f"### Serving: {s['workload']['describe']}", "",
-             (f"Co-located with chunked prefill against prefill and decode pools, each sized to meet its SLO "
-              f"(TTFT: mean; TPOT: mean / the slowest iteration, which the SLO binds). Budget: tokens an iteration "
-              f"runs. KV link {s['link_gbps']:g} Gb/s per GPU "
-              f"({s['link_bytes_per_s'] / 1e9:.3g} GB/s). Goodput = requests/s per {s['unit']} within the SLOs; "
-              "tokens/s and $/Mtok count output tokens. * = the verdict."), "",
-             "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    lines += [""] + [f"- {g['device']}: {g['serving']['verdict']}" for g in report["gpus"].values()]
-    lines += ["", "Serving model assumptions: " + "; ".join(s["assumptions"]) + ".",
-              "", "Serving model, not modelled: " + "; ".join(s["not_modelled"]) + "."]
-    return lines

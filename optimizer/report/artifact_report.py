@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from kiln.optimizer.report.kv_report import kv_markdown
+
 
 def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -123,11 +125,11 @@ def render_report(manifest: dict) -> str:
     if embedding:
         lines += ["", "## Embedding", "", *(f"- {line}" for line in embedding)]
     if manifest.get("kv_budget"):
-        from kiln.optimizer.kv_report import kv_markdown
-
         lines += ["", *kv_markdown(manifest["kv_budget"])]
     if manifest.get("precision"):
-        from kiln.optimizer.measure.logit_kl import precision_markdown
+        from kiln.optimizer.measure.logit_kl import (
+            precision_markdown,  # lazy: logit_kl imports torch and the runtime
+        )
 
         lines += ["", *precision_markdown(manifest["precision"])]
     lines += ["", "## Formats", "", "| format | linears |", "|---|---:|"]
