@@ -5,8 +5,8 @@
     python benchmarks/structure.py --rooms         # and the import arrows between rooms (sub-packages)
 
 What each row counts, over the non-test packages (optimizer, passes, runtime, calibration, kernels):
-- format branches: comparisons (==, !=, in, not in, is) whose other side is a WeightFormat member or a weight
-  format's name as a string literal ("fp8", "nvfp4", "dense", ...), outside kernels/<format>.py, kernels/registry.py and kernels/formats.py;
+- format branches: comparisons (==, !=, in, not in, is) whose other side is a WeightFormat or KvFormat member or
+  a weight format's name as a string literal ("fp8", "nvfp4", "dense", ...), outside kernels/<format>.py, kernels/registry.py and kernels/formats.py;
 - import cycles: strongly connected components of the module graph over top-level imports, and over all imports;
 - imports inside functions: every import statement nested in a def; "with a reason" when a comment holding
   `lazy:` stands on its line, or just above the run of consecutive inline imports it belongs to;
@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("optimizer", "passes", "runtime", "calibration", "kernels")
 FLOORS = {"kernels": 0, "runtime": 1, "calibration": 1, "passes": 2, "optimizer": 3}
 FORMAT_HOMES = {"kernels/registry.py", "kernels/formats.py", "kernels/fp8.py", "kernels/fp8_e5m2.py",
-                "kernels/nvfp4.py", "kernels/mxfp4.py", "kernels/mxfp6.py", "kernels/dense.py", "kernels/kv_quant.py"}
+                "kernels/nvfp4.py", "kernels/mxfp4.py", "kernels/mxfp6.py", "kernels/dense.py", "kernels/kv_quant.py",
+                "kernels/kv_codec.py"}
 FORMAT_NAMES = {"fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4", "mxfp6", "dense", "int8"}
 LOADERS = {"optimizer/loader.py", "optimizer/loader_config.py"}
 
@@ -49,7 +50,7 @@ def module_name(root: Path, path: Path) -> str:
 
 def _is_format_side(node: ast.AST) -> bool:
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-        return node.value.id == "WeightFormat"
+        return node.value.id in ("WeightFormat", "KvFormat")
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value in FORMAT_NAMES
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):

@@ -1,13 +1,24 @@
-"""The build driver: load -> check -> run the gated pipeline -> lower -> write the artifact."""
+"""The build driver: load -> check -> run the gated pipeline -> lower -> write the artifact.
+
+    result = build("../shared/models/stories260K", "hopper", "fp8-weights", Path("artifacts/s260k"))
+    result = run_build(BuildConfig(checkpoint, "hopper", "fp8-weights", None, gate=False))  # the same, typed
+
+`build()` is the Python API (its keyword arguments are `BuildConfig`'s fields); `run_build` runs a checked
+`BuildConfig`. The graph is lowered once after the passes (optimizer.lower.lower): the manifest's preview, the
+report and the artifact's files all come from that one lowering.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from kiln.calibration.data import (
     DEFAULT_PARAGRAPHS,
@@ -17,27 +28,27 @@ from kiln.calibration.data import (
     tokenize_paragraphs,
     within_tokens,
 )
-from kiln.kernels.errors import KilnError
 from kiln.kernels.progress import stage
-from kiln.kernels.targets import get_target
-from kiln.optimizer.defaults import default_data
+from kiln.optimizer.build_config import BuildConfig
 from kiln.optimizer.errors import BelowFloor
 from kiln.optimizer.loader import load_checkpoint
-from kiln.optimizer.lower import kv_cache_table, lower_tensors, tensor_bytes, write_artifact
-from kiln.optimizer.measure.gate import AccuracyGate, check_floors, check_native_text, engine_from_graph
+from kiln.optimizer.lower import Lowered, lower, write_artifact
+from kiln.optimizer.measure.gate import AccuracyGate, check_native_text, engine_from_graph
 from kiln.optimizer.measure.logit_kl import precision_files
 from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.optimizer.numerics import warn_if_unpinned
 from kiln.optimizer.output_dir import check_output
-from kiln.optimizer.recipes import Recipe, resolve_recipe
+from kiln.optimizer.recipes import Recipe
 from kiln.optimizer.report.artifact_report import calibration_summary, render_report
 from kiln.optimizer.report.economics import build_economics
-from kiln.passes.base import PassContext, PassRecord, Pipeline
+from kiln.passes.base import PassContext, PassRecord
 from kiln.passes.graph import ModelGraph
 from kiln.passes.tensor_store import bound_heap
 from kiln.runtime.artifact import sha256_file
-from kiln.runtime.engine import load_tokenizer, resolve_placement
+from kiln.runtime.engine import load_tokenizer
 from kiln.runtime.kv_budget import kv_budget
+from kiln.runtime.manifest import BuildRecord, Manifest, Source
+from kiln.runtime.spec import ModelSpec
 
 
 class StrictRevert(BelowFloor):
@@ -45,11 +56,9 @@ class StrictRevert(BelowFloor):
 
 
 def cpu_numerics() -> dict[str, str | None]:
-    """The CPU code paths this process computes with (optimizer.cli.pin_cpu_numerics pins MKL's and OpenBLAS's):
+    """The CPU code paths this process computes with (optimizer.numerics.pin_cpu_numerics pins MKL's and OpenBLAS's):
     with the same versions, CPU and these, the recipes stored the same weights on one and two threads
     (stories260K); `threads` says which ran."""
-    import torch
-
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get("MKL_CBWR"),
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "openblas_kernels": _openblas_kernels(),
             "threads": torch.get_num_threads(), "torch": torch.__version__}
@@ -58,7 +67,7 @@ def cpu_numerics() -> dict[str, str | None]:
 def _openblas_kernels() -> list[str]:
     """The kernels each loaded OpenBLAS runs (scipy's, GPTQ's, loaded here if it was not): what ran, where the
     variable says what was asked (numpy's may have loaded before a Python caller pinned it)."""
-    try:
+    try:  # lazy: scipy and threadpoolctl are optional; importing scipy.linalg loads its OpenBLAS
         import scipy.linalg  # noqa: F401
         from threadpoolctl import threadpool_info
     except ImportError:
@@ -68,6 +77,9 @@ def _openblas_kernels() -> list[str]:
 
 @dataclass
 class BuildResult:
+    """The artifact's path (None: not written), the graph as the passes left it, their records, the manifest as
+    written less the artifact's own tables (JSON data) and the stored tensors' bytes."""
+
     path: Path | None
     graph: ModelGraph
     records: list[PassRecord]
@@ -97,8 +109,8 @@ def calibration_record(path: Path | str, observation: list[list[int]], tuning: l
 def peak_rss_bytes() -> int | None:
     """This process's peak resident memory so far (getrusage's ru_maxrss: KiB on Linux, bytes on macOS)."""
     try:
-        import resource
-    except ImportError:  # not on this platform
+        import resource  # lazy: Unix only; elsewhere the peak is unknown
+    except ImportError:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
@@ -124,122 +136,131 @@ def build(checkpoint: str | Path, target: str, recipe: str | Recipe, output: Pat
     check_native_text) is refused unless `force`. `device` ("cuda"): the gate runs through the runtime on the
     GPU (what ships there: packed weights, bf16), and calibration's block forwards, K/V capture, sensitivity
     probes, Fisher sweeps and end-to-end tuning run there in fp32; the weight searches (GPTQ, AWQ, scale
-    search) stay on the CPU, on the Hessians the observers keep there.
+    search) stay on the CPU, on the Hessians the observers keep there. `log` hears progress lines,
+    `progress_factory(paragraphs)` makes the gate's progress display.
     """
     warn_if_unpinned()
-    tgt = get_target(target)
-    if isinstance(recipe, Recipe) and (weight_bits is not None or weight_bytes is not None):
-        raise KilnError("weight_bits/weight_bytes configure the built-in 'auto' recipe; a Recipe object carries "
-                        "its own passes (set the budget on its AutoPrecision pass)")
-    if isinstance(recipe, Recipe) and (kv_fraction is not None or kv_bytes_per_token is not None):
-        raise KilnError("kv_fraction/kv_bytes_per_token configure the built-in 'mla' recipe; a Recipe object "
-                        "carries its own passes (set the budget on its MlaConversion pass)")
-    rec = recipe if isinstance(recipe, Recipe) else resolve_recipe(recipe, weight_bits, weight_bytes,
-                                                                    allow_custom_passes=allow_custom_passes,
-                                                                    kv_fraction=kv_fraction,
-                                                                    kv_bytes_per_token=kv_bytes_per_token)
-    pipeline = Pipeline(rec.passes)  # ordering rules checked here, before anything loads
-    check_floors(min_recovery, max_kl, min_top1)
-    place, _, _ = resolve_placement(device, None, None)  # an unknown device, or cuda without a GPU: one line
-    if place.type not in ("cpu", "cuda"):
-        raise KilnError(f"a build runs on cpu or cuda, not {place.type}")
-    if paragraphs <= 0 or calib_paragraphs <= 0:
-        raise KilnError(f"paragraph counts must be positive, got {paragraphs} and {calib_paragraphs}")
-    if calib_tokens is not None and calib_tokens <= 0:
-        raise KilnError(f"calib_tokens (--calib-tokens) must be positive, got {calib_tokens}")
-    if gate and eval_data is None:
-        eval_data = default_data("evaluation")
-    if calib_data is None:
-        calib_data = default_data("calibration")
-    inputs = [checkpoint, eval_data, calib_data, recipe if isinstance(recipe, str) else None]
-    if output is not None:  # refuse an output we may not write before hours of work, not after
-        check_output(output, overwrite, inputs)
+    config = BuildConfig(
+        checkpoint, target, recipe, output, eval_data=eval_data, calib_data=calib_data, paragraphs=paragraphs,
+        calib_paragraphs=calib_paragraphs, calib_tokens=calib_tokens, min_recovery=min_recovery, max_kl=max_kl,
+        min_top1=min_top1, strict=strict, gate=gate, reproducible=reproducible, overwrite=overwrite,
+        trust_remote_code=trust_remote_code, allow_custom_passes=allow_custom_passes, force=force,
+        weight_bits=weight_bits, weight_bytes=weight_bytes, kv_fraction=kv_fraction,
+        kv_bytes_per_token=kv_bytes_per_token, device=device)
+    return run_build(config, log, progress_factory)
+
+
+def run_build(config: BuildConfig, log: Callable[[str], None] = lambda m: None, progress_factory=None
+              ) -> BuildResult:
+    """Run a checked build (see `build`): load, gate baseline, calibration text, passes, one lowering, write."""
+    inputs = config.inputs
+    if config.output is not None:  # refuse an output we may not write before hours of work, not after
+        check_output(config.output, config.overwrite, inputs)
     bound_heap()  # freed buffers go back to the system, so a block's peak does not grow along the model
     with stage("load checkpoint"):
-        graph = load_checkpoint(checkpoint, trust_remote_code, log=log)
-    if output is not None:
+        graph = load_checkpoint(config.checkpoint, config.trust_remote_code, log=log)
+    if config.output is not None:
         inputs.append(graph.source.path)  # a hub id resolves to its snapshot directory
-        check_output(output, overwrite, inputs)
-    pipeline.check(graph, tgt)
-    tokenizer = load_tokenizer(graph.source.path, trust_remote_code)
+        check_output(config.output, config.overwrite, inputs)
+    config.pipeline.check(graph, config.target_spec)
+    tokenizer = load_tokenizer(graph.source.path, config.trust_remote_code)
     cap = token_cap(graph.spec.max_position_embeddings)
+    gate_fn, eval_info = _gate(config, graph, tokenizer, cap, log, progress_factory)
+    observation, tuning, calib_info = _calibration_tokens(config, tokenizer, cap, log)
+    runner = RuntimeRunner(graph, observation, distillation_tokens=tuning, device=config.place) if observation \
+        else None
+    ctx = PassContext(target=config.target_spec, gate=gate_fn, floor=config.min_recovery, max_kl=config.max_kl,
+                      min_top1=config.min_top1, runner=runner, log=log)
 
-    gate_fn = None
-    eval_info = None
-    if gate and pipeline.passes:
-        tokens = load_token_lists(tokenizer, eval_data, paragraphs, cap, log=log)
-        log(f"gate data: {len(tokens)} paragraphs of {eval_data}")
-        progress = progress_factory(len(tokens)) if progress_factory else None
-        with stage("gate baseline"):
-            embedding = graph.tensors[graph.embedding]  # held first: the baseline and every candidate share it
-            gate_fn = AccuracyGate(engine_from_graph(graph, device=place, onednn_head=False), tokens, progress,
-                                   keep=(embedding,))
-            del embedding
-        check_native_text(gate_fn.baseline.perplexity, graph.spec.vocab_size, f"the gate text {Path(eval_data).name}",
-                          force, log)
-        eval_info = {"data": Path(eval_data).name, **data_file(eval_data), "paragraphs": len(tokens),
-                     "paragraph_budget": paragraphs, "tokens": gate_fn.baseline.tokens,
-                     "baseline_perplexity": round(gate_fn.baseline.perplexity, 6), "device": place.type}
-    observation, tuning, calib_info = [], [], None
-    if pipeline.passes:
-        texts = read_paragraphs(calib_data, None)
-        head = tokenize_paragraphs(tokenizer, texts[:calib_paragraphs], cap)
-        rest = tokenize_paragraphs(tokenizer, texts[calib_paragraphs:], cap, required=False)
-        observation = within_tokens(head, calib_tokens)
-        # end-to-end tuning fits far more parameters than an observation: it gets every calibration paragraph
-        tuning = within_tokens(head + rest, calib_tokens)
-        calib_info = calibration_record(calib_data, observation, tuning, calib_tokens)
-        log(f"calibration data: {calibration_summary(calib_info)} of {calib_data}")
-    runner = RuntimeRunner(graph, observation, distillation_tokens=tuning, device=place) if observation else None
-    ctx = PassContext(target=tgt, gate=gate_fn, floor=min_recovery, max_kl=max_kl, min_top1=min_top1, runner=runner,
-                      log=log)
-
-    source_spec = graph.spec  # the KV budget's "before" (a structural pass may rewrite the spec)
+    source_spec = graph.spec  # the source's structure (a structural pass may rewrite the spec)
     start = time.perf_counter()
     with stage("passes"):
-        records = pipeline.run(graph, ctx)
+        records = config.pipeline.run(graph, ctx)
     build_seconds = time.perf_counter() - start
     reverted = [r.name for r in records if r.decision == "reverted"]
-    if strict and reverted:
+    if config.strict and reverted:
         raise StrictRevert(f"--strict: pass(es) {', '.join(reverted)} failed the gate and were reverted; "
                            "no artifact written")
+    manifest = build_manifest(config, graph, records, eval_info, calib_info, build_seconds, source_spec)
+    lowered = lower(graph)
+    manifest = lowered.into(_with_kv_budget(manifest, graph, lowered, source_spec), graph)
+    preview = manifest.to_json()
+    path = None
+    if config.output is not None:
+        with stage("write artifact"):
+            economics, economics_files = build_economics(preview, graph.spec, source_spec)
+            report = render_report(preview) + "\n" + "\n".join(economics) + "\n"
+            path = write_artifact(graph, Path(config.output), manifest, report, config.overwrite,
+                                  extra_files={**precision_files(manifest.build.precision), **economics_files},
+                                  inputs=inputs, lowered=lowered)
+    return BuildResult(path, graph, records, preview, lowered.weight_bytes)
 
-    timings = not reproducible
-    manifest = {
-        "source": {"checkpoint": graph.source.name, "model_type": graph.model_type,
-                   "weight_files": dict(graph.source.weight_files),
-                   # the gate's baseline must match both (optimizer.measure.gate.check_baseline)
-                   **({"config_sha256": graph.source.config_sha256} if graph.source.config_sha256 else {})},
-        "target": tgt.name,
-        "recipe": {"name": rec.name, "passes": [r.config for r in records] if records else []},
-        "passes": [r.to_json(timings) for r in records],
-        "evaluation": eval_info,
-        "calibration": calib_info,
-        "build_seconds": round(build_seconds, 3) if timings else None,
+
+def _gate(config: BuildConfig, graph: ModelGraph, tokenizer, cap: int, log: Callable[[str], None],
+          progress_factory) -> tuple[AccuracyGate | None, dict | None]:
+    """The accuracy gate on the source graph and the manifest's "evaluation" record (None, None: no gate)."""
+    if not (config.gate and config.pipeline.passes):
+        return None, None
+    eval_data = config.eval_data
+    tokens = load_token_lists(tokenizer, eval_data, config.paragraphs, cap, log=log)
+    log(f"gate data: {len(tokens)} paragraphs of {eval_data}")
+    progress = progress_factory(len(tokens)) if progress_factory else None
+    with stage("gate baseline"):
+        embedding = graph.tensors[graph.embedding]  # held first: the baseline and every candidate share it
+        gate_fn = AccuracyGate(engine_from_graph(graph, device=config.place, onednn_head=False), tokens, progress,
+                               keep=(embedding,))
+        del embedding
+    check_native_text(gate_fn.baseline.perplexity, graph.spec.vocab_size, f"the gate text {Path(eval_data).name}",
+                      config.force, log)
+    eval_info = {"data": Path(eval_data).name, **data_file(eval_data), "paragraphs": len(tokens),
+                 "paragraph_budget": config.paragraphs, "tokens": gate_fn.baseline.tokens,
+                 "baseline_perplexity": round(gate_fn.baseline.perplexity, 6), "device": config.place.type}
+    return gate_fn, eval_info
+
+
+def _calibration_tokens(config: BuildConfig, tokenizer, cap: int, log: Callable[[str], None]
+                        ) -> tuple[list[list[int]], list[list[int]], dict | None]:
+    """(observation's token lists, end-to-end tuning's, the manifest's "calibration" record); none without passes."""
+    if not config.pipeline.passes:
+        return [], [], None
+    texts = read_paragraphs(config.calib_data, None)
+    head = tokenize_paragraphs(tokenizer, texts[:config.calib_paragraphs], cap)
+    rest = tokenize_paragraphs(tokenizer, texts[config.calib_paragraphs:], cap, required=False)
+    observation = within_tokens(head, config.calib_tokens)
+    # end-to-end tuning fits far more parameters than an observation: it gets every calibration paragraph
+    tuning = within_tokens(head + rest, config.calib_tokens)
+    calib_info = calibration_record(config.calib_data, observation, tuning, config.calib_tokens)
+    log(f"calibration data: {calibration_summary(calib_info)} of {config.calib_data}")
+    return observation, tuning, calib_info
+
+
+def build_manifest(config: BuildConfig, graph: ModelGraph, records: list[PassRecord], eval_info: dict | None,
+                   calib_info: dict | None, build_seconds: float, source_spec: ModelSpec) -> Manifest:
+    """The build's part of the manifest, once the passes ran (the lowering's and the artifact's come after)."""
+    timings = not config.reproducible
+    source = Source(checkpoint=graph.source.name, model_type=graph.model_type,
+                    weight_files=dict(graph.source.weight_files),
+                    # the gate's baseline must match both (optimizer.measure.gate.check_baseline)
+                    config_sha256=graph.source.config_sha256 or None)
+    record = BuildRecord(
+        evaluation=eval_info, calibration=calib_info,
+        build_seconds=round(build_seconds, 3) if timings else None,
         # the process's peak resident memory up to the passes' end (the artifact is then written tensor by tensor)
-        "peak_rss_bytes": peak_rss_bytes() if timings else None,
-        "reproducible": reproducible,
+        peak_rss_bytes=peak_rss_bytes() if timings else None,
+        reproducible=config.reproducible,
         # the thread count follows the machine's load when OMP_NUM_THREADS is unset, and the stored weights do not
         # depend on it: a reproducible build leaves it out, as it leaves out timings
-        "numerics": {k: v for k, v in cpu_numerics().items() if not (reproducible and k == "threads")},
-    }
-    # every pass's record (what it leaves in graph.metadata), not only the precision pass's
-    manifest["records"] = {key: value for key, value in sorted(graph.metadata.items()) if key != "precision"}
-    if graph.metadata.get("precision"):
-        manifest["precision"] = graph.metadata["precision"]
-    tensors, formats = lower_tensors(graph)
-    weight_bytes = tensor_bytes(tensors)
-    kv_table = kv_cache_table(graph)
-    manifest["kv_budget"] = kv_budget(graph.spec, kv_table, weight_bytes, graph.source.weight_bytes,
-                                      source_spec=source_spec)
-    manifest_preview = {**manifest, "formats": formats, "kv_cache": kv_table,
-                        "sizes": {"weight_bytes": weight_bytes, "source_weight_bytes": graph.source.weight_bytes}}
-    path = None
-    if output is not None:
-        with stage("write artifact"):
-            economics, economics_files = build_economics(manifest_preview, graph.spec, source_spec)
-            report = render_report(manifest_preview) + "\n" + "\n".join(economics) + "\n"
-            path = write_artifact(graph, Path(output), manifest, report, overwrite,
-                                  extra_files={**precision_files(manifest.get("precision")), **economics_files},
-                                  inputs=inputs)
-    return BuildResult(path, graph, records, manifest_preview, weight_bytes)
+        numerics={k: v for k, v in cpu_numerics().items() if not (config.reproducible and k == "threads")},
+        # every pass's record (what it leaves in graph.metadata), not only the precision pass's
+        records={key: value for key, value in sorted(graph.metadata.items()) if key != "precision"},
+        precision=graph.metadata.get("precision") or None)
+    rec = config.resolved_recipe
+    return Manifest(source=source, target=config.target_spec.name,
+                    recipe={"name": rec.name, "passes": [r.config for r in records] if records else []},
+                    passes=[r.to_json(timings) for r in records], build=record, source_spec=source_spec)
+
+
+def _with_kv_budget(manifest: Manifest, graph: ModelGraph, lowered: Lowered, source_spec: ModelSpec) -> Manifest:
+    budget = kv_budget(graph.spec, lowered.kv_cache, lowered.weight_bytes, graph.source.weight_bytes,
+                       source_spec=source_spec)
+    return manifest.replace(build=dataclasses.replace(manifest.build, kv_budget=budget))

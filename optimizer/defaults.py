@@ -9,6 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kiln.optimizer.output_dir import follow_umask
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_TEXT = Path(__file__).resolve().parent / "data" / "sample.txt"
 
@@ -49,13 +51,12 @@ def generated_checkpoint(path: Path | None = None) -> Path:
     path = path or Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln")) / "generated-llama"
     if (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file():
         return path
+    # lazy: torch, tokenizers and transformers take seconds to import; only a machine without ../shared gets here
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from tokenizers.processors import TemplateProcessing
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
-
-    from kiln.optimizer.output_dir import follow_umask
 
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -30,10 +30,12 @@ from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from kiln.kernels.errors import KilnError
 from kiln.optimizer import prequantized
 from kiln.optimizer.loader_config import build_spec, check_config
+from kiln.optimizer.prequantized_config import check_quantization_config
 from kiln.passes import tensor_store
 from kiln.passes.graph import ModelGraph, Source
 from kiln.passes.tensor_store import (
@@ -76,7 +78,7 @@ def resolve_checkpoint(ref: str | Path) -> Path:
     text = str(ref)
     if text.count("/") == 1 and not text.startswith((".", "/", "~")):
         try:
-            from huggingface_hub import snapshot_download
+            from huggingface_hub import snapshot_download  # lazy: only a hub id needs it (start-up time)
 
             return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "tokenizer*",
                                                                 "*.model", "*.txt", "*.jinja"]))
@@ -123,8 +125,6 @@ def _corrupt(file: Path, exc: Exception) -> KilnError:
 
 def _read_header(root: Path, files: list[Path], weight_map: dict[str, str]) -> dict[str, TensorInfo]:
     """Every tensor's file, dtype and shape, from the safetensors headers alone (no tensor data is read)."""
-    from safetensors import SafetensorError, safe_open
-
     header: dict[str, TensorInfo] = {}
     for file in files:
         try:
@@ -356,7 +356,7 @@ def read_config(root: Path) -> dict:
     config = read_json(config_path)
     if not isinstance(config, dict):
         raise KilnError(f"{config_path} must hold a JSON object")
-    prequantized.check_quantization_config(root, config)  # one line for a quantization Kiln cannot read
+    check_quantization_config(root, config)  # one line for a quantization Kiln cannot read
     return config
 
 

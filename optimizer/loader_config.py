@@ -125,6 +125,7 @@ def _check_gemma3(c: dict) -> None:
 def load_hf_config(config_dict: dict, trust_remote_code: bool = False):
     """A transformers config object for a supported model type, or a one-line KilnError."""
     check_config(config_dict)
+    # lazy: transformers takes seconds to import; a config-only reader (optimize report) never gets here
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
@@ -167,7 +168,7 @@ def _rotary(cfg, dim: int, interleaved: bool = False, layer_type: str | None = N
     """The rotary embedding a transformers config asks for, resolved to inverse frequencies (non-default RoPE
     types through transformers' own init functions, so scaled RoPE means what it means there). Gemma 3 gives
     each layer type its own parameters (`rope_parameters[layer_type]`: 10K local, 1M global)."""
-    import torch
+    import torch  # lazy: this module checks config.json without torch (optimize report on a config)
 
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     per_type = layer_type is not None and isinstance(rope.get(layer_type), dict)
@@ -179,7 +180,9 @@ def _rotary(cfg, dim: int, interleaved: bool = False, layer_type: str | None = N
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         scaling = 1.0
     else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from transformers.modeling_rope_utils import (
+            ROPE_INIT_FUNCTIONS,  # lazy: transformers is slow to import
+        )
 
         if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
             raise KilnError(f"RoPE type {rope_type!r} is not supported (its frequencies depend on the sequence "

@@ -1,7 +1,11 @@
-"""ModelGraph -> engine artifact (the contract in `runtime.artifact`).
+"""ModelGraph -> engine artifact (the contract in `runtime.artifact`, its manifest typed in `runtime.manifest`).
 
-`lower_tensors` produces exactly the tensors and format table the artifact stores; the gate builds its
-engine from the same pair (after a safetensors round trip), so the gate measures what ships. The tensors are a
+    lowered = lower(graph)                     # tensors, format table, KV-cache table, weight bytes
+    write_artifact(graph, out, manifest, report, lowered=lowered)
+
+`lower` lowers the graph once for everything a build needs after its passes (the manifest's preview, the
+report, the files). `lower_tensors` produces exactly the tensors and format table the artifact stores; the
+gate builds its engine from the same pair (after a safetensors round trip), so the gate measures what ships. The tensors are a
 `LoweredTensors` mapping: each is read on access from where the graph keeps it (the checkpoint, the spill
 file, memory), as the graph stood when it was lowered, so lowering costs no memory and building one block of
 the runtime's model reads only that block's tensors.
@@ -16,10 +20,11 @@ import json
 import shutil
 import struct
 from collections.abc import Iterable, Mapping, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
+from safetensors.torch import load, save
 
 from kiln.kernels.errors import KilnError
 from kiln.optimizer import __version__
@@ -34,6 +39,7 @@ from kiln.passes.tensor_store import (
     tensor_info,
 )
 from kiln.runtime.artifact import MANIFEST, SCHEMA_VERSION, WEIGHTS, sha256_file, validate_manifest
+from kiln.runtime.manifest import ArtifactTables, Manifest, Sizes
 
 SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -109,6 +115,30 @@ def lower_tensors(graph: ModelGraph) -> tuple[LoweredTensors, dict[str, dict]]:
     return tensors, formats
 
 
+@dataclass(frozen=True)
+class Lowered:
+    """The graph lowered once, as it stood then: the tensors the artifact stores (read on access), the
+    manifest's "formats" and "kv_cache" tables and the stored tensors' bytes."""
+
+    tensors: LoweredTensors
+    formats: dict[str, dict]
+    kv_cache: dict[str, dict]
+    weight_bytes: int
+
+    def sizes(self, graph: ModelGraph) -> Sizes:
+        return Sizes(self.weight_bytes, graph.source.weight_bytes)
+
+    def into(self, manifest: Manifest, graph: ModelGraph) -> Manifest:
+        """`manifest` with this lowering's tables and sizes."""
+        return manifest.replace(formats=self.formats, kv_cache=self.kv_cache, sizes=self.sizes(graph))
+
+
+def lower(graph: ModelGraph) -> Lowered:
+    """Lower the graph as it stands now (`lower_tensors`, `kv_cache_table`, `tensor_bytes`)."""
+    tensors, formats = lower_tensors(graph)
+    return Lowered(tensors, formats, kv_cache_table(graph), tensor_bytes(tensors))
+
+
 def _kv_tensor_name(layer: int, stream: str, kind: str) -> str:
     # k_scale / v_scale: the names vLLM and ModelOpt give FP8 KV scales; MLA: latent_scale / k_rope_scale
     return f"model.layers.{layer}.self_attn.{stream}_{kind}"
@@ -140,8 +170,6 @@ def roundtrip(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors as the runtime will read them back from model.safetensors. safetensors stores a contiguous
     CPU tensor's bytes as they are, so such a tensor is its own read-back and is shared, not copied (a build
     holds no second copy of a model for its gate); any other goes through safetensors, one tensor at a time."""
-    from safetensors.torch import load
-
     out = {}
     for name in tensors:
         t = tensors[name]
@@ -205,20 +233,24 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, overwrite: bool = False,
-                   extra_files: dict[str, bytes] | None = None, inputs: Iterable[Path | str | None] = ()) -> Path:
+def write_artifact(graph: ModelGraph, out: Path, manifest: Manifest | dict, report: str, overwrite: bool = False,
+                   extra_files: dict[str, bytes] | None = None, inputs: Iterable[Path | str | None] = (),
+                   lowered: Lowered | None = None) -> Path:
     """Write the artifact atomically: everything into `.<name>.tmp-*` beside `out`, then rename.
 
-    `extra_files` (file name -> bytes, e.g. sensitivity.json and its heatmap) are written beside the weights
-    and checksummed in the manifest like every other file."""
+    `manifest` is the build's part (a dict is read as `Manifest.from_json`); the lowering's tables and the
+    artifact's (`ArtifactTables`) are added here. `lowered`: the graph's lowering as it stands now (None: lower
+    it here). `extra_files` (file name -> bytes, e.g. sensitivity.json and its heatmap) are written beside the
+    weights and checksummed in the manifest like every other file."""
     out = Path(out)
     for name in extra_files or {}:
         if Path(name).name != name or name in (WEIGHTS, MANIFEST, "config.json", "report.md"):
             raise KilnError(f"artifact extra file name {name!r} must be a plain file name not used by Kiln")
-    tensors, formats = lower_tensors(graph)
+    lowered = lower(graph) if lowered is None else lowered
+    manifest = lowered.into(manifest if isinstance(manifest, Manifest) else Manifest.from_json(manifest), graph)
     with atomic_directory(out, overwrite, inputs) as tmp:
         # one metadata key only: safetensors writes metadata in a nondeterministic order
-        write_safetensors(tmp / WEIGHTS, tensors, {"format": "pt"})
+        write_safetensors(tmp / WEIGHTS, lowered.tensors, {"format": "pt"})
         # the source's config, for provenance and export; the runtime builds from "architecture" instead
         (tmp / "config.json").write_text(_json(graph.hf_config))
         for f in graph.source.tokenizer_files:
@@ -227,17 +259,9 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: dict, report: str, ov
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        manifest = {
-            **manifest,
-            "schema_version": SCHEMA_VERSION,
-            "kiln_version": __version__,
-            "architecture": graph.spec.to_json(),
-            "formats": formats,
-            "kv_cache": kv_cache_table(graph),
-            "sizes": {"weight_bytes": tensor_bytes(tensors), "source_weight_bytes": graph.source.weight_bytes},
-            "tensors": {name: _manifest_entry(tensors.info(name)) for name in sorted(tensors)},
-            "files": files,
-        }
-        validate_manifest(manifest, out)  # never write what the runtime would refuse to read
-        (tmp / MANIFEST).write_text(_json(manifest))
+        tensors = {name: _manifest_entry(lowered.tensors.info(name)) for name in sorted(lowered.tensors)}
+        data = manifest.replace(artifact=ArtifactTables(SCHEMA_VERSION, __version__, graph.spec, tensors,
+                                                        files)).to_json()
+        validate_manifest(data, out)  # never write what the runtime would refuse to read
+        (tmp / MANIFEST).write_text(_json(data))
     return out

@@ -23,6 +23,8 @@ next write to NAME removes those whose process is gone (remove_stale_temporaries
 from __future__ import annotations
 
 import contextlib
+import glob
+import hashlib
 import json
 import os
 import shutil
@@ -33,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from kiln.kernels.errors import KilnError
+from kiln.optimizer import __version__
 
 EXPORT_MARKER = "kiln_export.json"
 """Written into every export so that a later --overwrite recognises the directory as Kiln's."""
@@ -92,13 +95,9 @@ def is_kiln_output(path: Path) -> bool:
 def mark_export(directory: Path, artifact: Path | str, fmt: str) -> None:
     """Write the export marker: provenance for the reader, ownership for a later --overwrite (atomic_directory
     adds the table of files once the export is complete)."""
-    from kiln.optimizer import __version__
-
     record = {"kiln_version": __version__, "format": fmt, "artifact": str(artifact)}
     manifest = Path(artifact) / "manifest.json"
     if manifest.is_file():
-        import hashlib
-
         record["artifact_manifest_sha256"] = hashlib.sha256(manifest.read_bytes()).hexdigest()
     (directory / EXPORT_MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
@@ -206,8 +205,6 @@ def remove_stale_temporaries(output: Path) -> list[Path]:
     build still writing it) or unknown, is left alone. A process killed between the two renames of an
     --overwrite left the previous output only in `.NAME.old-*`: it is put back at `output` first. Returns what
     was removed."""
-    import glob
-
     output = Path(output)
     removed = []
     pattern = glob.escape(output.name)

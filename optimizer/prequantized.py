@@ -33,13 +33,13 @@ change the model if ignored is refused: other quant_methods (gptq, awq, bitsandb
 asymmetric schemes, AWQ/SmoothQuant `pre_quant_scale`, compressed-tensors transforms (rotations) and sparsity,
 an FP8 weight whose scale is missing, a scale whose weight is missing, shapes that do not fit, and a quantized
 tensor no config entry explains. A checkpoint without a quantization_config that nevertheless stores weight
-scales is refused too (its FP8 weights would otherwise be read without them).
+scales is refused too (its FP8 weights would otherwise be read without them). Which method the config names,
+and its refusal before any tensor is read, is `optimizer.prequantized_config`.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -52,17 +52,20 @@ import torch
 
 from kiln.kernels import fp8
 from kiln.kernels.errors import KilnError
+from kiln.kernels.registry import weight_format
+from kiln.optimizer.export_compressed_tensors import dequantize_linear, scheme_of
+from kiln.optimizer.export_modelopt import MODELOPT_TENSORS, dequantize_modelopt_linear, modelopt_linear_algo
+from kiln.optimizer.prequantized_config import (
+    FP8_BLOCK_DEFAULT,
+    ct_groups,
+    ct_kind,
+    refuse,
+    resolve_quantization,
+)
 
-HF_QUANT_CONFIG = "hf_quant_config.json"
 OUT_DTYPE = torch.float32
 OUT_DTYPE_NAME = "F32"  # the safetensors header name of OUT_DTYPE, for the loader's header checks
-SUPPORTED = ("fp8 (float8_e4m3fn weights with weight_scale_inv per block or per tensor), modelopt (FP8, "
-             "FP8_PER_CHANNEL_PER_TOKEN, NVFP4, W4A16_NVFP4, MXFP4, MIXED_PRECISION) and compressed-tensors "
-             "(FP8 per tensor, channel or block; NVFP4; MXFP4)")
-MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4", "W4A16_NVFP4", "mxfp4")
-MODELOPT_KV_ALGOS = (None, "FP8", "NVFP4")
 FP8_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
-FP8_BLOCK_DEFAULT = [128, 128]  # transformers' FineGrainedFP8Config default when weight_block_size is left out
 # activation / KV-cache quantization parameters: dropped (see the module docstring)
 ACTIVATION_SCALES = (".input_scale", ".activation_scale", ".input_global_scale", ".input_zero_point", ".k_scale",
                      ".v_scale", ".q_scale", ".prob_scale")
@@ -84,153 +87,6 @@ class _Info(NamedTuple):
     file: Any
     dtype: str
     shape: tuple[int, ...]
-
-
-def _refuse(method: str, detail: str) -> KilnError:
-    return KilnError(f"pre-quantized checkpoint ({method}): {detail}")
-
-
-def _unsupported(method: object, why: str = "") -> KilnError:
-    return KilnError(f"pre-quantized checkpoints (quantization_config quant_method {method!s:.40}){why} are not "
-                     f"supported; Kiln reads {SUPPORTED}; give the unquantized checkpoint")
-
-
-# --- the config: which method, refused early when unsupported ----------------------------------------------------
-
-
-def _modelopt_quantization(root: Path | None, quant: Mapping | None, hf_quant: Mapping | None) -> dict:
-    """ModelOpt's "quantization" block: hf_quant_config.json's when present, else config.json's view of it."""
-    if hf_quant is None and root is not None and (root / HF_QUANT_CONFIG).is_file():
-        try:
-            hf_quant = json.loads((root / HF_QUANT_CONFIG).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise _refuse("modelopt", f"{root / HF_QUANT_CONFIG} is not valid JSON ({exc})") from None
-    if hf_quant is not None:
-        q = hf_quant.get("quantization") if isinstance(hf_quant, Mapping) else None
-        if not isinstance(q, Mapping):
-            raise _refuse("modelopt", f"{HF_QUANT_CONFIG} has no \"quantization\" object")
-        return {**q, "source": HF_QUANT_CONFIG}
-    quant = quant or {}
-    kv = quant.get("kv_cache_scheme")
-    return {"quant_algo": quant.get("quant_algo"), "quantized_layers": quant.get("quantized_layers"),
-            "exclude_modules": quant.get("ignore") or [], "source": "config.json",
-            "kv_cache_quant_algo": "FP8" if isinstance(kv, Mapping) and kv.get("num_bits") == 8 else kv}
-
-
-def _check_fp8(q: Mapping) -> None:
-    if q.get("fmt", "e4m3") != "e4m3":
-        raise _unsupported("fp8", f" with fmt {q.get('fmt')!r:.20} (only e4m3 is read)")
-    if q.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
-        raise _unsupported("fp8", f" with activation_scheme {q.get('activation_scheme')!r:.20}")
-    block = q.get("weight_block_size", FP8_BLOCK_DEFAULT)
-    if block is not None and not (isinstance(block, (list, tuple)) and len(block) == 2 and all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise _refuse("fp8", f"quantization_config.weight_block_size must be two positive integers or null, "
-                             f"got {block!r:.40}")
-    skip = q.get("modules_to_not_convert") or q.get("ignored_layers")
-    if skip is not None and not (isinstance(skip, list) and all(isinstance(s, str) for s in skip)):
-        raise _refuse("fp8", f"quantization_config.modules_to_not_convert must be a list of names, got {skip!r:.40}")
-
-
-def _check_modelopt(q: Mapping) -> None:
-    algo = q.get("quant_algo")
-    layers = q.get("quantized_layers") or {}
-    if algo == "MIXED_PRECISION":
-        if not isinstance(layers, Mapping) or not layers:
-            raise _refuse("modelopt", "quant_algo MIXED_PRECISION needs its per-layer table (quantized_layers in "
-                                      f"{HF_QUANT_CONFIG})")
-        algos = {entry.get("quant_algo") if isinstance(entry, Mapping) else None for entry in layers.values()}
-    else:
-        algos = {algo} if algo else set()
-    unknown = sorted(str(a) for a in algos - set(MODELOPT_ALGOS))
-    if unknown:
-        raise _unsupported("modelopt", f" with quant_algo {unknown[0]:.30}")
-    if q.get("kv_cache_quant_algo") not in MODELOPT_KV_ALGOS:
-        raise _unsupported("modelopt", f" with kv_cache_quant_algo {q.get('kv_cache_quant_algo')!s:.30}")
-    if not algos and not q.get("kv_cache_quant_algo"):
-        raise _refuse("modelopt", "the quantization config names no quant_algo")
-
-
-def _ct_kind(group: Mapping) -> str | None:
-    """The kind of weights a compressed-tensors config group stores (None: no weight quantization), or a
-    one-line refusal naming what is not read."""
-    weights = group.get("weights")
-    if weights is None:
-        return None
-    if not isinstance(weights, Mapping):
-        raise _refuse("compressed-tensors", f"a config group's weights must be an object, got {weights!r:.40}")
-    fmt = group.get("format")
-    bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
-    what = f"{bits}-bit {kind} {strategy} weights in format {fmt}"
-    if kind != "float":
-        raise _unsupported("compressed-tensors", f" with {what} (integer weights are not read)")
-    if weights.get("symmetric") is False or weights.get("zp_dtype"):
-        raise _unsupported("compressed-tensors", f" with asymmetric {what}")
-    if bits == 8 and fmt in ("float-quantized", "naive-quantized"):
-        if strategy in ("tensor", "channel"):
-            return f"fp8-{strategy}"
-        if strategy == "block":
-            block = weights.get("block_structure")
-            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-                raise _refuse("compressed-tensors", f"block_structure must be two positive integers, got {block!r:.40}")
-            return "fp8-block"
-    if bits == 4 and fmt == "nvfp4-pack-quantized" and strategy == "tensor_group" and weights.get("group_size") == 16:
-        return "nvfp4"
-    if bits == 4 and fmt == "mxfp4-pack-quantized" and strategy == "group" and weights.get("group_size") == 32:
-        return "mxfp4"
-    raise _unsupported("compressed-tensors", f" with {what}")
-
-
-def _ct_groups(quant: Mapping) -> dict[str, dict]:
-    """The config groups, each with its compression format (a group without one takes the global format)."""
-    groups = quant.get("config_groups") or {}
-    if not isinstance(groups, Mapping):
-        raise _refuse("compressed-tensors", "config_groups must be an object")
-    return {name: {**g, "format": g.get("format") or quant.get("format")} for name, g in groups.items()
-            if isinstance(g, Mapping)}
-
-
-def _check_ct(quant: Mapping) -> None:
-    status = quant.get("quantization_status")
-    if status != "compressed":
-        raise _unsupported("compressed-tensors", f" with quantization_status {status!s:.20} (only compressed "
-                                                 "checkpoints are read)")
-    if quant.get("transform_config"):
-        raise _unsupported("compressed-tensors", " with a transform_config (online rotations, which dequantizing "
-                                                 "the weights cannot fold away)")
-    sparsity = quant.get("sparsity_config") or {}
-    if sparsity and sparsity.get("format", "dense") != "dense":
-        raise _unsupported("compressed-tensors", f" with sparsity format {sparsity.get('format')!s:.30}")
-    for group in _ct_groups(quant).values():
-        _ct_kind(group)
-
-
-def _resolve(root: Path | None, config: Mapping, hf_quant: Mapping | None = None) -> tuple[str, dict] | None:
-    """(quant_method, its normalized config), None for an unquantized checkpoint, or a one-line refusal."""
-    quant = config.get("quantization_config")
-    if quant is None:
-        if hf_quant is not None or (root is not None and (root / HF_QUANT_CONFIG).is_file()):
-            q = _modelopt_quantization(root, None, hf_quant)
-            _check_modelopt(q)
-            return "modelopt", q
-        return None
-    method = quant.get("quant_method", "unknown") if isinstance(quant, Mapping) else "unknown"
-    if method == "fp8":
-        _check_fp8(quant)
-        return "fp8", dict(quant)
-    if method == "modelopt":
-        q = _modelopt_quantization(root, quant, hf_quant)
-        _check_modelopt(q)
-        return "modelopt", q
-    if method == "compressed-tensors":
-        _check_ct(quant)
-        return "compressed-tensors", dict(quant)
-    raise _unsupported(method)
-
-
-def check_quantization_config(root: Path | None, config: Mapping) -> None:
-    """Refuse, in one line and before any tensor is looked at, a quantization_config Kiln cannot read."""
-    _resolve(root, config)
 
 
 # --- the plan: which linears, from which tensors, decoded how ----------------------------------------------------
@@ -295,7 +151,7 @@ def _scale_ok(method: str, name: str, info: Any, weight_shape: tuple[int, ...], 
               per_channel: bool = False) -> None:
     """An FP8 scale's dtype and shape: per block grid, per channel [N, 1], or one value."""
     if info.dtype not in FP8_SCALE_DTYPES:
-        raise _refuse(method, f"{name} has dtype {info.dtype}; an FP8 weight scale must be one of "
+        raise refuse(method, f"{name} has dtype {info.dtype}; an FP8 weight scale must be one of "
                               f"{', '.join(FP8_SCALE_DTYPES)}")
     if block is not None:
         needs = [fp8.fp8_block_scale_shape(weight_shape, block)]
@@ -305,7 +161,7 @@ def _scale_ok(method: str, name: str, info: Any, weight_shape: tuple[int, ...], 
     else:
         needs, how = [(), (1,)], "one scale per tensor"
     if tuple(info.shape) not in needs:
-        raise _refuse(method, f"{name} has shape {_shape(info.shape)}; {how} needs "
+        raise refuse(method, f"{name} has shape {_shape(info.shape)}; {how} needs "
                               f"{' or '.join(_shape(n) for n in needs)}")
 
 
@@ -313,11 +169,11 @@ def _need(method: str, header: Mapping[str, Any], module: str, part: str, dtype:
     name = f"{module}.{part}"
     info = header.get(name)
     if info is None:
-        raise _refuse(method, f"{module} is quantized but its {name} is missing")
+        raise refuse(method, f"{module} is quantized but its {name} is missing")
     if dtype is not None and info.dtype != dtype:
-        raise _refuse(method, f"{name} has dtype {info.dtype}; this layout stores it as {dtype}")
+        raise refuse(method, f"{name} has dtype {info.dtype}; this layout stores it as {dtype}")
     if part in ("weight", "weight_packed") and len(info.shape) != 2:
-        raise _refuse(method, f"{name} has shape {_shape(info.shape)}; a linear weight is 2-D")
+        raise refuse(method, f"{name} has shape {_shape(info.shape)}; a linear weight is 2-D")
     return info
 
 
@@ -340,14 +196,14 @@ def _plan_fp8(q: Mapping, header: Mapping[str, Any], shapes: Mapping[str, tuple[
         module = key.removesuffix(".weight_scale_inv")
         excluded = next((s for s in skip if _not_converted(module, s)), None)
         if excluded is not None:
-            raise _refuse("fp8", f"{key} is stored but quantization_config.modules_to_not_convert excludes "
+            raise refuse("fp8", f"{key} is stored but quantization_config.modules_to_not_convert excludes "
                                  f"{module} ({excluded!r:.60})")
         w = _need("fp8", header, module, "weight", "F8_E4M3")
         _scale_ok("fp8", key, header[key], tuple(w.shape), block)
         linears.append(QuantizedLinear(module, scheme, (f"{module}.weight", key), tuple(w.shape),
                                        partial(_fp8_decode, module, "weight_scale_inv", block)))
     if not linears:
-        raise _refuse("fp8", "quantization_config says quant_method fp8 but no tensor has a weight_scale_inv "
+        raise refuse("fp8", "quantization_config says quant_method fp8 but no tensor has a weight_scale_inv "
                              "(the FP8 block scales DeepSeek-V3 and transformers store)")
     details = {"weight_block_size": block, "activation_scheme": q.get("activation_scheme", "dynamic")}
     return Plan("fp8", details, tuple(linears), ())
@@ -362,20 +218,16 @@ def _packed_k(method: str, module: str, info: Any, shapes: Mapping[str, tuple[in
     n, k = shapes[module]
     needs = (n, (-(-k // group) * group if padded else k) // 2)
     if tuple(info.shape) != needs:
-        raise _refuse(method, f"{module}'s packed FP4 weight has shape {_shape(info.shape)}; the config's "
+        raise refuse(method, f"{module}'s packed FP4 weight has shape {_shape(info.shape)}; the config's "
                               f"{n}x{k} linear needs {_shape(needs)}")
     return k
 
 
 def _modelopt_decode(module: str, algo: str, in_features: int, t: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    from kiln.optimizer.export_modelopt import dequantize_modelopt_linear
-
     return dequantize_modelopt_linear(module, algo, t, in_features)
 
 
 def _plan_modelopt(q: Mapping, header: Mapping[str, Any], shapes: Mapping[str, tuple[int, int]]) -> Plan:
-    from kiln.optimizer.export_modelopt import MODELOPT_TENSORS, modelopt_linear_algo
-
     algo = q.get("quant_algo")
     exclude = [p for p in q.get("exclude_modules") or [] if isinstance(p, str)]
     candidates = {k.removesuffix(".weight_scale") for k in header if k.endswith(".weight_scale")}
@@ -385,12 +237,12 @@ def _plan_modelopt(q: Mapping, header: Mapping[str, Any], shapes: Mapping[str, t
     for module in sorted(candidates):
         a = modelopt_linear_algo(module, q, header)
         if a is None:
-            raise _refuse("modelopt", f"{module}.weight_scale is stored but the quantization config does not "
+            raise refuse("modelopt", f"{module}.weight_scale is stored but the quantization config does not "
                                       f"quantize {module}")
         if algo != "MIXED_PRECISION":
             pattern = next((p for p in exclude if fnmatch.fnmatchcase(module, p)), None)
             if pattern is not None:
-                raise _refuse("modelopt", f"{module} stores quantized tensors but exclude_modules excludes it "
+                raise refuse("modelopt", f"{module} stores quantized tensors but exclude_modules excludes it "
                                           f"({pattern!r:.60})")
         parts = MODELOPT_TENSORS[a]
         fp4 = a not in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
@@ -417,8 +269,6 @@ def _ct_decode(module: str, group: Mapping, t: Mapping[str, torch.Tensor]) -> to
     if weights.get("strategy") == "block":
         return fp8.fp8_block_dequantize(t[f"{module}.weight"], t[f"{module}.weight_scale"],
                                         tuple(weights["block_structure"]))
-    from kiln.optimizer.export_compressed_tensors import dequantize_linear
-
     out = dequantize_linear(module, group, t)
     stored = t.get(f"{module}.weight_shape")  # compressed-tensors' packed formats may record [N, K]
     if stored is not None and [int(v) for v in stored.reshape(-1).tolist()] != list(out.shape):
@@ -427,22 +277,20 @@ def _ct_decode(module: str, group: Mapping, t: Mapping[str, torch.Tensor]) -> to
 
 
 def _plan_ct(quant: Mapping, header: Mapping[str, Any], shapes: Mapping[str, tuple[int, int]]) -> Plan:
-    from kiln.optimizer.export_compressed_tensors import scheme_of
-
     method = "compressed-tensors"
-    view = {**quant, "config_groups": _ct_groups(quant)}
+    view = {**quant, "config_groups": ct_groups(quant)}
     candidates = {k.rsplit(".", 1)[0] for k in header if k.endswith((".weight_scale", ".weight_packed"))}
     linears = []
     for module in sorted(candidates):
         try:
             group = scheme_of(module, view)
         except KilnError as exc:
-            raise _refuse(method, str(exc)) from None
+            raise refuse(method, str(exc)) from None
         if group is None:
-            raise _refuse(method, f"{module} stores quantized tensors but quantization_config.ignore lists it")
-        kind = _ct_kind(group)
+            raise refuse(method, f"{module} stores quantized tensors but quantization_config.ignore lists it")
+        kind = ct_kind(group)
         if kind is None:
-            raise _refuse(method, f"{module} stores quantized tensors but its config group quantizes no weights")
+            raise refuse(method, f"{module} stores quantized tensors but its config group quantizes no weights")
         if kind.startswith("fp8"):
             w = _need(method, header, module, "weight", "F8_E4M3")
             shape = tuple(w.shape)
@@ -452,11 +300,13 @@ def _plan_ct(quant: Mapping, header: Mapping[str, Any], shapes: Mapping[str, tup
             parts = ("weight", "weight_scale")
             scheme = f"compressed-tensors fp8 {block[0]}x{block[1]} blocks" if block else f"compressed-tensors {kind}"
         else:
+            codec = weight_format(kind)  # the FP4 format's own scale block and global scale
             w = _need(method, header, module, "weight_packed", "U8")
-            parts = ("weight_packed", "weight_scale", *(("weight_global_scale",) if kind == "nvfp4" else ()))
+            parts = ("weight_packed", "weight_scale", *(("weight_global_scale",) if codec.takes_global_scale else ()))
             for part in parts[1:]:
                 _need(method, header, module, part)
-            shape = (int(w.shape[0]), _packed_k(method, module, w, shapes, 16 if kind == "nvfp4" else 32, False))
+            group_size = codec.grid_block_size(2 * int(w.shape[1]))
+            shape = (int(w.shape[0]), _packed_k(method, module, w, shapes, group_size, False))
             scheme = f"compressed-tensors {kind}"
         if f"{module}.weight_shape" in header:
             parts = (*parts, "weight_shape")
@@ -481,18 +331,18 @@ def _finish(method: str, plan: Plan, header: Mapping[str, Any]) -> Plan:
         if name in consumed:
             continue
         if name.endswith(".pre_quant_scale"):
-            raise _refuse(method, f"{name}: its input is smoothed (AWQ/SmoothQuant pre_quant_scale), which this "
+            raise refuse(method, f"{name}: its input is smoothed (AWQ/SmoothQuant pre_quant_scale), which this "
                                   "reader does not fold into the weight")
         if name.endswith(ACTIVATION_SCALES):
             dropped.append(name)
         elif name.endswith(WEIGHT_PARTS):
-            raise _refuse(method, f"{name} is a quantization tensor that the quantization config does not explain "
+            raise refuse(method, f"{name} is a quantization tensor that the quantization config does not explain "
                                   f"(no {method} scheme decodes {name.rsplit('.', 1)[0]} from it)")
         elif name.endswith(".weight") and info.dtype in _NARROW and name.removesuffix(".weight") not in quantized:
             scale = "weight_scale_inv" if method == "fp8" else "weight_scale"
-            raise _refuse(method, f"{name} is {info.dtype} but has no {scale} beside it: its scale is missing")
+            raise refuse(method, f"{name} is {info.dtype} but has no {scale} beside it: its scale is missing")
     if not plan.linears and not dropped:
-        raise _refuse(method, "the quantization config is present but no tensor is quantized")
+        raise refuse(method, "the quantization config is present but no tensor is quantized")
     return Plan(plan.quant_method, plan.details, plan.linears, tuple(dropped))
 
 
@@ -508,7 +358,7 @@ def _refuse_stray(header: Mapping[str, Any]) -> None:
 
 def _plan(root: Path | None, config: Mapping, header: Mapping[str, Any], expected: Mapping[str, Any] | None,
           hf_quant: Mapping | None = None) -> Plan | None:
-    resolved = _resolve(root, config, hf_quant)
+    resolved = resolve_quantization(root, config, hf_quant)
     if resolved is None:
         _refuse_stray(header)
         return None
@@ -546,10 +396,10 @@ def dequantize(p: Plan | None, tensors: dict[str, torch.Tensor],
             weight = lin.decode(parts)
         except (ValueError, TypeError, KeyError, KilnError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise _refuse(p.quant_method, f"{lin.module} ({lin.scheme}) does not decode: {first:.200}") from None
+            raise refuse(p.quant_method, f"{lin.module} ({lin.scheme}) does not decode: {first:.200}") from None
         del parts
         if tuple(weight.shape) != lin.shape:
-            raise _refuse(p.quant_method, f"{lin.module} decodes to shape {_shape(weight.shape)}, expected "
+            raise refuse(p.quant_method, f"{lin.module} decodes to shape {_shape(weight.shape)}, expected "
                                           f"{_shape(lin.shape)}")
         weight = weight.to(OUT_DTYPE).contiguous()
         problem = bad_values(weight)
