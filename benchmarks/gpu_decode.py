@@ -90,7 +90,7 @@ def random_engine(name: str, fmt: str, device: str, kv_blocks: int):
 
 def step_bytes(engine, batch: int, history: int) -> int:
     """Bytes one decode step reads: every linear's stored weight (lm_head included) and the KV cache."""
-    from kiln.runtime.model import PackedLinear, QuantLinear
+    from kiln.runtime.linear import PackedLinear, QuantLinear
     from kiln.runtime.paged_kv_cache import stored_bytes_per_token
 
     weights = 0

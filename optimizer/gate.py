@@ -33,7 +33,7 @@ from kiln.optimizer.lower import kv_cache_table, lower_tensors, roundtrip
 from kiln.passes.base import GateResult, MetricResult, Pass, PassMetric
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.engine import Engine
-from kiln.runtime.model import QuantLinear
+from kiln.runtime.linear import QuantLinear
 
 MAX_FLOOR = 1.5
 

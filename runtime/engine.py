@@ -16,16 +16,12 @@ import torch
 
 from kiln.kernels.errors import KilnError
 from kiln.runtime.artifact import WEIGHTS, artifact_file, clip, has_tokenizer, read_manifest
+from kiln.runtime.attention import attention_mask
 from kiln.runtime.draft import DRAFT_KINDS, draft_module
 from kiln.runtime.kv_format import resolve_kv_streams
-from kiln.runtime.model import (
-    QuantLinear,
-    Transformer,
-    Weights,
-    attention_mask,
-    onednn_fits,
-    place,
-)
+from kiln.runtime.linear import QuantLinear, onednn_fits
+from kiln.runtime.model import Transformer, place
+from kiln.runtime.model_weights import Weights
 from kiln.runtime.paged_kv_cache import (
     DEFAULT_BLOCK_SIZE,
     DecodeTables,
@@ -154,7 +150,7 @@ class Engine:
 
     def _prepack_onednn(self, head: bool = True) -> int:
         """On the CPU, give each fp32 linear a copy in oneDNN's blocked layout, which multiplies faster than MKL
-        from the dense weight (QuantLinear.prepack_onednn), when the copies fit (runtime.model.onednn_fits);
+        from the dense weight (QuantLinear.prepack_onednn), when the copies fit (runtime.linear.onednn_fits);
         the bytes added, 0 when not. `head` False leaves the lm_head out (the accuracy gate multiplies heads
         from their dense weights: at a 262K vocabulary its copy alone is 671 MB)."""
         if self.device.type != "cpu":
@@ -525,7 +521,7 @@ def load(path: Path | str, packed: bool | None = None, device: torch.device | st
     Reads only files the manifest's checksum table lists (`runtime.artifact.artifact_file`); the tokenizer
     loader reads the directory, which `read_manifest` has checked holds no unlisted file.
     packed=False (the CPU reference) dequantizes every weight once, to fp32. packed=True keeps FP8 and FP4
-    weights as stored and multiplies through kiln.kernels.gpu (runtime.model.PackedLinear): Triton kernels
+    weights as stored and multiplies through kiln.kernels.gpu (runtime.linear.PackedLinear): Triton kernels
     where Triton runs (CUDA tensors, or TRITON_INTERPRET=1), their torch references elsewhere. On CPU that is
     a check of the kernels' path, not a fast one (the references dequantize at every product).
     `device` "cuda" keeps the weights packed on the GPU with `dtype` (default bf16) activations: see Engine.

@@ -24,7 +24,8 @@ from kiln.optimizer.recipes import Recipe
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.passes.weight_quant import WeightQuantization
 from kiln.runtime.engine import DECODE_BATCH_SIZES, DECODE_LENGTH_STEP
-from kiln.runtime.model import PackedLinear, QuantLinear, RMSNorm
+from kiln.runtime.linear import PackedLinear, QuantLinear
+from kiln.runtime.model_weights import RMSNorm
 from tests.conftest import STORIES
 
 torch.set_num_threads(1)
@@ -179,7 +180,7 @@ PROMPTS = [[1, *range(10 + i, 14 + 5 * i)] for i in range(3)]  # histories of 5 
 
 def _tiny_engine(kv: str, packed: bool = False):
     """TINY with random weights; `packed`: layer 0's linears FP8 W8A8 (per-token activations), layer 1's NVFP4
-    W4A16, both kept packed (runtime.model.PackedLinear)."""
+    W4A16, both kept packed (runtime.linear.PackedLinear)."""
     from kiln.kernels.fp8 import fp8_quantize_per_channel
     from kiln.kernels.nvfp4 import nvfp4_quantize
     from kiln.optimizer.loader_config import build_spec
@@ -293,7 +294,7 @@ def mla_artifact(tmp_path_factory):
 def test_mla_decode_through_the_latent_kernel_gives_the_gathering_paths_logits(mla_artifact, triton, monkeypatch):
     """MLA layers decode through kiln.kernels.gpu.mla_decode_attention (absorbed, reading the latent pool as
     stored), against the CPU path (gathered latents, absorbed SDPA)."""
-    from kiln.runtime.model import MlaAttention
+    from kiln.runtime.attention import MlaAttention
 
     calls = _counted_kernel(monkeypatch, "mla_decode_attention", triton)
     gather, paged = runtime.load(mla_artifact), runtime.load(mla_artifact)
