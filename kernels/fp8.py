@@ -242,6 +242,8 @@ class Fp8E4M3Format(ScaledFp8Codec):
             return scale.reshape(-1, 1), {"weight_scale": scale}
         return self.grid_scales({"weight_scale": fp8_scale_per_tensor(w)}, granularity, w.shape[0])
 
+    scaled_activations = (ActivationFormat.FP8_STATIC_PER_TENSOR,)
+
 
 def _positive_0dim(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())

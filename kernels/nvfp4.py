@@ -331,5 +331,7 @@ class Nvfp4Format(WeightCodec):
         return nvfp4_quantize(values, global_scale=stored_scales["weight_scale_2"],
                               block_scale=stored_scales["weight_scale"]).tensors()
 
+    scaled_activations = (ActivationFormat.NVFP4,)  # the global scale (optional: else from each activation)
+
 
 NVFP4_FORMAT = Nvfp4Format()

@@ -157,3 +157,6 @@ class WeightCodec:
 
     def __repr__(self) -> str:
         return f"<weight format {self.name}>"
+
+    scaled_activations: tuple[str, ...] = ()
+    """The activation formats (of `activations`) whose packed kernel takes the linear's calibrated input scale."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat
+from kiln.kernels.registry import WEIGHT_FORMATS, weight_format
 from kiln.runtime.artifact import clip
 from kiln.runtime.linear import PACKED_ACTIVATIONS, PackedLinear, QuantLinear
 from kiln.runtime.spec import LinearSpec, ModelSpec
@@ -72,7 +73,12 @@ class Weights:
     def embedding_entry(self) -> Mapping | None:
         """The embedding table's format entry when it is stored quantized (passes/embedding_quant.py), else None."""
         entry = self.formats.get(self.spec.embedding.removesuffix(".weight"))
-        return None if entry is None or entry.get("format") == "dense" else entry
+        if entry is None:
+            return None
+        fmt = entry.get("format")
+        codec = WEIGHT_FORMATS.get(fmt) if isinstance(fmt, str) else None
+        # a table stored as its values is the plain path; an unknown format is refused where it is dequantized
+        return None if codec is not None and not codec.dequantizes else entry
 
     def embedding(self) -> torch.Tensor:
         """The [vocab, hidden] embedding table in fp32, checked; a quantized one dequantized once (its exact stored
@@ -126,7 +132,7 @@ class Weights:
                 check_finite(f"{name}.{key}", value.float())
         transform = input_transform(name, entry, self.tensors)
         rotation = transform if transform is not None and transform.rotation_block else None
-        takes_scale = activation in (ActivationFormat.FP8_STATIC_PER_TENSOR, ActivationFormat.NVFP4)
+        takes_scale = activation in weight_format(fmt).scaled_activations
         input_scale = input_scale_tensor(name, self.tensors, activation) if takes_scale else None
         try:
             return PackedLinear(fmt, stored, in_features if in_features is not None else shape[1], activation,
