@@ -121,7 +121,7 @@ def kiln_ms_per_step(engine, batch: int, prompt_tokens: int, steps: int) -> tupl
         for row in rows:
             cache.add_sequence(row)
         try:
-            tokens = engine._prefill_rows(cache, rows, prompts).argmax(-1, keepdim=True)
+            tokens = engine.prefill_rows(cache, rows, prompts).argmax(-1, keepdim=True)
             for step in range(steps):
                 _sync(str(engine.device))
                 start = time.perf_counter()

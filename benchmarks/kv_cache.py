@@ -34,7 +34,8 @@ from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.runner import RuntimeRunner
 from kiln.passes.base import PassContext
 from kiln.passes.kv_cache import KvCacheQuantization
-from kiln.runtime.engine import decode_one_token, load_tokenizer, prefill
+from kiln.runtime.engine import load_tokenizer
+from kiln.runtime.model_runner import decode_one_token, prefill
 from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 from kiln.runtime.kv_format import kv_bytes_per_token
 

@@ -35,7 +35,8 @@ from kiln.passes.base import PassContext, PassRecord, Pipeline
 from kiln.passes.graph import ModelGraph
 from kiln.passes.tensor_store import bound_heap
 from kiln.runtime.artifact import sha256_file
-from kiln.runtime.engine import load_tokenizer, resolve_placement
+from kiln.runtime.engine import load_tokenizer
+from kiln.runtime.model_runner import resolve_placement
 from kiln.runtime.kv_budget import kv_budget
 
 

@@ -469,7 +469,7 @@ def _score_artifact(artifact: Path, data: Path, paragraphs: int, force: bool = F
     from kiln.optimizer.gate import check_native_text, score
 
     engine = runtime.load(artifact, device=device)
-    tokens = load_token_lists(engine._tokenizer(), data, paragraphs, token_cap(engine.spec.max_position_embeddings),
+    tokens = load_token_lists(engine.require_tokenizer(), data, paragraphs, token_cap(engine.spec.max_position_embeddings),
                               log=_log)
     result = score(engine, tokens)
     check_native_text(result.perplexity, engine.spec.vocab_size, f"the text {data.name}", force, _log)
@@ -710,7 +710,7 @@ def gate(
         raise KilnError(f"baseline {baseline} has a vocabulary of {reference.spec.vocab_size} tokens, the artifact "
                         f"{engine.spec.vocab_size}: they are different models")
     context = min(reference.spec.max_position_embeddings, engine.spec.max_position_embeddings)
-    tokens = load_token_lists(engine._tokenizer(), data, paragraphs, token_cap(context), log=_log)
+    tokens = load_token_lists(engine.require_tokenizer(), data, paragraphs, token_cap(context), log=_log)
     _log(f"scoring {len(tokens)} paragraphs of {data}: baseline, then artifact")
     checker = AccuracyGate(reference, tokens, resamples=resamples, seed=seed)
     check_native_text(checker.baseline.perplexity, reference.spec.vocab_size, f"the text {data.name}", force, _log)

@@ -23,7 +23,7 @@ from kiln.optimizer.build import build
 from kiln.optimizer.recipes import Recipe
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.passes.weight_quant import WeightQuantization
-from kiln.runtime.engine import DECODE_BATCH_SIZES, DECODE_LENGTH_STEP
+from kiln.runtime.compiled_decode import DECODE_BATCH_SIZES, DECODE_LENGTH_STEP
 from kiln.runtime.linear import PackedLinear, QuantLinear
 from kiln.runtime.model_weights import RMSNorm
 from tests.conftest import STORIES
@@ -122,7 +122,7 @@ def test_every_tensor_a_forward_reads_is_on_the_engine_device(artifacts, name, n
     assert all(getattr(pool, n).device.type == "meta" for layer in cache.pools for pool in layer for n in pool.storage)
     for row in range(2):
         cache.add_sequence(row)
-    logits = engine._prefill_rows(cache, [0, 1], TOKENS)
+    logits = engine.prefill_rows(cache, [0, 1], TOKENS)
     assert logits.device.type == "meta" and tuple(logits.shape) == (2, engine.spec.vocab_size)
     positions = cache.prepare([0, 1], torch.tensor([[len(TOKENS[0])], [len(TOKENS[1])]]))
     assert positions.device.type == "meta"
@@ -227,7 +227,7 @@ def _decode_steps(engine, prompts, steps: int) -> torch.Tensor:
         cache.add_sequence(row)
     logits = []
     with torch.inference_mode():
-        tokens = engine._prefill_rows(cache, rows, prompts).argmax(-1, keepdim=True)
+        tokens = engine.prefill_rows(cache, rows, prompts).argmax(-1, keepdim=True)
         for step in range(steps):
             positions = cache.prepare(rows, torch.tensor([[len(p) + step] for p in prompts]))
             logits.append(engine.decode_logits(tokens, positions, cache))
@@ -264,13 +264,13 @@ def test_a_static_decode_step_is_one_graph_at_bucketed_shapes(no_triton):
     torch._dynamo.reset()
     counters.clear()
     static.compile_decode(static_shapes=True, warmup=False)
-    compiled, shapes = static._compiled_forward, set()
+    compiled, shapes = static.runner.compiled.forward, set()
 
     def recorded(tokens, positions, view):
         shapes.add((tokens.shape[0], view.length, tuple(view.kernel[0].block_table.shape)))
         return compiled(tokens, positions, view)
 
-    static._compiled_forward = recorded
+    static.runner.compiled.forward = recorded
     assert static.generate_ids(PROMPTS, 16, stop_ids=()) == eager.generate_ids(PROMPTS, 16, stop_ids=())
     # 3 rows pad to 4; at most 30 keys pad to 256, the tables to 256 / 4 blocks
     assert shapes == {(4, DECODE_LENGTH_STEP, (4, DECODE_LENGTH_STEP // 4))} and 4 in DECODE_BATCH_SIZES

@@ -326,7 +326,8 @@ def test_a_failed_step_fails_its_requests_and_serving_goes_on(artifact):
     import asyncio
 
     from kiln import runtime
-    from kiln.runtime.scheduler import SamplingParams, Scheduler
+    from kiln.runtime.request import SamplingParams
+    from kiln.runtime.scheduler import Scheduler
     from kiln.runtime.server import EngineLoop, ServerMetrics
 
     engine = runtime.load(artifact)
