@@ -104,7 +104,8 @@ def build(checkpoint: Path, recipe: str, out: Path) -> Path:
 
 
 def kiln_ms(engine, prompts, new_tokens: int) -> float:
-    from kiln.runtime.scheduler import SamplingParams, Scheduler
+    from kiln.runtime.request import SamplingParams
+    from kiln.runtime.scheduler import Scheduler
 
     scheduler = Scheduler(engine, max_num_seqs=len(prompts), max_num_batched_tokens=1 << 16, prefix_caching=False,
                           num_blocks=engine.kv_cache_blocks)

@@ -70,7 +70,8 @@ def fit(points: list[tuple[float, float]], pairs: bool = False) -> list[float]:
 
 def measure_rates(artifact: Path, repeats: int = 5) -> dict:
     from kiln import runtime
-    from kiln.runtime.scheduler import SamplingParams, Scheduler
+    from kiln.runtime.request import SamplingParams
+    from kiln.runtime.scheduler import Scheduler
 
     engine = runtime.load(artifact)
     vocab = engine.spec.vocab_size

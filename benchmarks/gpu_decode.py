@@ -91,7 +91,7 @@ def random_engine(name: str, fmt: str, device: str, kv_blocks: int):
 def step_bytes(engine, batch: int, history: int) -> int:
     """Bytes one decode step reads: every linear's stored weight (lm_head included) and the KV cache."""
     from kiln.runtime.kv_pools import stored_bytes_per_token
-    from kiln.runtime.model import PackedLinear, QuantLinear
+    from kiln.runtime.linear import PackedLinear, QuantLinear
 
     weights = 0
     for module in engine.model.modules():
@@ -121,7 +121,7 @@ def kiln_ms_per_step(engine, batch: int, prompt_tokens: int, steps: int) -> tupl
         for row in rows:
             cache.add_sequence(row)
         try:
-            tokens = engine._prefill_rows(cache, rows, prompts).argmax(-1, keepdim=True)
+            tokens = engine.prefill_rows(cache, rows, prompts).argmax(-1, keepdim=True)
             for step in range(steps):
                 _sync(str(engine.device))
                 start = time.perf_counter()

@@ -34,8 +34,9 @@ from kiln.optimizer.measure.gate import AccuracyGate, engine_from_graph
 from kiln.optimizer.measure.runner import RuntimeRunner
 from kiln.passes.base import PassContext
 from kiln.passes.kv_cache import KvCacheQuantization
-from kiln.runtime.engine import decode_one_token, load_tokenizer, prefill
+from kiln.runtime.engine import load_tokenizer
 from kiln.runtime.kv_format import kv_bytes_per_token
+from kiln.runtime.model_runner import decode_one_token, prefill
 from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 
 CONFIGS = [  # label, pass config (None: the BF16 baseline)

@@ -85,7 +85,7 @@ def run(checkpoint: Path, fraction: float, heal_steps: int, fp8_latent: bool, pa
 def decode_ms(engine, cached: int = 1024, steps: int = 32, repeats: int = 3) -> float:
     """Milliseconds per greedy decode step of one sequence with `cached` tokens already in the cache (the
     model's own forward, past its trained context where that is shorter: this times the arithmetic)."""
-    from kiln.runtime.engine import decode_one_token, prefill
+    from kiln.runtime.model_runner import decode_one_token, prefill
     from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 
     model = engine.model
@@ -111,7 +111,8 @@ def source_decode_ms(checkpoint: Path) -> float:
 
 def step_ms(engine, batch: int, prompt: int, new: int, repeats: int = 3) -> float:
     """Milliseconds per scheduler decode step: `batch` random prompts of `prompt` tokens, `new` greedy tokens."""
-    from kiln.runtime.scheduler import SamplingParams, Scheduler
+    from kiln.runtime.request import SamplingParams
+    from kiln.runtime.scheduler import Scheduler
 
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(3, engine.spec.vocab_size, (batch, prompt), generator=gen).tolist()

@@ -40,7 +40,7 @@ from kiln import runtime
 from kiln.calibration.data import load_token_lists
 from kiln.optimizer.defaults import CALIBRATION_TEXT as CALIB
 from kiln.optimizer.defaults import EVALUATION_TEXT as EVAL
-from kiln.runtime.speculative import Drafter
+from kiln.runtime.drafters import Drafter
 
 PROMPT_TOKENS = 16
 TAU_TARGET, TAU_OVER_TRIGRAM = 2.8, 1.25  # issue #12's targets at k=4, stories260K, greedy

@@ -92,7 +92,7 @@ def kiln_side(artifact: Path, data: Path, paragraphs: int, prompts: int, new_tok
     engine = runtime.load(artifact)
     load_seconds = time.perf_counter() - started
     cap = token_cap(engine.spec.max_position_embeddings)
-    token_lists = load_token_lists(engine._tokenizer(), data, paragraphs, cap)
+    token_lists = load_token_lists(engine.require_tokenizer(), data, paragraphs, cap)
     per_paragraph = [score(engine, [ids]).nll for ids in token_lists]
     chosen = [ids[:PROMPT_TOKENS] for ids in token_lists if len(ids) >= PROMPT_TOKENS][:prompts]
     started = time.perf_counter()

@@ -22,7 +22,7 @@ EVALUATION_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tin
 
 def greedy(artifact: Path, data: Path) -> list[list[int]]:
     engine = runtime.load(artifact)
-    tokens = load_token_lists(engine._tokenizer(), data, 200, token_cap(engine.spec.max_position_embeddings))
+    tokens = load_token_lists(engine.require_tokenizer(), data, 200, token_cap(engine.spec.max_position_embeddings))
     prompts = [t[:16] for t in tokens if len(t) >= 16][:16]
     return [out for out, _ in engine.generate_ids(prompts, 64, repetition_penalty=1.0)]
 

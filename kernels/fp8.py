@@ -246,6 +246,7 @@ class Fp8E4M3Format(ScaledFp8Codec):
 
     per_tensor_weight_scale = True
     absmax_ranks_like_mse = True
+    scaled_activations = (ActivationFormat.FP8_STATIC_PER_TENSOR,)
 
 
 def _positive_0dim(scale: torch.Tensor) -> torch.Tensor:

@@ -334,6 +334,7 @@ class Nvfp4Format(WeightCodec):
     gptq_act_order_default = False
     coarse_grid = True
     element_bits = 4
+    scaled_activations = (ActivationFormat.NVFP4,)  # the global scale (optional: else from each activation)
 
 
 NVFP4_FORMAT = Nvfp4Format()

@@ -62,7 +62,7 @@ class QuantizedActivation:
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """runtime.model.RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) in fp32."""
+    """runtime.model_weights.RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) in fp32."""
     x = x.float()
     return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 

@@ -1,7 +1,7 @@
 """Fused RMSNorm + activation quantization (FP8 per token, NVFP4, MXFP4) in one pass over each row.
 
     for each row x [K] of the input (one program per row):
-        y = weight * (x * 1 / sqrt(mean(x^2) + eps))    # runtime.model.RMSNorm's order; y = x without a norm
+        y = weight * (x * 1 / sqrt(mean(x^2) + eps))    # runtime.model_weights.RMSNorm's order; y = x without a norm
         FP8, dynamic per token: s = amax(|y|) / 448 (1 where 0); q = e4m3(clamp(y / s))   -> q [K], s
         FP8, static per tensor: q = e4m3(clamp(y / s_static))                             -> q [K]
         NVFP4 (global scale g): per block of 16
@@ -22,7 +22,7 @@ Exactness (tests/kernels/test_triton_quant.py; references in kernels/torch_refs.
     token), `fp8_quantize_per_tensor`, kernels/nvfp4.py `nvfp4_quantize` and kernels/mxfp4.py
     `mxfp4_quantize`;
   - with the norm, they are bit-exact with those quantizers applied to the kernel's own y (written when
-    `return_normed=True`), and y is within a few fp32 ulps of runtime.model.RMSNorm (a different summation
+    `return_normed=True`), and y is within a few fp32 ulps of runtime.model_weights.RMSNorm (a different summation
     order of mean(x^2), and torch's CPU sqrt is not correctly rounded): so against the quantizers applied
     to torch's y, an element may differ by one code where y sits within those ulps of a rounding midpoint,
     and a scale by one E4M3 step where a block amax does. The tests bound both.

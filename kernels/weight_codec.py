@@ -176,3 +176,5 @@ class WeightCodec:
     """Whether its block scales are E8M0 exponents: the MSE scale search tries the neighbouring exponents."""
     element_bits: int = 16
     """Bits of one stored value, scales not counted (FP8: 8, FP6: 6, FP4: 4; dense: BF16's 16)."""
+    scaled_activations: tuple[str, ...] = ()
+    """The activation formats (of `activations`) whose packed kernel takes the linear's calibrated input scale."""

@@ -476,7 +476,7 @@ class _Lowering:
         return g.op("Add", [g.op("Mul", [x, cos], name), g.op("Mul", [rotated, sin], name)], name)
 
     def rotary_tables(self, spec: RotarySpec, positions: str) -> tuple[str, str]:
-        """cos, sin [B, 1, T, D] for one RotarySpec (runtime.model.Rotary)."""
+        """cos, sin [B, 1, T, D] for one RotarySpec (runtime.attention.Rotary)."""
         g = self.g
         inv_freq = g.initializer(f"rotary.{self.rotaries}.inv_freq", np.asarray(spec.inv_freq, np.float32))
         self.rotaries += 1

@@ -32,7 +32,7 @@ def pin_cpu_numerics() -> None:
     build's figures do not depend on the thread count or on which x86 CPU runs OpenBLAS (how the auto
     recipe's figures moved: benchmarks/results/tuning.md). With MKL's pin and one-thread tuning
     (calibration.tuning) the two-thread check in tests/optimizer/test_cli.py holds. Two more causes sat
-    outside MKL: torch's CPU silu and sigmoid (runtime.model.silu computes them thread-invariantly) and
+    outside MKL: torch's CPU silu and sigmoid (runtime.activations.silu computes them thread-invariantly) and
     GPTQ's factorization in
     OpenBLAS (calibration.gptq.one_blas_thread); with both mended, the AWQ recipes (fp8-weights, fp8) store the
     same tensors on one and two threads too. Across machines: OpenBLAS now runs the same kernels on any x86-64

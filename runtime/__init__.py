@@ -13,7 +13,7 @@ __all__ = ["Engine", "Generation", "load"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from kiln.runtime import engine
+        from kiln.runtime import engine  # lazy: reading a manifest (runtime.artifact) must not pay for torch
 
         return getattr(engine, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -31,15 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.kernels.errors import KilnError
-from kiln.runtime.model import (
-    DenseMlp,
-    GqaAttention,
-    Rotary,
-    Transformer,
-    Weights,
-    build_block,
-    scale_embedding,
-)
+from kiln.runtime.attention import GqaAttention, Rotary
+from kiln.runtime.mlp import DenseMlp
+from kiln.runtime.model import Transformer, build_block, scale_embedding
+from kiln.runtime.model_weights import Weights
 from kiln.runtime.spec import ExtraModuleSpec
 from kiln.runtime.weights import need_tensor
 

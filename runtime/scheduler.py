@@ -36,14 +36,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from kiln.kernels.errors import KilnError
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.paged_kv_cache import PagedKVCache
-from kiln.runtime.sampling import check_repetition_penalty, penalize_repeats, probabilities
+from kiln.runtime.request import QueueFull, Request, SamplingParams, StepEvent
+from kiln.runtime.runner_protocol import ServingRunner
+from kiln.runtime.sampling import penalize_repeats, probabilities
 from kiln.runtime.speculative import (
     SpeculativeStats,
     accept_row,
@@ -56,84 +57,6 @@ from kiln.runtime.speculative import (
 )
 
 
-class QueueFull(KilnError):
-    """The wait queue is full: the caller should retry later (a server answers 429)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None  # the request's own generator; None: torch's global one
-    stop: tuple[str, ...] = ()  # stop strings (the output is cut before the first one)
-    stop_ids: tuple[int, ...] | None = None  # None: the model's EOS ids; () to ignore EOS
-    repetition_penalty: float | None = None  # None: the engine's default (the artifact's generation config)
-
-    def checked(self) -> SamplingParams:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise KilnError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, int | float) or not 0 <= self.temperature < float("inf"):
-            raise KilnError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            raise KilnError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise KilnError(f"seed must be an integer, got {self.seed!r}")
-        if self.repetition_penalty is not None:
-            check_repetition_penalty(self.repetition_penalty)
-        return self
-
-
-@dataclass(eq=False)
-class Request:
-    id: Hashable
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    penalty: float
-    stop_check: Callable[[list[int]], bool] | None = None  # token-level stop test (lm-eval's stop strings)
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""  # the output decoded (with a tokenizer), cut before a stop string
-    emitted: int = 0  # characters of `text` already returned in StepEvents
-    finish_reason: str | None = None  # "length", "eos", "stop" or "abort"
-    num_computed: int = 0  # tokens of prompt + output held in the KV cache
-    cached_tokens: int = 0  # of those, found in the prefix cache at (the last) admission
-    preemptions: int = 0
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    generator: torch.Generator | None = None
-    detokenizer: IncrementalDetokenizer | None = None
-
-    def __post_init__(self):
-        self.tokens: list[int] = self.prompt_ids + self.output_ids  # prompt + output, grown in place (read only)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        """Mean seconds per output token after the first (None below two tokens or before the end)."""
-        if self.finished_at is None or self.first_token_at is None or len(self.output_ids) < 2:
-            return None
-        return (self.finished_at - self.first_token_at) / (len(self.output_ids) - 1)
-
-
-@dataclass
-class StepEvent:
-    """What one step did for one request: the tokens and text it added, and whether it finished."""
-
-    request: Request
-    token_ids: list[int]
-    text: str
-    finished: bool
-
-
 def draft_pool_blocks(num_blocks: int, max_num_seqs: int, draft_tokens: int, block_size: int) -> int:
     """Blocks a draft head's own KV pool needs beside a scheduler's pool of `num_blocks`: what that pool holds,
     and each running sequence's chain of `draft_tokens` drafts past its end."""
@@ -141,7 +64,10 @@ def draft_pool_blocks(num_blocks: int, max_num_seqs: int, draft_tokens: int, blo
 
 
 class Scheduler:
-    def __init__(self, engine, cache: PagedKVCache | None = None, *, max_num_seqs: int = 64,
+    """Steps requests on `engine`'s model (anything with runtime.runner_protocol.ServingRunner's members: an
+    Engine) over `cache`, or over a pool of its own of `num_blocks` blocks (default: the engine's block count)."""
+
+    def __init__(self, engine: ServingRunner, cache: PagedKVCache | None = None, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_queue: int | None = 1024, prefix_caching: bool = True,
                  num_blocks: int | None = None, tokenizer=None, drafter=None, draft_tokens: int = 4):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -374,7 +300,7 @@ class Scheduler:
 
     def _forward(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, torch.Tensor]]:
         """Run the planned tokens; the logits after each request whose tokens are now all computed."""
-        model, cache = self.engine.model, self.cache
+        runner, cache = self.engine, self.cache
         sampled = []
         # the one-token rows are decoders: a prompt chunk cut to one token by the budget is a chunk (its logits
         # are not sampled unless it ends the prompt); with a drafter every row here is a prompt on its way to
@@ -386,7 +312,7 @@ class Scheduler:
             ids = [r.id for r, _ in ones]
             tokens = torch.tensor([[r.tokens[r.num_computed]] for r, _ in ones]).to(device, non_blocking=True)
             positions = cache.prepare(ids, torch.tensor([[r.num_computed] for r, _ in ones]))
-            logits = self.engine.decode_logits(tokens, positions, cache)
+            logits = runner.decode_logits(tokens, positions, cache)
             sampled += self._advance(ones, logits)
         if chunks:
             lengths = torch.tensor([n for _, n in chunks])
@@ -398,17 +324,17 @@ class Scheduler:
             positions = starts.unsqueeze(1) + torch.arange(T)
             positions = cache.prepare([r.id for r, _ in chunks], positions, torch.arange(T) < lengths.unsqueeze(1))
             if self.drafter is not None and self.drafter.needs_features:
-                features, read = target_features(model, tokens.to(device), positions, cache, self.drafter)
+                features, read = target_features(runner, tokens.to(device), positions, cache, self.drafter)
                 for i, (r, n) in enumerate(chunks):  # the drafter reads every prompt position's
                     self._prompt_features.setdefault(r.id, []).append(read[i, :n])
             else:
-                features = model.features(tokens.to(device), positions, cache)
+                features = runner.features(tokens.to(device), positions, cache)
             done = [i for i, (r, n) in enumerate(chunks) if r.num_computed + n == len(r.tokens)]
             logits = None
             if done:
                 rows = torch.tensor(done)
                 last = (rows.to(device), (lengths[rows] - 1).to(device))
-                logits = model.lm_head(model.norm(features[last]))
+                logits = runner.logits_from_features(features[last])
             sampled += self._advance(chunks, logits, done)
             self.prompt_tokens_computed += int(lengths.sum())
         return sampled
@@ -508,7 +434,7 @@ class Scheduler:
         grouped by sampling settings; a seeded request alone, with its own generator), one target forward
         verifies [last token, drafts] for all, and each request emits its accepted drafts and the target's next
         token (greedy: exactly plain decoding's tokens; sampling: the target's distribution)."""
-        model, cache, drafter = self.engine.model, self.cache, self.drafter
+        runner, cache, drafter = self.engine, self.cache, self.drafter
         groups: dict[tuple, list[tuple[Request, int]]] = {}
         for request, count in rows:
             p = request.params
@@ -531,8 +457,8 @@ class Scheduler:
         position = {r.id: r.num_computed for r, _ in rows}  # where the last token goes
         last = {r.id: r.tokens[-1] for r, _ in rows}
         tokens, prepared = verification_batch(cache, ids, nodes, position, last)
-        features, read = target_features(model, tokens, prepared, cache, drafter)
-        logits = model.lm_head(model.norm(features))
+        features, read = target_features(runner, tokens, prepared, cache, drafter)
+        logits = runner.logits_from_features(features)
         events, now = [], time.perf_counter()
         stats = self.speculative
         for i, (request, _) in enumerate(rows):

@@ -164,7 +164,7 @@ def _accuracy_checks(engine, reference, data: Path, paragraphs: int, force: bool
 
     min_recovery, max_kl, min_top1 = floors
     context = min(reference.spec.max_position_embeddings, engine.spec.max_position_embeddings)
-    tokens = load_token_lists(engine._tokenizer(), data, paragraphs, token_cap(context), log=log)
+    tokens = load_token_lists(engine.require_tokenizer(), data, paragraphs, token_cap(context), log=log)
     log(f"scoring {len(tokens)} paragraphs of {data}: baseline, then artifact")
     checker = AccuracyGate(reference, tokens, resamples=resamples, seed=seed)
     check_native_text(checker.baseline.perplexity, reference.spec.vocab_size, f"the text {data.name}", force, log)
@@ -242,7 +242,7 @@ def _score_artifact(artifact: Path, data: Path, paragraphs: int, force: bool = F
     from kiln.optimizer.measure.gate import check_native_text, score
 
     engine = runtime.load(artifact, device=device)
-    tokens = load_token_lists(engine._tokenizer(), data, paragraphs, token_cap(engine.spec.max_position_embeddings),
+    tokens = load_token_lists(engine.require_tokenizer(), data, paragraphs, token_cap(engine.spec.max_position_embeddings),
                               log=log)
     result = score(engine, tokens)
     check_native_text(result.perplexity, engine.spec.vocab_size, f"the text {data.name}", force, log)

@@ -109,7 +109,7 @@ def engine_lm_class():
         def __init__(self, engine: Engine, max_length: int | None = None, batch_tokens: int = BATCH_TOKENS):
             super().__init__()
             self.engine = engine
-            self.tokenizer = engine._tokenizer()
+            self.tokenizer = engine.require_tokenizer()
             context = engine.spec.max_position_embeddings
             if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
                                            or not 1 <= max_length <= context):
@@ -244,7 +244,7 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: i
     """Greedy continuations of `prompts` (token lists), as text, stopping at EOS or once a string of `until`
     appears; per batch of at most `batch_tokens` prompt tokens: (texts, indices into `prompts`). A text may run
     past its stop string (the caller cuts it, as lm-eval does)."""
-    tok = engine._tokenizer()
+    tok = engine.require_tokenizer()
     stops = [s for s in until if s]
 
     def stopped(out: list[int]) -> bool:

@@ -50,16 +50,10 @@ from kiln.calibration.metrics import kl_terms
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
 from kiln.passes.graph import ModelGraph
-from kiln.runtime.model import (
-    Block,
-    LayerRotaries,
-    QuantLinear,
-    Transformer,
-    Weights,
-    build_block,
-    place,
-    scale_embedding,
-)
+from kiln.runtime.attention import LayerRotaries
+from kiln.runtime.linear import QuantLinear
+from kiln.runtime.model import Block, Transformer, build_block, place, scale_embedding
+from kiln.runtime.model_weights import Weights
 
 Callback = Callable[[str, torch.Tensor], None]
 MICRO_BATCH_TOKENS = 512  # distillation's autograd batch: SmolLM2's activations for 512 tokens are ~1 GB

@@ -30,7 +30,9 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.draft import draft_module
-from kiln.runtime.model import QuantLinear, Transformer, Weights
+from kiln.runtime.linear import QuantLinear
+from kiln.runtime.model import Transformer
+from kiln.runtime.model_weights import Weights
 from kiln.runtime.spec import ExtraModuleSpec
 
 FEATURE_WEIGHT = 1.0

@@ -39,7 +39,9 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
 from kiln.optimizer.measure.calibration_session import _Batch, _RecordingWeights
 from kiln.passes.graph import ModelGraph, QuantizedWeight
-from kiln.runtime.model import QuantLinear, Transformer, Weights, place
+from kiln.runtime.linear import QuantLinear
+from kiln.runtime.model import Transformer, place
+from kiln.runtime.model_weights import Weights
 
 BATCH_TOKENS = 256  # an autograd batch: SmolLM2's activations for 256 tokens are ~0.5 GB
 MAX_CANDIDATE_BYTES = 256 * 2**20  # fp32 candidate weights held per sweep

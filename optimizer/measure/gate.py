@@ -34,7 +34,7 @@ from kiln.passes.base import Pass
 from kiln.passes.gate_result import GateResult, MetricResult, PassMetric
 from kiln.passes.graph import ModelGraph
 from kiln.runtime.engine import Engine
-from kiln.runtime.model import QuantLinear
+from kiln.runtime.linear import QuantLinear
 
 MAX_FLOOR = 1.5
 

@@ -48,16 +48,11 @@ from kiln.kernels.formats import KvFormat
 from kiln.optimizer.lower import kv_cache_table, lower_tensors
 from kiln.optimizer.measure.gate import BATCH_TOKENS
 from kiln.passes.graph import ModelGraph
+from kiln.runtime.attention import LayerRotaries
 from kiln.runtime.kv_format import KvStream, resolve_kv_streams
-from kiln.runtime.model import (
-    LayerRotaries,
-    Weights,
-    build_block,
-    onednn_fits,
-    place,
-    prepack_onednn,
-    scale_embedding,
-)
+from kiln.runtime.linear import onednn_fits, prepack_onednn
+from kiln.runtime.model import build_block, place, scale_embedding
+from kiln.runtime.model_weights import Weights
 from kiln.runtime.paged_kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from kiln.runtime.spec import ModelSpec
 
@@ -192,7 +187,7 @@ class _ProbeModel:
         else:
             module = build_block(spec.layers[key], weights).eval()
         if self.device.type == "cpu" and not isinstance(module, torch.Tensor):
-            if self.onednn is None:  # the Engine's rule (runtime.model.onednn_fits) on the whole model's linears
+            if self.onednn is None:  # the Engine's rule (runtime.linear.onednn_fits) on the whole model's linears
                 self.onednn = onednn_fits(4 * sum(lin.in_features * lin.out_features for lin in spec.linears()))
             if self.onednn:
                 for m in module if isinstance(module, tuple) else (module,):

@@ -187,7 +187,7 @@ def test_reads_the_runtimes_paged_cache(fmt, scaling):
 
 def test_reference_is_the_runtimes_absorbed_step():
     """runtime/model.py MlaAttention._absorbed (W_uk into the query, W_uv after) over the same tokens."""
-    from kiln.runtime.model import MlaAttention
+    from kiln.runtime.attention import MlaAttention
 
     heads, nope, v_dim, rank, rope, block_size = 4, 8, 6, 32, 16, 4
     g = torch.Generator().manual_seed(6)

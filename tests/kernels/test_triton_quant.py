@@ -2,7 +2,7 @@
 
 Tolerances: without the norm, and against the quantizers applied to the kernel's own normalized y, the bytes
 and scales are bit-exact. y itself is within 1e-6 (relative to its largest magnitude) of
-runtime.model.RMSNorm; against the quantizers applied to torch's y, at most 1% of the bytes may differ, each
+runtime.model_weights.RMSNorm; against the quantizers applied to torch's y, at most 1% of the bytes may differ, each
 by one code."""
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def test_a_tuned_build_on_two_threads_stores_what_one_thread_does(tmp_path):
 @needs_stories
 def test_an_awq_gptq_build_on_two_threads_stores_what_one_thread_does(tmp_path):
     # AWQ's search and GPTQ read the activations a calibration observes: they followed the thread count through
-    # torch's CPU silu (runtime.model.silu) and OpenBLAS's factorization (calibration.gptq.one_blas_thread);
+    # torch's CPU silu (runtime.activations.silu) and OpenBLAS's factorization (calibration.gptq.one_blas_thread);
     # before those, most of this build's tensors from layer 2 on differed
     built_on_one_and_two_threads(
         tmp_path, [{"pass": "weight-quant", "format": "fp8", "method": "gptq", "awq": True,

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln import runtime
-from kiln.runtime.model import PackedLinear
+from kiln.runtime.linear import PackedLinear
 from tests.conftest import STORIES
 
 OPTIMIZE = str(Path(sys.executable).parent / "optimize")

@@ -187,7 +187,7 @@ def test_a_stray_scale_beside_a_dense_table_is_refused(artifacts, tmp_path):
 @pytest.mark.parametrize("fmt", ("fp8", "nvfp4"))
 def test_the_packed_runtime_multiplies_by_the_stored_table(artifacts, fmt, monkeypatch):
     from kiln.kernels import gpu
-    from kiln.runtime.model import PackedLinear
+    from kiln.runtime.linear import PackedLinear
 
     monkeypatch.setattr(gpu, "use_triton", lambda x: False)  # the kernels' torch references
     reference, packed = runtime.load(artifacts[fmt]), runtime.load(artifacts[fmt], packed=True)

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from kiln.optimizer.loader import load_checkpoint
 from kiln.runtime.engine import Engine, load_tokenizer
-from kiln.runtime.scheduler import SamplingParams, Scheduler
+from kiln.runtime.request import SamplingParams
+from kiln.runtime.scheduler import Scheduler
 from tests.conftest import STORIES, refused
 
 torch.set_num_threads(1)

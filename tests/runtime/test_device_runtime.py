@@ -23,8 +23,9 @@ from kiln.optimizer.build import build
 from kiln.optimizer.recipes import Recipe
 from kiln.passes.kv_cache import KvCacheQuantization
 from kiln.passes.weight_quant import WeightQuantization
-from kiln.runtime.engine import DECODE_BATCH_SIZES, DECODE_LENGTH_STEP
-from kiln.runtime.model import PackedLinear, QuantLinear, RMSNorm
+from kiln.runtime.compiled_decode import DECODE_BATCH_SIZES, DECODE_LENGTH_STEP
+from kiln.runtime.linear import PackedLinear, QuantLinear
+from kiln.runtime.model_weights import RMSNorm
 from tests.conftest import STORIES
 
 torch.set_num_threads(1)
@@ -121,7 +122,7 @@ def test_every_tensor_a_forward_reads_is_on_the_engine_device(artifacts, name, n
     assert all(getattr(pool, n).device.type == "meta" for layer in cache.pools for pool in layer for n in pool.storage)
     for row in range(2):
         cache.add_sequence(row)
-    logits = engine._prefill_rows(cache, [0, 1], TOKENS)
+    logits = engine.prefill_rows(cache, [0, 1], TOKENS)
     assert logits.device.type == "meta" and tuple(logits.shape) == (2, engine.spec.vocab_size)
     positions = cache.prepare([0, 1], torch.tensor([[len(TOKENS[0])], [len(TOKENS[1])]]))
     assert positions.device.type == "meta"
@@ -179,7 +180,7 @@ PROMPTS = [[1, *range(10 + i, 14 + 5 * i)] for i in range(3)]  # histories of 5 
 
 def _tiny_engine(kv: str, packed: bool = False):
     """TINY with random weights; `packed`: layer 0's linears FP8 W8A8 (per-token activations), layer 1's NVFP4
-    W4A16, both kept packed (runtime.model.PackedLinear)."""
+    W4A16, both kept packed (runtime.linear.PackedLinear)."""
     from kiln.kernels.fp8 import fp8_quantize_per_channel
     from kiln.kernels.nvfp4 import nvfp4_quantize
     from kiln.optimizer.loader_config import build_spec
@@ -226,7 +227,7 @@ def _decode_steps(engine, prompts, steps: int) -> torch.Tensor:
         cache.add_sequence(row)
     logits = []
     with torch.inference_mode():
-        tokens = engine._prefill_rows(cache, rows, prompts).argmax(-1, keepdim=True)
+        tokens = engine.prefill_rows(cache, rows, prompts).argmax(-1, keepdim=True)
         for step in range(steps):
             positions = cache.prepare(rows, torch.tensor([[len(p) + step] for p in prompts]))
             logits.append(engine.decode_logits(tokens, positions, cache))
@@ -263,13 +264,13 @@ def test_a_static_decode_step_is_one_graph_at_bucketed_shapes(no_triton):
     torch._dynamo.reset()
     counters.clear()
     static.compile_decode(static_shapes=True, warmup=False)
-    compiled, shapes = static._compiled_forward, set()
+    compiled, shapes = static.runner.compiled.forward, set()
 
     def recorded(tokens, positions, view):
         shapes.add((tokens.shape[0], view.length, tuple(view.kernel[0].block_table.shape)))
         return compiled(tokens, positions, view)
 
-    static._compiled_forward = recorded
+    static.runner.compiled.forward = recorded
     assert static.generate_ids(PROMPTS, 16, stop_ids=()) == eager.generate_ids(PROMPTS, 16, stop_ids=())
     # 3 rows pad to 4; at most 30 keys pad to 256, the tables to 256 / 4 blocks
     assert shapes == {(4, DECODE_LENGTH_STEP, (4, DECODE_LENGTH_STEP // 4))} and 4 in DECODE_BATCH_SIZES
@@ -293,7 +294,7 @@ def mla_artifact(tmp_path_factory):
 def test_mla_decode_through_the_latent_kernel_gives_the_gathering_paths_logits(mla_artifact, triton, monkeypatch):
     """MLA layers decode through kiln.kernels.gpu.mla_decode_attention (absorbed, reading the latent pool as
     stored), against the CPU path (gathered latents, absorbed SDPA)."""
-    from kiln.runtime.model import MlaAttention
+    from kiln.runtime.attention import MlaAttention
 
     calls = _counted_kernel(monkeypatch, "mla_decode_attention", triton)
     gather, paged = runtime.load(mla_artifact), runtime.load(mla_artifact)

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.optimizer.loader import load_checkpoint
+from kiln.runtime.attention import MlaAttention
 from kiln.runtime.engine import Engine
-from kiln.runtime.model import MlaAttention
 from tests.runtime.contiguous_kv_cache import ContiguousKVCache
 
 
@@ -81,7 +81,7 @@ def test_latent_decode_equals_sdpa_over_the_concatenated_key():
     masked rows included (a row with nothing to attend gives zeros in both)."""
     from torch.nn import functional as F
 
-    from kiln.runtime.model import _latent_decode
+    from kiln.runtime.attention import _latent_decode
 
     gen = torch.Generator().manual_seed(8)
     B, H, S, r, rope = 3, 4, 37, 24, 8

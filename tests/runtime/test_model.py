@@ -84,7 +84,7 @@ def test_silu_and_sigmoid_give_the_same_bits_on_one_and_two_threads():
     # calibration observes); exp, add and divide do not
     import torch.nn.functional as F
 
-    from kiln.runtime.model import sigmoid, silu
+    from kiln.runtime.activations import sigmoid, silu
 
     # a value whose two paths differ (as about 4% of N(0, 16) draws do), everywhere: a thread's chunk of
     # 301,000 elements leaves 8 to the scalar path, where one thread's single chunk leaves none

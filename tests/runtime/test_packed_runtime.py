@@ -1,5 +1,5 @@
 """The packed runtime (`runtime.load(path, packed=True)`): FP8 and FP4 linears keep the bytes the artifact
-stores and multiply through kiln.kernels.gpu (runtime.model.PackedLinear), and give the logits and greedy
+stores and multiply through kiln.kernels.gpu (runtime.linear.PackedLinear), and give the logits and greedy
 tokens of the dequantize-once fp32 reference. Here the kernels' torch references run; the Triton kernels
 (interpreted on CPU) run in test_packed_linears_through_the_triton_interpreter."""
 
@@ -17,7 +17,7 @@ from kiln.optimizer.build import build
 from kiln.optimizer.recipes import Recipe
 from kiln.passes.mla import MlaConversion
 from kiln.passes.weight_quant import WeightQuantization
-from kiln.runtime.model import PackedLinear, QuantLinear
+from kiln.runtime.linear import PackedLinear, QuantLinear
 from tests.conftest import STORIES
 
 torch.set_num_threads(1)
@@ -106,7 +106,7 @@ def test_packed_linears_through_the_triton_interpreter(artifacts, name):
 
 
 def test_packed_mla_engine_keeps_kv_b_dequantized_and_decodes_as_the_reference(mla_artifact, no_triton):
-    from kiln.runtime.model import MlaAttention
+    from kiln.runtime.attention import MlaAttention
 
     reference, packed = runtime.load(mla_artifact), runtime.load(mla_artifact, packed=True)
     mla = [m for m in packed.model.modules() if isinstance(m, MlaAttention)]

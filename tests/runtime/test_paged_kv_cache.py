@@ -215,7 +215,8 @@ def test_fp8_kv_greedy_256_tokens_agrees_with_bf16_on_stories260k():
     from kiln.optimizer.measure.runner import RuntimeRunner
     from kiln.passes.base import PassContext
     from kiln.passes.kv_cache import KvCacheQuantization
-    from kiln.runtime.engine import decode_one_token, load_tokenizer, prefill
+    from kiln.runtime.engine import load_tokenizer
+    from kiln.runtime.model_runner import decode_one_token, prefill
 
     graph = load_checkpoint(STORIES)
     tok = load_tokenizer(STORIES)

@@ -14,7 +14,8 @@ from kiln.runtime.engine import Engine, load_tokenizer
 from kiln.runtime.kv_blocks import BlockAllocator, KvCacheFull
 from kiln.runtime.kv_format import KvStream
 from kiln.runtime.paged_kv_cache import PagedKVCache
-from kiln.runtime.scheduler import QueueFull, SamplingParams, Scheduler
+from kiln.runtime.request import QueueFull, SamplingParams
+from kiln.runtime.scheduler import Scheduler
 from tests.conftest import EVAL_TEXT, STORIES
 
 torch.set_num_threads(1)

@@ -11,7 +11,8 @@ import torch
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.measure.gate import engine_from_graph
-from kiln.runtime.scheduler import SamplingParams, Scheduler
+from kiln.runtime.request import SamplingParams
+from kiln.runtime.scheduler import Scheduler
 from tests.conftest import EVAL_TEXT, STORIES
 from tests.runtime.test_speculative import P_FLOOR, Oracle, _chi_square_p, _exact_marginals, with_random_head
 

@@ -327,7 +327,8 @@ def test_a_failed_step_fails_its_requests_and_serving_goes_on(artifact):
 
     from kiln import runtime
     from kiln.runtime.engine_loop import EngineLoop
-    from kiln.runtime.scheduler import SamplingParams, Scheduler
+    from kiln.runtime.request import SamplingParams
+    from kiln.runtime.scheduler import Scheduler
     from kiln.runtime.server_metrics import ServerMetrics
 
     engine = runtime.load(artifact)

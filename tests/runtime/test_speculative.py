@@ -12,14 +12,8 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.passes.draft_head import attach, head_module, init_tensors
-from kiln.runtime.speculative import (
-    Drafter,
-    NgramTableDrafter,
-    Proposal,
-    accept_greedy,
-    accept_tree,
-    draft_tree,
-)
+from kiln.runtime.drafters import Drafter, NgramTableDrafter, Proposal
+from kiln.runtime.speculative import accept_greedy, accept_tree, draft_tree
 from tests.conftest import CALIB_TEXT, EVAL_TEXT, STORIES, needs_stories
 
 P_FLOOR = 1e-3  # the chi-square tests pass when p > 0.001 (fixed seeds: deterministic)
@@ -344,7 +338,7 @@ def test_sampled_speculative_tokens_follow_the_target_distribution(tiny_checkpoi
 def test_a_tight_pool_runs_rows_in_waves_with_room_for_the_tree(stories):
     _, prompts = stories
     engine = engine_from_graph(with_random_head(load_checkpoint(STORIES), architecture="eagle3"))
-    engine.kv_cache_blocks, engine._kv_pool = 3, None  # 48 slots: one row of 16 + 16 new + a 4 x 3 tree
+    engine.kv_cache_blocks, engine.kv_pool = 3, None  # 48 slots: one row of 16 + 16 new + a 4 x 3 tree
     plain = engine.generate_ids(prompts[:2], 16)
     spec, _ = engine.speculative_ids(prompts[:2], 16, 4, engine.drafter("head", tree_width=3))
     assert spec == plain and engine.kv_pool.num_used_blocks == 0

@@ -11,13 +11,15 @@ from safetensors.torch import load_file
 
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.loader import load_checkpoint
+from kiln.runtime.drafters import Drafter, PromptLookupDrafter, Proposal
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_blocks import KvCacheFull
 from kiln.runtime.kv_format import KvStream
 from kiln.runtime.kv_pools import KvGroup, kv_groups, pool_bytes_per_token, stored_bytes_per_token
 from kiln.runtime.paged_kv_cache import PagedKVCache
-from kiln.runtime.scheduler import SamplingParams, Scheduler
-from kiln.runtime.speculative import Drafter, PromptLookupDrafter, Proposal, verification_batch
+from kiln.runtime.request import SamplingParams
+from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.speculative import verification_batch
 from tests.tiny_models import make_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -286,7 +288,7 @@ def test_speculative_past_the_window_is_plain_greedy(gemma, tree):
     n = 50
     expected = _greedy(engine, prompt, n)
     drafter = TreeOracle(prompt, expected, engine.spec.vocab_size) if tree else PromptLookupDrafter()
-    engine._kv_pool = engine.new_kv_cache(num_blocks=40)
+    engine.kv_pool = engine.new_kv_cache(num_blocks=40)
     out, stats = engine.speculative_ids([prompt], n, 4, drafter, stop_ids=())
     assert out[0][0] == expected and stats.accepted > 0
     assert engine.kv_pool.window_releases > 0 and engine.kv_pool.num_used_blocks == 0
