@@ -242,6 +242,15 @@ class Fp8E4M3Format(ScaledFp8Codec):
             return scale.reshape(-1, 1), {"weight_scale": scale}
         return self.grid_scales({"weight_scale": fp8_scale_per_tensor(w)}, granularity, w.shape[0])
 
+    export_names = {
+        "compressed-tensors": {"per_tensor": "fp8_tensor", "per_channel": "fp8_channel"},
+        "hf-modelopt": {"fp8_static_per_tensor+per_tensor": "FP8",
+                        "fp8_dynamic_per_token+per_channel": "FP8_PER_CHANNEL_PER_TOKEN"},
+        "onnx": "FLOAT8E4M3FN",
+    }
+    export_refusals = {"hf-modelopt none": "FP8 weight-only (W8A16) has no ModelOpt unified-checkpoint algorithm; "
+                                           "export it with --format compressed-tensors, which vLLM also loads"}
+
 
 def _positive_0dim(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(())

@@ -271,5 +271,8 @@ class Mxfp4Format(WeightCodec):
     def grid_pack(self, values, stored_scales):
         return self._quantize(values, scale_e8m0=stored_scales.get("weight_scale")).tensors()
 
+    export_names = {"compressed-tensors": "mxfp4", "hf-modelopt": {"none": "mxfp4", "mxfp4": "mxfp4"},
+                    "onnx": "FLOAT4E2M1+E8M0"}
+
 
 MXFP4_FORMAT = Mxfp4Format()

@@ -331,5 +331,9 @@ class Nvfp4Format(WeightCodec):
         return nvfp4_quantize(values, global_scale=stored_scales["weight_scale_2"],
                               block_scale=stored_scales["weight_scale"]).tensors()
 
+    export_names = {"compressed-tensors": "nvfp4",
+                    "hf-modelopt": {"none": "W4A16_NVFP4", "nvfp4+input_scale": "NVFP4"},
+                    "onnx": "FLOAT4E2M1+FLOAT8E4M3FN"}
+
 
 NVFP4_FORMAT = Nvfp4Format()
