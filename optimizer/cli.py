@@ -367,7 +367,7 @@ def _architecture_summary(arch: dict) -> dict:
             out.update(kv_lora_rank=a["kv_lora_rank"], q_lora_rank=a["q_lora_rank"],
                        qk_rope_head_dim=a["qk_rope_head_dim"], qk_nope_head_dim=a["qk_nope_head_dim"])
             if a["q_lora_rank"] is None:  # an MLA conversion: which engines' kernels take its cache width
-                from kiln.optimizer.export_deepseek import serving_engines
+                from kiln.optimizer.export.deepseek import serving_engines
 
                 out["mla_kernels"] = serving_engines(a["kv_lora_rank"], a["qk_rope_head_dim"])
         if m["kind"] == "moe":
@@ -401,7 +401,7 @@ def inspect(
     from kiln.runtime.artifact import read_manifest
 
     if not (artifact / "manifest.json").is_file():
-        from kiln.optimizer.export_notes import describe_export
+        from kiln.optimizer.export.notes import describe_export
 
         export = describe_export(artifact)
         if export is not None:

@@ -8,10 +8,10 @@ either read with its true weights or refused with one line. Read:
                         [ceil(N/bm), ceil(K/bn)] for weight_block_size [bm, bn]  (partial edge blocks
                         (DeepSeek-V3, Qwen3-FP8), or one scalar when             included; kernels/fp8.py),
                         weight_block_size is null (per tensor)                   or q * s
-    modelopt            ModelOpt's unified checkpoint (hf_quant_config.json):   optimizer/export.py's
+    modelopt            ModelOpt's unified checkpoint (hf_quant_config.json):   export/modelopt.py's
                         FP8, FP8_PER_CHANNEL_PER_TOKEN, NVFP4, W4A16_NVFP4,      dequantize_modelopt_linear
                         MXFP4, MIXED_PRECISION of them
-    compressed-tensors  llm-compressor's "compressed" layout: FP8 per tensor    export_compressed_tensors.py's
+    compressed-tensors  llm-compressor's "compressed" layout: FP8 per tensor    export/compressed_tensors.py's
                         or channel (naive- / float-quantized), FP8 per block,   dequantize_linear; FP8 blocks
                         NVFP4 (nvfp4-pack-quantized), MXFP4                      as for fp8 (s multiplies)
 
@@ -368,13 +368,13 @@ def _packed_k(method: str, module: str, info: Any, shapes: Mapping[str, tuple[in
 
 
 def _modelopt_decode(module: str, algo: str, in_features: int, t: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    from kiln.optimizer.export_modelopt import dequantize_modelopt_linear
+    from kiln.optimizer.export.modelopt import dequantize_modelopt_linear
 
     return dequantize_modelopt_linear(module, algo, t, in_features)
 
 
 def _plan_modelopt(q: Mapping, header: Mapping[str, Any], shapes: Mapping[str, tuple[int, int]]) -> Plan:
-    from kiln.optimizer.export_modelopt import MODELOPT_TENSORS, modelopt_linear_algo
+    from kiln.optimizer.export.modelopt import MODELOPT_TENSORS, modelopt_linear_algo
 
     algo = q.get("quant_algo")
     exclude = [p for p in q.get("exclude_modules") or [] if isinstance(p, str)]
@@ -417,7 +417,7 @@ def _ct_decode(module: str, group: Mapping, t: Mapping[str, torch.Tensor]) -> to
     if weights.get("strategy") == "block":
         return fp8.fp8_block_dequantize(t[f"{module}.weight"], t[f"{module}.weight_scale"],
                                         tuple(weights["block_structure"]))
-    from kiln.optimizer.export_compressed_tensors import dequantize_linear
+    from kiln.optimizer.export.compressed_tensors import dequantize_linear
 
     out = dequantize_linear(module, group, t)
     stored = t.get(f"{module}.weight_shape")  # compressed-tensors' packed formats may record [N, K]
@@ -427,7 +427,7 @@ def _ct_decode(module: str, group: Mapping, t: Mapping[str, torch.Tensor]) -> to
 
 
 def _plan_ct(quant: Mapping, header: Mapping[str, Any], shapes: Mapping[str, tuple[int, int]]) -> Plan:
-    from kiln.optimizer.export_compressed_tensors import scheme_of
+    from kiln.optimizer.export.compressed_tensors import scheme_of
 
     method = "compressed-tensors"
     view = {**quant, "config_groups": _ct_groups(quant)}

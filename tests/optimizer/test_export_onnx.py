@@ -25,7 +25,7 @@ from tests.precision_helpers import SAMPLE_TEXT
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from kiln.optimizer import export_onnx  # after the skips: it imports onnx
+from kiln.optimizer.export import onnx as export_onnx  # after the skips: it imports onnx
 from kiln.optimizer.export import export
 
 pytestmark = needs_stories

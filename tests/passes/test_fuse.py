@@ -22,7 +22,7 @@ from kiln.optimizer.gate import AccuracyGate, engine_from_graph
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import write_artifact
 from kiln.optimizer.recipes import Recipe, resolve_recipe
-from kiln.optimizer.unfuse import unfuse_artifact
+from kiln.optimizer.export.unfuse import unfuse_artifact
 from kiln.passes.base import PassContext, Pipeline
 from kiln.passes.fuse import Fusion, unfuse_spec
 from kiln.passes.weight_quant import WeightQuantization

@@ -45,9 +45,9 @@ from kiln.kernels import fp8
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
-from kiln.optimizer.export_notes import stamp, write_readme
+from kiln.optimizer.export.notes import stamp, write_readme
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
-from kiln.optimizer.unfuse import unfuse_artifact
+from kiln.optimizer.export.unfuse import unfuse_artifact
 from kiln.runtime.artifact import MANIFEST, WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json
 

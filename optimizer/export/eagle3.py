@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.export_notes import stamp, write_readme
+from kiln.optimizer.export.notes import stamp, write_readme
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
 from kiln.runtime.artifact import WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json

@@ -70,7 +70,7 @@ from safetensors.torch import load_file, save_file
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer import __version__
-from kiln.optimizer.export_modelopt import (
+from kiln.optimizer.export.modelopt import (
     NVFP4_GROUP_SIZE,
     check_kv_scales,
     copy_tokenizer_files,
@@ -78,9 +78,9 @@ from kiln.optimizer.export_modelopt import (
     kv_scale_names,
     read_for_export,
 )
-from kiln.optimizer.export_notes import stamp, write_readme
+from kiln.optimizer.export.notes import stamp, write_readme
 from kiln.optimizer.output_dir import atomic_directory, mark_export
-from kiln.optimizer.unfuse import unfuse_artifact
+from kiln.optimizer.export.unfuse import unfuse_artifact
 from kiln.runtime.artifact import MANIFEST, WEIGHTS
 from kiln.runtime.spec import spec_from_json
 

@@ -1,23 +1,23 @@
 """Engine artifact -> a quantized Hugging Face checkpoint for the big serving engines, in one of two layouts:
 
-    compressed-tensors   llm-compressor's layout (optimizer/export_compressed_tensors.py; vLLM, SGLang,
+    compressed-tensors   llm-compressor's layout (optimizer/export/compressed_tensors.py; vLLM, SGLang,
                          transformers), which also carries what ModelOpt's cannot: FP8 weight-only, FP8 with
                          mixed scale granularities, NVFP4 / FP8 / MXFP4 mixed per layer
-    hf-modelopt          NVIDIA ModelOpt's unified checkpoint (optimizer/export_modelopt.py; vLLM
+    hf-modelopt          NVIDIA ModelOpt's unified checkpoint (optimizer/export/modelopt.py; vLLM
                          quantization="modelopt", SGLang, TensorRT-LLM); an MLA-converted model in DeepSeek-V3's
-                         layout (optimizer/export_deepseek_modelopt.py)
-    hf                   an MLA-converted model, unquantized, in DeepSeek-V3's layout (optimizer/export_deepseek.py;
+                         layout (optimizer/export/deepseek_modelopt.py)
+    hf                   an MLA-converted model, unquantized, in DeepSeek-V3's layout (optimizer/export/deepseek.py;
                          transformers' DeepseekV3ForCausalLM)
     eagle3               the artifact's EAGLE-3 draft head, as vLLM / SGLang load it beside the target
-                         (optimizer/export_eagle3.py; ModelOpt's speculative export layout)
+                         (optimizer/export/eagle3.py; ModelOpt's speculative export layout)
     onnx                 the decoder as one ONNX graph (opset 23) with a KV cache, weights behind DequantizeLinear
-                         in their stored formats (optimizer/export_onnx.py; needs the `onnx` extra)
+                         in their stored formats (optimizer/export/onnx.py; needs the `onnx` extra)
 
 All write atomically, mark the directory as a Kiln export, and read the export back to check it: the quantized
 layouts dequantize to the artifact's weights, the DeepSeek-V3 one gives the runtime's logits in transformers, the
 ONNX graph gives them in onnxruntime (onnx.reference for FP4) over a prefill and decode steps.
 Fused linears (the `fuse` pass: qkv_proj, gate_up_proj) are written back as q_proj/k_proj/v_proj and
-gate_proj/up_proj (optimizer/unfuse.py): vLLM, SGLang and TensorRT-LLM load the separate names and fuse them
+gate_proj/up_proj (optimizer/export/unfuse.py): vLLM, SGLang and TensorRT-LLM load the separate names and fuse them
 themselves; the ONNX graph takes the parts too.
 """
 
@@ -28,8 +28,8 @@ import json
 from pathlib import Path
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.export_compressed_tensors import describe, export_compressed_tensors
-from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, export_hf_modelopt
+from kiln.optimizer.export.compressed_tensors import describe, export_compressed_tensors
+from kiln.optimizer.export.modelopt import HF_QUANT_CONFIG, export_hf_modelopt
 from kiln.optimizer.output_dir import check_output
 
 FORMATS = ("compressed-tensors", "hf-modelopt", "hf", "eagle3", "onnx")
@@ -69,22 +69,22 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
     manifest = read_manifest(artifact)  # verified once here: every refusal below reads this one
     refuse_quantized_embedding(manifest, fmt)
     if fmt == "hf":
-        from kiln.optimizer.export_deepseek import export_deepseek
+        from kiln.optimizer.export.deepseek import export_deepseek
 
         return export_deepseek(artifact, output, overwrite)
     if fmt == "eagle3":
-        from kiln.optimizer.export_eagle3 import export_eagle3
+        from kiln.optimizer.export.eagle3 import export_eagle3
 
         return export_eagle3(artifact, output, overwrite)
     if fmt == "onnx":
         refuse_runtime_only_formats(manifest, fmt)
-        from kiln.optimizer.export_onnx import export_onnx
+        from kiln.optimizer.export.onnx import export_onnx
 
         return export_onnx(artifact, output, overwrite)
     refuse_runtime_only_formats(manifest, fmt)
     converted = converted_layers(artifact, manifest)
     if converted and fmt == "hf-modelopt":
-        from kiln.optimizer.export_deepseek_modelopt import export_deepseek_modelopt
+        from kiln.optimizer.export.deepseek_modelopt import export_deepseek_modelopt
 
         return export_deepseek_modelopt(artifact, output, overwrite)
     if converted:
@@ -114,7 +114,7 @@ def export_summary(path: Path | str, fmt: str) -> str:
         return (f"wrote {path} (eagle3: the draft head only, LlamaForCausalLMEagle3; serve it beside the target "
                 "with vLLM's speculative method eagle3)")
     if fmt == "onnx":
-        from kiln.optimizer.export_onnx import describe as describe_onnx
+        from kiln.optimizer.export.onnx import describe as describe_onnx
 
         return f"wrote {path / 'model.onnx'} {describe_onnx(path)}"
     if fmt == "compressed-tensors":

@@ -1,10 +1,10 @@
 """Engine artifact of an MLA-converted, quantized model -> a DeepSeek-V3-layout ModelOpt unified checkpoint
-("hf-modelopt" on a converted model): optimizer/export_deepseek.py's layout, with every quantized linear kept in
-its stored format under ModelOpt's names and algorithms (optimizer/export_modelopt.py).
+("hf-modelopt" on a converted model): optimizer/export/deepseek.py's layout, with every quantized linear kept in
+its stored format under ModelOpt's names and algorithms (optimizer/export/modelopt.py).
 
     DIR/model.safetensors     DeepSeek-V3 names; quantized linears as <module>.weight / .weight_scale /
                               .weight_scale_2 / .input_scale, every other tensor fp32
-    DIR/hf_quant_config.json  as optimizer/export_modelopt.py writes it
+    DIR/hf_quant_config.json  as optimizer/export/modelopt.py writes it
     DIR/config.json           export_deepseek's DeepSeek-V3 config plus "quantization_config"
 
 The layout moves and pads rows of q, kv_a and kv_b and multiplies q, kv_a, kv_b and o_proj by one factor each
@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import WeightFormat
-from kiln.optimizer.export_deepseek import (
+from kiln.optimizer.export.deepseek import (
     RowLayout,
     check_expressible,
     check_logits,
@@ -42,14 +42,14 @@ from kiln.optimizer.export_deepseek import (
     relayout_dense,
     relayout_others,
 )
-from kiln.optimizer.export_modelopt import (
+from kiln.optimizer.export.modelopt import (
     dequantize_hf_modelopt,
     export_tensors,
     hf_quant_config,
     write_modelopt_files,
 )
 from kiln.optimizer.output_dir import atomic_directory, check_output
-from kiln.optimizer.unfuse import unfuse_artifact
+from kiln.optimizer.export.unfuse import unfuse_artifact
 from kiln.passes.fuse import unfuse_spec
 from kiln.runtime.artifact import WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json

@@ -21,7 +21,7 @@ model computes:
     undoes the padding's effect on the RMS, and kv_a by α with α² = 1e-6 r_max / (r eps), which turns
     transformers' fixed 1e-6 epsilon of that norm into the model's own; α also scales the rotary key, so kv_b
     takes α and q 1/α (the scores are unchanged), and o_proj 1/α (V grew by α): exact, and one factor per
-    linear, which a quantized export folds into the linear's own scale (optimizer/export_deepseek_modelopt.py);
+    linear, which a quantized export folds into the linear's own scale (optimizer/export/deepseek_modelopt.py);
   - rotary slots: each frequency gets as many slots as the layer that uses it most; a layer's rotary dims go
     to slots of their own frequency, the rest of its query and key slots are zero;
   - the frequencies, in the order of the slots, are written as LongRoPE factors (`short_factor` =
@@ -45,10 +45,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.export_modelopt import copy_tokenizer_files
-from kiln.optimizer.export_notes import stamp, write_readme
+from kiln.optimizer.export.modelopt import copy_tokenizer_files
+from kiln.optimizer.export.notes import stamp, write_readme
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
-from kiln.optimizer.unfuse import unfuse_artifact
+from kiln.optimizer.export.unfuse import unfuse_artifact
 from kiln.passes.fuse import unfuse_spec
 from kiln.runtime.artifact import WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json

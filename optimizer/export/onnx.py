@@ -79,7 +79,7 @@ from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import ActivationFormat, KvFormat, WeightFormat
 from kiln.kernels.fp8 import E4M3_MAX
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
-from kiln.optimizer.unfuse import artifact_is_fused, unfuse_artifact
+from kiln.optimizer.export.unfuse import artifact_is_fused, unfuse_artifact
 from kiln.passes.fuse import unfuse_spec
 from kiln.runtime.artifact import WEIGHTS, artifact_file, clip, read_manifest
 from kiln.runtime.kv_format import KvStream, resolve_kv_streams
