@@ -44,11 +44,12 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_file, save_file
 
+from kiln import runtime
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.export.modelopt import copy_tokenizer_files
 from kiln.optimizer.export.notes import stamp, write_readme
-from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
 from kiln.optimizer.export.unfuse import unfuse_artifact
+from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
 from kiln.passes.fuse import unfuse_spec
 from kiln.runtime.artifact import WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json
@@ -319,7 +320,7 @@ def export_deepseek(artifact: Path | str, output: Path | str, overwrite: bool = 
 def export_logit_difference(export: Path | str, artifact: Path | str, token_lists: list[list[int]]) -> float:
     """Largest |logit| difference between transformers' DeepseekV3ForCausalLM on the export and Kiln's runtime on
     the artifact, over `token_lists`."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import; only checks use it
 
     return logit_difference(AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval(), artifact,
                             token_lists)
@@ -327,8 +328,6 @@ def export_logit_difference(export: Path | str, artifact: Path | str, token_list
 
 def logit_difference(model, artifact: Path | str, token_lists: list[list[int]]) -> float:
     """Largest |logit| difference between a transformers `model` and Kiln's runtime on `artifact`."""
-    from kiln import runtime
-
     engine = runtime.load(artifact)
     worst = 0.0
     with torch.no_grad():
@@ -340,7 +339,7 @@ def logit_difference(model, artifact: Path | str, token_lists: list[list[int]]) 
 
 
 def verify_deepseek_export(export: Path, artifact: Path) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import; only checks use it
 
     check_logits(AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval(), artifact, "the export")
 
