@@ -26,5 +26,7 @@ class DenseFormat(WeightCodec):
     def stored_tensors(self, out, in_features, weight_shape):
         return (StoredTensor("weight", "a dense weight", (), None if out is None else ((out, in_features),)),)
 
+    export_names = {"onnx": "FLOAT"}  # the quantized layouts keep it as it is
+
 
 DENSE_FORMAT = DenseFormat()

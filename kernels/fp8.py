@@ -247,6 +247,14 @@ class Fp8E4M3Format(ScaledFp8Codec):
     per_tensor_weight_scale = True
     absmax_ranks_like_mse = True
     scaled_activations = (ActivationFormat.FP8_STATIC_PER_TENSOR,)
+    export_names = {
+        "compressed-tensors": {"per_tensor": "fp8_tensor", "per_channel": "fp8_channel"},
+        "hf-modelopt": {"fp8_static_per_tensor+per_tensor": "FP8",
+                        "fp8_dynamic_per_token+per_channel": "FP8_PER_CHANNEL_PER_TOKEN"},
+        "onnx": "FLOAT8E4M3FN",
+    }
+    export_refusals = {"hf-modelopt none": "FP8 weight-only (W8A16) has no ModelOpt unified-checkpoint algorithm; "
+                                           "export it with --format compressed-tensors, which vLLM also loads"}
 
 
 def _positive_0dim(scale: torch.Tensor) -> torch.Tensor:

@@ -275,6 +275,8 @@ class Mxfp4Format(WeightCodec):
     coarse_grid = True
     power_of_two_block_scales = True
     element_bits = 4
+    export_names = {"compressed-tensors": "mxfp4", "hf-modelopt": {"none": "mxfp4", "mxfp4": "mxfp4"},
+                    "onnx": "FLOAT4E2M1+E8M0"}
 
 
 MXFP4_FORMAT = Mxfp4Format()

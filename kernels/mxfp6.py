@@ -215,6 +215,11 @@ class Mxfp6Format(Mxfp4Format):
 
     coarse_grid = False
     element_bits = 6
+    export_names = {}  # not MXFP4's: no serving engine's layout (nor ONNX) has a type for its elements
+    export_refusals = dict.fromkeys(
+        ("compressed-tensors", "hf-modelopt", "onnx"),
+        "MXFP6 (W6A16), which Kiln's runtime runs but no serving engine's checkpoint layout has; for an export, "
+        "rebuild without mxfp6 (an FP8 or FP4 recipe, or auto from a recipe file whose `candidates` leave it out)")
 
 
 MXFP6_FORMAT = Mxfp6Format()

@@ -335,6 +335,9 @@ class Nvfp4Format(WeightCodec):
     coarse_grid = True
     element_bits = 4
     scaled_activations = (ActivationFormat.NVFP4,)  # the global scale (optional: else from each activation)
+    export_names = {"compressed-tensors": "nvfp4",
+                    "hf-modelopt": {"none": "W4A16_NVFP4", "nvfp4+input_scale": "NVFP4"},
+                    "onnx": "FLOAT4E2M1+FLOAT8E4M3FN"}
 
 
 NVFP4_FORMAT = Nvfp4Format()

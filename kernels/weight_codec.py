@@ -178,3 +178,10 @@ class WeightCodec:
     """Bits of one stored value, scales not counted (FP8: 8, FP6: 6, FP4: 4; dense: BF16's 16)."""
     scaled_activations: tuple[str, ...] = ()
     """The activation formats (of `activations`) whose packed kernel takes the linear's calibrated input scale."""
+    # --- exports -------------------------------------------------------------------------------------------------
+    # export_names (above) per layout: "compressed-tensors" its weight kind (or {scale granularity: kind}),
+    # "hf-modelopt" {activation format, or "activation+condition" ("+per_tensor", "+input_scale"): quant_algo},
+    # "onnx" how the graph stores it ("FLOAT8E4M3FN", "FLOAT4E2M1+E8M0", ...).
+    export_refusals: Mapping[str, str] = {}
+    """Why an export layout cannot take it, as the end of a one-line refusal ("MXFP6 (W6A16), which ..."): keyed by
+    the layout ("onnx"), or by the layout and an activation format ("hf-modelopt none") when only that pair is out."""

@@ -8,10 +8,10 @@ either read with its true weights or refused with one line. Read:
                         [ceil(N/bm), ceil(K/bn)] for weight_block_size [bm, bn]  (partial edge blocks
                         (DeepSeek-V3, Qwen3-FP8), or one scalar when             included; kernels/fp8.py),
                         weight_block_size is null (per tensor)                   or q * s
-    modelopt            ModelOpt's unified checkpoint (hf_quant_config.json):   optimizer/export.py's
+    modelopt            ModelOpt's unified checkpoint (hf_quant_config.json):   export/modelopt.py's
                         FP8, FP8_PER_CHANNEL_PER_TOKEN, NVFP4, W4A16_NVFP4,      dequantize_modelopt_linear
                         MXFP4, MIXED_PRECISION of them
-    compressed-tensors  llm-compressor's "compressed" layout: FP8 per tensor    export_compressed_tensors.py's
+    compressed-tensors  llm-compressor's "compressed" layout: FP8 per tensor    export/compressed_tensors.py's
                         or channel (naive- / float-quantized), FP8 per block,   dequantize_linear; FP8 blocks
                         NVFP4 (nvfp4-pack-quantized), MXFP4                      as for fp8 (s multiplies)
 
@@ -53,8 +53,8 @@ import torch
 from kiln.kernels import fp8
 from kiln.kernels.errors import KilnError
 from kiln.kernels.registry import weight_format
-from kiln.optimizer.export_compressed_tensors import dequantize_linear, scheme_of
-from kiln.optimizer.export_modelopt import MODELOPT_TENSORS, dequantize_modelopt_linear, modelopt_linear_algo
+from kiln.optimizer.export.compressed_tensors import dequantize_linear, scheme_of
+from kiln.optimizer.export.modelopt import MODELOPT_TENSORS, dequantize_modelopt_linear, modelopt_linear_algo
 from kiln.optimizer.prequantized_config import (
     FP8_BLOCK_DEFAULT,
     ct_groups,

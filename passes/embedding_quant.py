@@ -19,7 +19,7 @@ values), which everything after it reads: calibration, the gate, a draft head. T
 Reports: the table's bytes before (as stored in the source) and after, and what reads it (the tied head); the
 gate after the pass measures the KL it adds through the runtime. Skipped, with the reason: an embedding an
 earlier pass already quantized. Exports refuse a quantized embedding (no serving layout stores one):
-optimizer/export.py.
+optimizer/export/__init__.py.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ Gate: a fused graph computes what the unfused one did up to the order of float s
 metric "max logit diff (relative)": max |logits fused - logits unfused| / max |logits unfused| over the first
 `check_paragraphs` paragraphs of the gate text, at most `max_logit_diff` (1e-5); its recovery, KL and top-1
 floors are those of an identity rewrite. No back-off: a failure reverts it.
-Exports (optimizer/unfuse.py) write the parts back under their own names: vLLM, SGLang and TensorRT-LLM load
+Exports (optimizer/export/unfuse.py) write the parts back under their own names: vLLM, SGLang and TensorRT-LLM load
 q_proj/k_proj/v_proj and gate_proj/up_proj and fuse them themselves.
 """
 

@@ -19,7 +19,6 @@ from kiln.kernels.errors import KilnError
 from kiln.optimizer.cli.console import console, out
 from kiln.optimizer.cli.options import DRAFT_TOKENS, GPUS_PER_REPLICA, TAU
 from kiln.optimizer.cli.tables import gate_table, precision_table
-from kiln.optimizer.export_notes import describe_export
 from kiln.optimizer.report.artifact_report import human_bytes
 from kiln.optimizer.report.kv_report import artifact_kv_budget, kv_tables
 
@@ -42,7 +41,7 @@ def _architecture_summary(arch: dict) -> dict:
             out.update(kv_lora_rank=a["kv_lora_rank"], q_lora_rank=a["q_lora_rank"],
                        qk_rope_head_dim=a["qk_rope_head_dim"], qk_nope_head_dim=a["qk_nope_head_dim"])
             if a["q_lora_rank"] is None:  # an MLA conversion: which engines' kernels take its cache width
-                from kiln.optimizer.export_deepseek import serving_engines  # lazy: imports torch
+                from kiln.optimizer.export.deepseek import serving_engines  # lazy: imports torch
 
                 out["mla_kernels"] = serving_engines(a["kv_lora_rank"], a["qk_rope_head_dim"])
         if m["kind"] == "moe":
@@ -72,7 +71,9 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Per-layer formats, sizes and gate figures of an artifact; of an export: its layout and what loads it."""
-    from kiln.runtime.artifact import read_manifest  # lazy: loads kiln.runtime, which --help never needs
+    # lazy: kiln.runtime, and the export package's writers (torch), which --help never needs
+    from kiln.optimizer.export.notes import describe_export
+    from kiln.runtime.artifact import read_manifest
 
     if not (artifact / "manifest.json").is_file():
         export = describe_export(artifact)

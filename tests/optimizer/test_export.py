@@ -19,7 +19,7 @@ from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
 from kiln.optimizer.build import build
 from kiln.optimizer.export import export
-from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, dequantize_hf_modelopt, summarize_excluded
+from kiln.optimizer.export.modelopt import HF_QUANT_CONFIG, dequantize_hf_modelopt, summarize_excluded
 from kiln.optimizer.recipes import Recipe
 from kiln.passes.auto_precision import AutoPrecision
 from kiln.passes.precision_options import default_candidates
@@ -248,7 +248,7 @@ def test_fp8_per_tensor_static_export_equals_modelopts_fp8(llama, tmp_path):
 
 def test_export_refuses_rotations_and_quantized_kv_caches():
     from kiln.kernels.errors import KilnError
-    from kiln.optimizer.export_modelopt import kv_algo, modelopt_algo
+    from kiln.optimizer.export.modelopt import kv_algo, modelopt_algo
 
     rotated = {"format": "mxfp4", "activation": "mxfp4", "input_rotation": 16}
     with pytest.raises(KilnError, match="rotated online"):
@@ -265,7 +265,7 @@ def test_export_refuses_rotations_and_quantized_kv_caches():
 
 
 # --- compressed-tensors ----------------------------------------------------------------------------------------
-# llm-compressor's layout (optimizer/export_compressed_tensors.py). Without the library: the JSON is compressed-
+# llm-compressor's layout (optimizer/export/compressed_tensors.py). Without the library: the JSON is compressed-
 # tensors' (written out literally below), the tensors carry its names, shapes and dtypes, and the export decodes to
 # the artifact's weights. With it (`pip install -e '.[export-check]'`): transformers + compressed-tensors load the export and
 # decompress it to the same weights, and the scheme table equals the library's own presets.
@@ -317,7 +317,7 @@ ATTENTION = ("q", "k", "v", "o")
 @pytest.fixture(scope="module")
 def ct_exports(llama, tmp_path_factory):
     """recipe name -> (artifact, compressed-tensors export), each built on first use."""
-    from kiln.optimizer.export_compressed_tensors import export_compressed_tensors
+    from kiln.optimizer.export.compressed_tensors import export_compressed_tensors
 
     root, built = tmp_path_factory.mktemp("ct"), {}
 
@@ -334,7 +334,7 @@ def ct_exports(llama, tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CT_RECIPES))
 def test_compressed_tensors_layout_and_weights(ct_exports, name):
-    from kiln.optimizer.export_compressed_tensors import (
+    from kiln.optimizer.export.compressed_tensors import (
         NVFP4_DECODE_RTOL,
         dequantize_compressed_tensors,
         scheme_of,
@@ -416,7 +416,7 @@ def test_compressed_tensors_exports_fp8_weight_only_from_the_cli(llama, tmp_path
     code, _, stderr = cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct")
     assert code == 0, stderr
     from kiln.optimizer.export import export_summary
-    from kiln.optimizer.export_compressed_tensors import dequantize_compressed_tensors
+    from kiln.optimizer.export.compressed_tensors import dequantize_compressed_tensors
 
     quant = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert quant["format"] == "naive-quantized" and quant["ignore"] == ["lm_head"]
@@ -434,7 +434,7 @@ def test_compressed_tensors_exports_fp8_weight_only_from_the_cli(llama, tmp_path
 @pytest.mark.parametrize("model_type, overrides", [("llama", {"tie_word_embeddings": True}), ("mixtral", {})])
 def test_compressed_tensors_tied_head_and_moe_routers(tmp_path, model_type, overrides):
     """A tied lm_head is stored once (as the embedding) and ignored; MoE routers are ignored by name."""
-    from kiln.optimizer.export_compressed_tensors import dequantize_compressed_tensors
+    from kiln.optimizer.export.compressed_tensors import dequantize_compressed_tensors
     from tests.precision_helpers import add_tokenizer
     from tests.tiny_models import make_tiny_checkpoint
 
@@ -468,7 +468,7 @@ def test_mxfp6_weights_are_refused_by_every_quantized_layout(llama, tmp_path, fm
 
 
 def test_compressed_tensors_refusals(llama, tmp_path):
-    from kiln.optimizer.export_compressed_tensors import ct_scheme
+    from kiln.optimizer.export.compressed_tensors import ct_scheme
 
     def refused(entry, tensors=None, match=""):
         with pytest.raises(KilnError, match=match) as err:
@@ -506,7 +506,7 @@ def test_compressed_tensors_schemes_equal_the_librarys_presets():
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    from kiln.optimizer.export_compressed_tensors import SCHEMES, Scheme
+    from kiln.optimizer.export.compressed_tensors import SCHEMES, Scheme
 
     presets = 0
     for (kind, act), (label, fmt) in SCHEMES.items():
@@ -537,7 +537,7 @@ def test_compressed_tensors_library_decompresses_to_the_artifact(ct_exports, nam
     from compressed_tensors.quantization.lifecycle.forward import dequantize
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from kiln.optimizer.export_compressed_tensors import dequantize_compressed_tensors, scheme_of
+    from kiln.optimizer.export.compressed_tensors import dequantize_compressed_tensors, scheme_of
 
     artifact, ct = ct_exports(name)
     model, info = AutoModelForCausalLM.from_pretrained(

@@ -25,8 +25,8 @@ from tests.precision_helpers import SAMPLE_TEXT
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from kiln.optimizer import export_onnx  # after the skips: it imports onnx
-from kiln.optimizer.export import export
+from kiln.optimizer.export import export, onnx_lowering, onnx_qdq  # after the skips: they import onnx
+from kiln.optimizer.export.onnx import export_onnx
 
 pytestmark = needs_stories
 
@@ -172,7 +172,7 @@ def test_fp8_activation_and_kv_quantizers_are_kilns_bit_for_bit(name, artifact, 
 
 def test_external_data_and_overwrite(artifact, tmp_path, cli):
     art = artifact("fp8-weights")
-    out = export_onnx.export_onnx(art, tmp_path / "onnx", external_data=True)
+    out = export_onnx(art, tmp_path / "onnx", external_data=True)
     assert (out / "model.onnx.data").stat().st_size > (out / "model.onnx").stat().st_size
     rows = _rows(512, batch=1, length=4)
     got, _ = _decode(_ort(out / "model.onnx"), _spec(art), rows, 2)
@@ -187,11 +187,11 @@ def test_external_data_and_overwrite(artifact, tmp_path, cli):
 
 def test_the_check_refuses_a_wrong_graph_and_writes_nothing(artifact, tmp_path, monkeypatch):
     # no causal mask: the prefill's logits are wrong (decode steps alone would not see it)
-    monkeypatch.setattr(export_onnx, "LOWEST", 0.0)
+    monkeypatch.setattr(onnx_lowering, "LOWEST", 0.0)
     refused(export, artifact("fp8-weights"), "onnx", tmp_path / "a", match="logits differ from the runtime's")
     # an FP8 quantizer with the wrong range: caught bit for bit, whatever the logits do
     monkeypatch.undo()
-    monkeypatch.setattr(export_onnx, "E4M3_MAX", 440.0)
+    monkeypatch.setattr(onnx_qdq, "E4M3_MAX", 440.0)
     refused(export, artifact("fp8"), "onnx", tmp_path / "b", match="fp8_dynamic_per_token quantizer on model.layers.0")
     assert not any(tmp_path.iterdir())  # no output, no temporary sibling
 

@@ -248,7 +248,7 @@ def artifact_weights(artifact: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("recipe", ["mixed", "fp8-static", "mxfp4"])
 @pytest.mark.parametrize("fmt", ["hf-modelopt", "compressed-tensors"])
 def test_kiln_exports_load_back_with_the_artifacts_weights(exports, recipe, fmt, tmp_path, cli):
-    from kiln.optimizer.export_compressed_tensors import NVFP4_DECODE_RTOL, dequantize_compressed_tensors
+    from kiln.optimizer.export.compressed_tensors import NVFP4_DECODE_RTOL, dequantize_compressed_tensors
 
     artifact, modelopt, ct = exports(recipe)
     path = modelopt if fmt == "hf-modelopt" else ct
@@ -266,7 +266,7 @@ def test_kiln_exports_load_back_with_the_artifacts_weights(exports, recipe, fmt,
         got = graph.tensors[name]
         assert got.dtype == torch.float32 and got.shape == want.shape, name
         if fmt == "compressed-tensors" and manifest["formats"][name.removesuffix(".weight")]["format"] == "nvfp4":
-            # compressed-tensors stores NVFP4's global scale as its reciprocal (export_compressed_tensors.py)
+            # compressed-tensors stores NVFP4's global scale as its reciprocal (optimizer/export/compressed_tensors.py)
             assert torch.equal(got, decoded[name.removesuffix(".weight")])
             assert bool(((got - want).abs() <= NVFP4_DECODE_RTOL * want.abs()).all()), name
         else:

@@ -18,11 +18,11 @@ from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import get_target
 from kiln.optimizer.build import build
 from kiln.optimizer.export import export
+from kiln.optimizer.export.unfuse import unfuse_artifact
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import write_artifact
 from kiln.optimizer.measure.gate import AccuracyGate, engine_from_graph
 from kiln.optimizer.recipes import Recipe, resolve_recipe
-from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.passes.base import PassContext, Pipeline
 from kiln.passes.fuse import Fusion, unfuse_spec
 from kiln.passes.weight_quant import WeightQuantization

@@ -201,7 +201,7 @@ def _convert_by_hand(graph, splits: dict[int, tuple[int, int]], tokens) -> None:
 def test_export_loads_in_transformers_as_deepseek_v3_with_the_runtime_logits(tiny_checkpoints, tmp_path, cli):
     from transformers import AutoModelForCausalLM
 
-    from kiln.optimizer.export_deepseek import export_logit_difference
+    from kiln.optimizer.export.deepseek import export_logit_difference
 
     graph = load_checkpoint(tiny_checkpoints["llama"])
     tokens = _tokens(graph.spec.vocab_size)
@@ -255,8 +255,8 @@ def _quantized_converted_artifact(tiny_checkpoints, tmp_path, quant):
 def test_hf_modelopt_exports_a_converted_nvfp4_model_in_deepseek_layout(tiny_checkpoints, tmp_path, cli):
     from safetensors.torch import load_file
 
-    from kiln.optimizer.export_deepseek import logit_difference
-    from kiln.optimizer.export_deepseek_modelopt import dequantized_model
+    from kiln.optimizer.export.deepseek import logit_difference
+    from kiln.optimizer.export.deepseek_modelopt import dequantized_model
     from kiln.passes.weight_quant import WeightQuantization
 
     art, tokens = _quantized_converted_artifact(tiny_checkpoints, tmp_path, WeightQuantization(format="nvfp4",
@@ -287,8 +287,8 @@ def test_hf_modelopt_export_of_a_converted_w8a8_model_dequantizes_to_the_layout(
                                                                                activations, granularity, algo):
     from safetensors.torch import load_file
 
-    from kiln.optimizer.export_deepseek import deepseek_tensors
-    from kiln.optimizer.export_modelopt import dequantize_hf_modelopt
+    from kiln.optimizer.export.deepseek import deepseek_tensors
+    from kiln.optimizer.export.modelopt import dequantize_hf_modelopt
     from kiln.passes.weight_quant import WeightQuantization
     from kiln.runtime.artifact import read_manifest
     from kiln.runtime.spec import spec_from_json
@@ -362,8 +362,8 @@ def test_stored_relayout_equals_the_dense_relayout(fmt):
     from kiln.kernels.dequantize import dequantize
     from kiln.kernels.mxfp4 import mxfp4_quantize
     from kiln.kernels.nvfp4 import nvfp4_quantize
-    from kiln.optimizer.export_deepseek import RowLayout, relayout_dense
-    from kiln.optimizer.export_deepseek_modelopt import relayout_stored
+    from kiln.optimizer.export.deepseek import RowLayout, relayout_dense
+    from kiln.optimizer.export.deepseek_modelopt import relayout_stored
 
     w = torch.randn(12, 40, generator=torch.Generator().manual_seed(3))
     if fmt.startswith("fp8"):
@@ -394,7 +394,7 @@ def wide_llama(tmp_path_factory):
 
 
 def test_deepseek_layout_is_rank_512_and_rotary_64_in_every_layer(wide_llama, tmp_path, cli):
-    from kiln.optimizer.export_deepseek import deepseek_config, serving_engines, standard_theta
+    from kiln.optimizer.export.deepseek import deepseek_config, serving_engines, standard_theta
 
     graph = load_checkpoint(wide_llama)
     source = [layer.attention.rotary.inv_freq for layer in graph.spec.layers]

@@ -67,10 +67,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from kiln.kernels import fp8
 from kiln.kernels.errors import KilnError
-from kiln.kernels.formats import ActivationFormat, WeightFormat
+from kiln.kernels.formats import ActivationFormat
+from kiln.kernels.fp4 import e2m1_decode, unpack_fp4
+from kiln.kernels.mxfp4 import e8m0_to_float32
+from kiln.kernels.registry import weight_format
+from kiln.kernels.weight_codec import WeightCodec
 from kiln.optimizer import __version__
-from kiln.optimizer.export_modelopt import (
+from kiln.optimizer.export.modelopt import (
     NVFP4_GROUP_SIZE,
     check_kv_scales,
     copy_tokenizer_files,
@@ -78,11 +83,13 @@ from kiln.optimizer.export_modelopt import (
     kv_scale_names,
     read_for_export,
 )
-from kiln.optimizer.export_notes import stamp, write_readme
+from kiln.optimizer.export.notes import stamp, write_readme
+from kiln.optimizer.export.unfuse import unfuse_artifact
+from kiln.optimizer.loader_config import build_spec
 from kiln.optimizer.output_dir import atomic_directory, mark_export
-from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.runtime.artifact import MANIFEST, WEIGHTS
 from kiln.runtime.spec import spec_from_json
+from kiln.runtime.weights import dequantize_weight
 
 QUANT_METHOD = "compressed-tensors"
 MXFP4_GROUP_SIZE = 32
@@ -119,6 +126,11 @@ _INPUTS = {
     "nvfp4": _float_args(4, "tensor_group", dynamic="local", group_size=NVFP4_GROUP_SIZE),
     "mxfp4": _float_args(4, "group", dynamic=True, group_size=MXFP4_GROUP_SIZE, scale_dtype="torch.uint8"),
 }
+_STATIC_INPUTS = {
+    ActivationFormat.FP8_STATIC_PER_TENSOR: ("static FP8 activations", "input_scale"),
+    ActivationFormat.NVFP4: ("NVFP4 activations", "input_global_scale"),
+}
+"""Artifact activation formats whose compressed-tensors scheme reads a calibrated scale: (what, its name there)."""
 # (weight kind, artifact activation) -> (scheme label, compression format). Labels are compressed-tensors'
 # preset names where one writes the same JSON.
 SCHEMES = {
@@ -153,6 +165,11 @@ class Scheme:
         args = _INPUTS[self.activation]
         return None if args is None else dict(args)
 
+    @property
+    def packed(self) -> bool:
+        """Whether the weight is stored as packed codes (weight_packed), as the FP4 formats are."""
+        return self.format.endswith("pack-quantized")
+
     def group(self, targets: list[str]) -> dict:
         return {"targets": targets, "weights": self.weights, "input_activations": self.input_activations,
                 "output_activations": None, "format": self.format}
@@ -161,43 +178,48 @@ class Scheme:
 def ct_scheme(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor]) -> Scheme | None:
     """The compressed-tensors scheme of one artifact format entry; None for an unquantized linear."""
     fmt, act = entry.get("format"), entry.get("activation", "none")
-    if fmt == WeightFormat.DENSE:
+    codec = weight_format(fmt)
+    if not codec.dequantizes:
         return None
     rotation = entry.get("input_rotation")
     if rotation:
         block = rotation.get("block_size") if isinstance(rotation, Mapping) else rotation
         raise KilnError(f"{module}: its input is rotated online (Hadamard block {block}), which this export does "
                         "not write as a compressed-tensors transform_config; export a recipe without rotation")
-    kind = None
-    if fmt == WeightFormat.FP8_E4M3:
-        scale = tensors.get(f"{module}.weight_scale")
-        weight = tensors.get(f"{module}.weight")
-        if scale is not None and weight is not None:
-            if scale.numel() == 1:
-                kind = "fp8_tensor"
-            elif scale.numel() == weight.shape[0]:
-                kind = "fp8_channel"
-    elif fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4):
-        kind = fmt
-        group = NVFP4_GROUP_SIZE if fmt == WeightFormat.NVFP4 else MXFP4_GROUP_SIZE
-        in_features = int(entry.get("in_features", 0))
-        if in_features % group:
-            raise KilnError(f"{module}: in_features {in_features} is not a multiple of the {fmt.upper()} group "
-                            f"size {group}; compressed-tensors and vLLM store whole groups only (Kiln pads K), "
-                            "so this layer has no compressed-tensors layout; use --format hf-modelopt or keep "
-                            "it unquantized")
+    kind = _weight_kind(module, entry, codec, tensors)
     if (kind, act) not in SCHEMES:
         raise KilnError(f"{module}: {fmt} weights with {act} activations have no compressed-tensors scheme "
                         f"({_EXPORTABLE})")
-    needs_input_scale = (act == ActivationFormat.FP8_STATIC_PER_TENSOR
-                         or (kind == "nvfp4" and act == ActivationFormat.NVFP4))
-    if needs_input_scale and f"{module}.input_scale" not in tensors:
-        what = "NVFP4 activations" if act == ActivationFormat.NVFP4 else "static FP8 activations"
+    static_input = _STATIC_INPUTS.get(act)
+    if static_input and f"{module}.input_scale" not in tensors:
+        what, stored_as = static_input
         raise KilnError(f"{module}: {what} without a calibrated input_scale have no compressed-tensors scheme "
-                        f"(its {'input_global_scale' if act == 'nvfp4' else 'input_scale'} is static; "
-                        f"{_EXPORTABLE})")
+                        f"(its {stored_as} is static; {_EXPORTABLE})")
     label, compression = SCHEMES[(kind, act)]
     return Scheme(label, compression, kind, act)
+
+
+def _weight_kind(module: str, entry: Mapping, codec: WeightCodec,
+                 tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """compressed-tensors' weight kind (a key of _WEIGHTS) of a quantized linear, from its format object's
+    "compressed-tensors" name; None: the layout has none."""
+    names = codec.export_names.get("compressed-tensors")
+    if isinstance(names, Mapping):  # named by scale granularity: one scale per tensor, or per output channel
+        scale, weight = tensors.get(f"{module}.weight_scale"), tensors.get(f"{module}.weight")
+        if scale is None or weight is None:
+            return None
+        if scale.numel() == 1:
+            return names["per_tensor"]
+        return names["per_channel"] if scale.numel() == weight.shape[0] else None
+    if names is not None:  # a block format
+        group = codec.grid_block_size(0)
+        in_features = int(entry.get("in_features", 0))
+        if in_features % group:
+            raise KilnError(f"{module}: in_features {in_features} is not a multiple of the "
+                            f"{entry['format'].upper()} group size {group}; compressed-tensors and vLLM store whole "
+                            "groups only (Kiln pads K), so this layer has no compressed-tensors layout; use --format "
+                            "hf-modelopt or keep it unquantized")
+    return names
 
 
 def ordered_modules(formats: Mapping[str, Mapping], order: Iterable[str]) -> list[str]:
@@ -280,9 +302,9 @@ def export_tensors(schemes: Mapping[str, Scheme], tensors: Mapping[str, torch.Te
         p = f"{module}."
         if scheme.activation == ActivationFormat.NONE:
             out.pop(p + "input_scale", None)  # a weight-only layer has no activation scale to load
-        if scheme.weight_kind in ("fp8_tensor", "fp8_channel"):
+        if not scheme.packed:  # FP8: the weight as stored, its scale in compressed-tensors' shape
             scale = tensors[p + "weight_scale"].float()
-            out[p + "weight_scale"] = (scale.reshape(1) if scheme.weight_kind == "fp8_tensor"
+            out[p + "weight_scale"] = (scale.reshape(1) if scheme.weights["strategy"] == "tensor"
                                        else scale.reshape(-1, 1)).contiguous()
             if scheme.activation == ActivationFormat.FP8_STATIC_PER_TENSOR:
                 out[p + "input_scale"] = tensors[p + "input_scale"].float().reshape(1).contiguous()
@@ -290,9 +312,9 @@ def export_tensors(schemes: Mapping[str, Scheme], tensors: Mapping[str, torch.Te
                 out.pop(p + "input_scale", None)
         else:  # nvfp4, mxfp4: the packed codes and block scales are the artifact's bytes
             out[p + "weight_packed"] = out.pop(p + "weight")
-            if scheme.weight_kind == "nvfp4":
+            if p + "weight_scale_2" in out:  # NVFP4's global scales, stored as their reciprocals
                 out[p + "weight_global_scale"] = _reciprocal(out.pop(p + "weight_scale_2"))
-                if scheme.activation == ActivationFormat.NVFP4:
+                if p + "input_scale" in out:  # a weight-only layer's was dropped above
                     out[p + "input_global_scale"] = _reciprocal(out.pop(p + "input_scale"))
             else:
                 out.pop(p + "input_scale", None)
@@ -351,8 +373,6 @@ def scheme_of(name: str, quant: Mapping) -> Mapping | None:
 
 
 def _decode_fp4(packed: torch.Tensor, block_scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    from kiln.kernels.fp4 import e2m1_decode, unpack_fp4
-
     values = e2m1_decode(unpack_fp4(packed))  # [N, K]
     blocks = values.reshape(values.shape[0], -1, group_size)
     return (blocks * block_scale.unsqueeze(-1)).reshape(values.shape)
@@ -369,15 +389,11 @@ def dequantize_linear(name: str, group: Mapping | None, tensors: Mapping[str, to
         return need("weight").float()
     weights, fmt = group["weights"], group.get("format")
     if weights["num_bits"] == 8 and weights["type"] == "float" and weights["strategy"] in ("tensor", "channel"):
-        from kiln.kernels import fp8
-
         return fp8.fp8_dequantize(need("weight"), need("weight_scale").float())
     if weights["num_bits"] == 4 and weights["type"] == "float" and fmt == "nvfp4-pack-quantized":
         scale = need("weight_scale").float() / need("weight_global_scale").float()  # a divisor, not a factor
         return _decode_fp4(need("weight_packed"), scale, int(weights["group_size"]))
     if weights["num_bits"] == 4 and weights["type"] == "float" and fmt == "mxfp4-pack-quantized":
-        from kiln.kernels.mxfp4 import e8m0_to_float32
-
         scale = e8m0_to_float32(need("weight_scale"))  # 2^(e - 127), exactly
         return _decode_fp4(need("weight_packed"), scale, int(weights["group_size"]))
     raise KilnError(f"{name}: weights {weights} in format {fmt!r} are not something this reader decodes")
@@ -387,8 +403,6 @@ def dequantize_compressed_tensors(path: Path | str) -> dict[str, torch.Tensor]:
     """fp32 weight of every linear of a compressed-tensors checkpoint, decoded with compressed-tensors'
     arithmetic: the scheme from config.json's quantization_config (ignore, then targets), FP8 as q * scale,
     NVFP4 as e2m1 * (weight_scale / weight_global_scale), MXFP4 as e2m1 * 2^(e - 127)."""
-    from kiln.optimizer.loader_config import build_spec
-
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     quant = config.get("quantization_config")
@@ -409,9 +423,7 @@ def dequantize_compressed_tensors(path: Path | str) -> dict[str, torch.Tensor]:
 
 def verify_compressed_tensors(path: Path, artifact: Path) -> None:
     """The export must decode to the artifact's weights (see the module docstring for NVFP4's global scale; a
-    fused linear's parts: its rows, optimizer.unfuse)."""
-    from kiln.runtime.weights import dequantize_weight
-
+    fused linear's parts: its rows, optimizer.export.unfuse)."""
     manifest, tensors = unfuse_artifact(json.loads((artifact / MANIFEST).read_text()),
                                         load_file(str(artifact / WEIGHTS)))
     spec = spec_from_json(manifest["architecture"])
@@ -425,7 +437,7 @@ def verify_compressed_tensors(path: Path, artifact: Path) -> None:
         else:
             expected = dequantize_weight(name, entry, tensors)
         got = exported[name]
-        if entry.get("format") == WeightFormat.NVFP4:
+        if weight_format(entry.get("format")).takes_global_scale:  # NVFP4: stored as its reciprocal
             _check_nvfp4_storage(name, entry, tensors, written)
             same = got.shape == expected.shape and bool(
                 ((got - expected).abs() <= NVFP4_DECODE_RTOL * expected.abs()).all())

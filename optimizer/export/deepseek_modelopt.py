@@ -1,10 +1,10 @@
 """Engine artifact of an MLA-converted, quantized model -> a DeepSeek-V3-layout ModelOpt unified checkpoint
-("hf-modelopt" on a converted model): optimizer/export_deepseek.py's layout, with every quantized linear kept in
-its stored format under ModelOpt's names and algorithms (optimizer/export_modelopt.py).
+("hf-modelopt" on a converted model): optimizer/export/deepseek.py's layout, with every quantized linear kept in
+its stored format under ModelOpt's names and algorithms (optimizer/export/modelopt.py).
 
     DIR/model.safetensors     DeepSeek-V3 names; quantized linears as <module>.weight / .weight_scale /
                               .weight_scale_2 / .input_scale, every other tensor fp32
-    DIR/hf_quant_config.json  as optimizer/export_modelopt.py writes it
+    DIR/hf_quant_config.json  as optimizer/export/modelopt.py writes it
     DIR/config.json           export_deepseek's DeepSeek-V3 config plus "quantization_config"
 
 The layout moves and pads rows of q, kv_a and kv_b and multiplies q, kv_a, kv_b and o_proj by one factor each
@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.kernels.errors import KilnError
-from kiln.kernels.formats import WeightFormat
-from kiln.optimizer.export_deepseek import (
+from kiln.kernels.registry import weight_format
+from kiln.optimizer.export.deepseek import (
     RowLayout,
     check_expressible,
     check_logits,
@@ -42,14 +42,14 @@ from kiln.optimizer.export_deepseek import (
     relayout_dense,
     relayout_others,
 )
-from kiln.optimizer.export_modelopt import (
+from kiln.optimizer.export.modelopt import (
     dequantize_hf_modelopt,
     export_tensors,
     hf_quant_config,
     write_modelopt_files,
 )
+from kiln.optimizer.export.unfuse import unfuse_artifact
 from kiln.optimizer.output_dir import atomic_directory, check_output
-from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.passes.fuse import unfuse_spec
 from kiln.runtime.artifact import WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json
@@ -75,21 +75,21 @@ def relayout_stored(name: str, fmt: str, stored: dict[str, torch.Tensor], layout
                     ) -> dict[str, torch.Tensor]:
     """`name`'s stored tensors (its format's names) in the export's layout, exactly (module docstring)."""
     out = dict(stored)
-    if fmt == WeightFormat.FP8_E4M3:
+    codec = weight_format(fmt)
+    if "hf-modelopt" not in codec.export_names:
+        raise KilnError(f"{name}: format {fmt} is not mapped onto the DeepSeek-V3 layout")
+    if not codec.blocked:  # FP8: a scale per tensor or per output channel
         out["weight"] = _pad_columns(_gather_rows(stored["weight"], layout, 0), layout.in_features, 0)
         scale = stored["weight_scale"]
         out["weight_scale"] = (_gather_rows(scale, layout, 1.0) if scale.numel() > 1 else scale) * layout.factor
         return out
-    from kiln.kernels.mxfp4 import MXFP4_BLOCK_SIZE
-    from kiln.kernels.mxfp4 import padded_in_features as mx_padded
-    from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
-    from kiln.kernels.nvfp4 import padded_in_features as nv_padded
-
-    if fmt == WeightFormat.NVFP4:
-        padded, block, empty_scale = nv_padded(layout.in_features), NVFP4_BLOCK_SIZE, 0  # E4M3 zero
+    block = codec.grid_block_size(layout.in_features)
+    padded = -(-layout.in_features // block) * block
+    if codec.takes_global_scale:  # NVFP4: the factor goes into the global scale; an empty block scale is E4M3 zero
+        empty_scale = 0
         out["weight_scale_2"] = stored["weight_scale_2"] * layout.factor
-    elif fmt == WeightFormat.MXFP4:
-        padded, block, empty_scale = mx_padded(layout.in_features), MXFP4_BLOCK_SIZE, 127  # E8M0 1.0
+    else:  # MXFP4: E8M0 block scales (an empty one is 1.0) take the factor as an exponent shift
+        empty_scale = 127
         exponent = torch.tensor(layout.factor, dtype=torch.float64).log2()
         if exponent != exponent.round():
             raise KilnError(f"{name}: MXFP4 scales are powers of two and cannot take the DeepSeek-V3 layout's "
@@ -98,8 +98,6 @@ def relayout_stored(name: str, fmt: str, stored: dict[str, torch.Tensor], layout
         if int(shifted.min()) < 0 or int(shifted.max()) > 254:
             raise KilnError(f"{name}: its MXFP4 exponents overflow when scaled by {layout.factor:g}")
         out["weight_scale"] = shifted.to(torch.uint8)
-    else:
-        raise KilnError(f"{name}: format {fmt} is not mapped onto the DeepSeek-V3 layout")
     # K grows to layout.in_features (kv_b's padded latent): zero codes, past the stored codes' own zero padding
     out["weight"] = _pad_columns(_gather_rows(out["weight"], layout, 0), padded // 2, 0)
     out["weight_scale"] = _pad_columns(_gather_rows(out["weight_scale"], layout, empty_scale), padded // block,
@@ -115,10 +113,10 @@ def deepseek_modelopt_tensors(spec: ModelSpec, manifest: dict, tensors: dict[str
     for lin in spec.linears():
         if lin.name == "lm_head" and spec.lm_head_tied(tensors):
             continue
-        entry = manifest["formats"].get(lin.name, {"format": WeightFormat.DENSE})
+        entry = manifest["formats"].get(lin.name, {"format": "dense"})
         fmt, stored, _ = stored_weight(lin.name, entry, tensors, (lin.out_features, lin.in_features))
         row_layout = layouts.get(lin.name)
-        if fmt == WeightFormat.DENSE:
+        if not weight_format(fmt).dequantizes:
             weight = stored["weight"].float()
             linears[f"{lin.name}.weight"] = relayout_dense(weight, row_layout) if row_layout else weight
             continue
@@ -157,7 +155,10 @@ def export_deepseek_modelopt(artifact: Path | str, output: Path | str, overwrite
 def dequantized_model(export: Path, linears: dict[str, torch.Tensor] | None = None):
     """transformers' DeepseekV3ForCausalLM holding the export's weights as a serving engine dequantizes them
     (`linears`: dequantize_hf_modelopt(export), when the caller has it already)."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import (  # lazy: transformers takes seconds to import
+        AutoModelForCausalLM,
+        DeepseekV3Config,
+    )
 
     config = json.loads((export / "config.json").read_text())
     config.pop("quantization_config", None)

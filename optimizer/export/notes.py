@@ -12,7 +12,11 @@ says what wrote the export.
 from __future__ import annotations
 
 import json
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from kiln.optimizer import __version__
+from kiln.optimizer.output_dir import EXPORT_MARKER
 
 README = "README.md"
 
@@ -41,13 +45,9 @@ LOADERS: dict[str, tuple[tuple[str, ...], str]] = {
 
 def producer_version() -> str:
     """The installed transformers' version (read from its metadata, without importing it), else Kiln's."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("transformers")
     except PackageNotFoundError:
-        from kiln.optimizer import __version__
-
         return f"kiln-{__version__}"
 
 
@@ -72,8 +72,6 @@ def write_readme(directory: Path, fmt: str, artifact: Path | str) -> None:
 def describe_export(path: Path) -> dict | None:
     """An export directory's format, source artifact, Kiln version and loaders (from kiln_export.json); None when
     `path` is no Kiln export."""
-    from kiln.optimizer.output_dir import EXPORT_MARKER
-
     marker = Path(path) / EXPORT_MARKER
     if not marker.is_file():
         return None

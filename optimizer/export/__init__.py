@@ -1,24 +1,29 @@
-"""Engine artifact -> a quantized Hugging Face checkpoint for the big serving engines, in one of two layouts:
+"""Engine artifact -> a quantized Hugging Face checkpoint for the big serving engines, in one of these layouts:
 
-    compressed-tensors   llm-compressor's layout (optimizer/export_compressed_tensors.py; vLLM, SGLang,
+    compressed-tensors   llm-compressor's layout (optimizer/export/compressed_tensors.py; vLLM, SGLang,
                          transformers), which also carries what ModelOpt's cannot: FP8 weight-only, FP8 with
                          mixed scale granularities, NVFP4 / FP8 / MXFP4 mixed per layer
-    hf-modelopt          NVIDIA ModelOpt's unified checkpoint (optimizer/export_modelopt.py; vLLM
+    hf-modelopt          NVIDIA ModelOpt's unified checkpoint (optimizer/export/modelopt.py; vLLM
                          quantization="modelopt", SGLang, TensorRT-LLM); an MLA-converted model in DeepSeek-V3's
-                         layout (optimizer/export_deepseek_modelopt.py)
-    hf                   an MLA-converted model, unquantized, in DeepSeek-V3's layout (optimizer/export_deepseek.py;
+                         layout (optimizer/export/deepseek_modelopt.py)
+    hf                   an MLA-converted model, unquantized, in DeepSeek-V3's layout (optimizer/export/deepseek.py;
                          transformers' DeepseekV3ForCausalLM)
     eagle3               the artifact's EAGLE-3 draft head, as vLLM / SGLang load it beside the target
-                         (optimizer/export_eagle3.py; ModelOpt's speculative export layout)
+                         (optimizer/export/eagle3.py; ModelOpt's speculative export layout)
     onnx                 the decoder as one ONNX graph (opset 23) with a KV cache, weights behind DequantizeLinear
-                         in their stored formats (optimizer/export_onnx.py; needs the `onnx` extra)
+                         in their stored formats (optimizer/export/onnx.py; needs the `onnx` extra)
 
 All write atomically, mark the directory as a Kiln export, and read the export back to check it: the quantized
 layouts dequantize to the artifact's weights, the DeepSeek-V3 one gives the runtime's logits in transformers, the
 ONNX graph gives them in onnxruntime (onnx.reference for FP4) over a prefill and decode steps.
 Fused linears (the `fuse` pass: qkv_proj, gate_up_proj) are written back as q_proj/k_proj/v_proj and
-gate_proj/up_proj (optimizer/unfuse.py): vLLM, SGLang and TensorRT-LLM load the separate names and fuse them
+gate_proj/up_proj (optimizer/export/unfuse.py): vLLM, SGLang and TensorRT-LLM load the separate names and fuse them
 themselves; the ONNX graph takes the parts too.
+
+    export(artifact, fmt, output, overwrite=False)   write the export (fmt: one of FORMATS), checked
+    export_summary(output, fmt)                      the CLI's one line about it
+Each format object (kiln.kernels.registry.weight_format) names itself per layout (`export_names`) or says why a
+layout cannot take it (`export_refusals`); the writers ask it rather than its name.
 """
 
 from __future__ import annotations
@@ -28,30 +33,33 @@ import json
 from pathlib import Path
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.export_compressed_tensors import describe, export_compressed_tensors
-from kiln.optimizer.export_modelopt import HF_QUANT_CONFIG, export_hf_modelopt
+from kiln.kernels.registry import weight_format
+from kiln.optimizer.export.compressed_tensors import describe, export_compressed_tensors
+from kiln.optimizer.export.deepseek import export_deepseek
+from kiln.optimizer.export.deepseek_modelopt import export_deepseek_modelopt
+from kiln.optimizer.export.eagle3 import export_eagle3
+from kiln.optimizer.export.modelopt import HF_QUANT_CONFIG, export_hf_modelopt
 from kiln.optimizer.output_dir import check_output
+from kiln.runtime.artifact import read_manifest
 
 FORMATS = ("compressed-tensors", "hf-modelopt", "hf", "eagle3", "onnx")
-RUNTIME_ONLY_FORMATS = ("mxfp6",)  # stored formats no serving engine's layout (nor ONNX) has a type for
 
 
 def refuse_runtime_only_formats(manifest: dict, fmt: str) -> None:
     """One line, before anything is written, for an artifact with weights that only Kiln's runtime runs (MXFP6,
-    which `auto` may choose): no layout of `fmt` can carry them."""
-    found = sorted(name for name, e in manifest["formats"].items() if e.get("format") in RUNTIME_ONLY_FORMATS)
+    which `auto` may choose): no layout of `fmt` can carry them (the format object's `export_refusals`)."""
+    refusals = {name: weight_format(e.get("format")).export_refusals.get(fmt)
+                for name, e in manifest["formats"].items()}
+    found = sorted(name for name, refusal in refusals.items() if refusal)
     if found:
-        raise KilnError(f"--format {fmt}: {len(found)} linears (e.g. {found[0]}) are stored as MXFP6 (W6A16), which "
-                        "Kiln's runtime runs but no serving engine's checkpoint layout has; for an export, rebuild "
-                        "without mxfp6 (an FP8 or FP4 recipe, or auto from a recipe file whose `candidates` leave "
-                        "it out)")
+        raise KilnError(f"--format {fmt}: {len(found)} linears (e.g. {found[0]}) are stored as {refusals[found[0]]}")
 
 
 def refuse_quantized_embedding(manifest: dict, fmt: str) -> None:
     """One line, before anything is written, for an artifact whose embedding table is stored quantized (the
     embedding-quant pass): the serving layouts store the embedding (and a tied head) in the model's dtype."""
     for name, e in manifest["formats"].items():
-        if e.get("role") == "embedding" and e.get("format") != "dense":
+        if e.get("role") == "embedding" and weight_format(e.get("format")).dequantizes:
             raise KilnError(f"--format {fmt}: the embedding {name} is stored {e['format']} (embedding-quant), which "
                             "Kiln's runtime reads but no export layout has; for an export, rebuild without "
                             "embedding-quant")
@@ -63,29 +71,21 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
     check_output(output, overwrite, [artifact])  # before reading anything
     if fmt == "onnx" and importlib.util.find_spec("onnx") is None:
         raise KilnError("--format onnx needs the onnx package: pip install -e '.[onnx]'")
-    from kiln.runtime.artifact import read_manifest
-
     artifact = Path(artifact)
     manifest = read_manifest(artifact)  # verified once here: every refusal below reads this one
     refuse_quantized_embedding(manifest, fmt)
     if fmt == "hf":
-        from kiln.optimizer.export_deepseek import export_deepseek
-
         return export_deepseek(artifact, output, overwrite)
     if fmt == "eagle3":
-        from kiln.optimizer.export_eagle3 import export_eagle3
-
         return export_eagle3(artifact, output, overwrite)
     if fmt == "onnx":
         refuse_runtime_only_formats(manifest, fmt)
-        from kiln.optimizer.export_onnx import export_onnx
+        from kiln.optimizer.export.onnx import export_onnx  # lazy: onnx is an optional extra
 
         return export_onnx(artifact, output, overwrite)
     refuse_runtime_only_formats(manifest, fmt)
     converted = converted_layers(artifact, manifest)
     if converted and fmt == "hf-modelopt":
-        from kiln.optimizer.export_deepseek_modelopt import export_deepseek_modelopt
-
         return export_deepseek_modelopt(artifact, output, overwrite)
     if converted:
         raise KilnError(f"--format {fmt} keeps the source's layout, but layers {converted[:4]} were converted to MLA: "
@@ -114,7 +114,7 @@ def export_summary(path: Path | str, fmt: str) -> str:
         return (f"wrote {path} (eagle3: the draft head only, LlamaForCausalLMEagle3; serve it beside the target "
                 "with vLLM's speculative method eagle3)")
     if fmt == "onnx":
-        from kiln.optimizer.export_onnx import describe as describe_onnx
+        from kiln.optimizer.export.onnx import describe as describe_onnx  # lazy: onnx is an optional extra
 
         return f"wrote {path / 'model.onnx'} {describe_onnx(path)}"
     if fmt == "compressed-tensors":

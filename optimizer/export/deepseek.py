@@ -21,7 +21,7 @@ model computes:
     undoes the padding's effect on the RMS, and kv_a by α with α² = 1e-6 r_max / (r eps), which turns
     transformers' fixed 1e-6 epsilon of that norm into the model's own; α also scales the rotary key, so kv_b
     takes α and q 1/α (the scores are unchanged), and o_proj 1/α (V grew by α): exact, and one factor per
-    linear, which a quantized export folds into the linear's own scale (optimizer/export_deepseek_modelopt.py);
+    linear, which a quantized export folds into the linear's own scale (optimizer/export/deepseek_modelopt.py);
   - rotary slots: each frequency gets as many slots as the layer that uses it most; a layer's rotary dims go
     to slots of their own frequency, the rest of its query and key slots are zero;
   - the frequencies, in the order of the slots, are written as LongRoPE factors (`short_factor` =
@@ -44,11 +44,12 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_file, save_file
 
+from kiln import runtime
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.export_modelopt import copy_tokenizer_files
-from kiln.optimizer.export_notes import stamp, write_readme
+from kiln.optimizer.export.modelopt import copy_tokenizer_files
+from kiln.optimizer.export.notes import stamp, write_readme
+from kiln.optimizer.export.unfuse import unfuse_artifact
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
-from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.passes.fuse import unfuse_spec
 from kiln.runtime.artifact import WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json
@@ -319,7 +320,9 @@ def export_deepseek(artifact: Path | str, output: Path | str, overwrite: bool = 
 def export_logit_difference(export: Path | str, artifact: Path | str, token_lists: list[list[int]]) -> float:
     """Largest |logit| difference between transformers' DeepseekV3ForCausalLM on the export and Kiln's runtime on
     the artifact, over `token_lists`."""
-    from transformers import AutoModelForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,  # lazy: transformers takes seconds to import; only checks use it
+    )
 
     return logit_difference(AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval(), artifact,
                             token_lists)
@@ -327,8 +330,6 @@ def export_logit_difference(export: Path | str, artifact: Path | str, token_list
 
 def logit_difference(model, artifact: Path | str, token_lists: list[list[int]]) -> float:
     """Largest |logit| difference between a transformers `model` and Kiln's runtime on `artifact`."""
-    from kiln import runtime
-
     engine = runtime.load(artifact)
     worst = 0.0
     with torch.no_grad():
@@ -340,7 +341,9 @@ def logit_difference(model, artifact: Path | str, token_lists: list[list[int]]) 
 
 
 def verify_deepseek_export(export: Path, artifact: Path) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,  # lazy: transformers takes seconds to import; only checks use it
+    )
 
     check_logits(AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval(), artifact, "the export")
 

@@ -39,17 +39,22 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kiln.kernels import fp8
 from kiln.kernels.errors import KilnError
-from kiln.kernels.formats import ActivationFormat, WeightFormat
+from kiln.kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
+from kiln.kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
+from kiln.kernels.registry import weight_format
 from kiln.optimizer import __version__
-from kiln.optimizer.export_notes import stamp, write_readme
+from kiln.optimizer.export.notes import stamp, write_readme
+from kiln.optimizer.export.unfuse import unfuse_artifact
+from kiln.optimizer.loader_config import build_spec
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
-from kiln.optimizer.unfuse import unfuse_artifact
 from kiln.runtime.artifact import MANIFEST, WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json
+from kiln.runtime.weights import dequantize_weight
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 NVFP4_GROUP_SIZE = 16
@@ -58,32 +63,38 @@ COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.js
 
 
 def modelopt_algo(module: str, entry: Mapping, tensors: Mapping[str, torch.Tensor]) -> str | None:
-    """The ModelOpt quant_algo of one artifact format entry; None for a dense linear."""
+    """The ModelOpt quant_algo of one artifact format entry (its format object's "hf-modelopt" names); None for a
+    dense linear."""
     fmt, act = entry.get("format"), entry.get("activation", "none")
-    if fmt == WeightFormat.DENSE:
+    codec = weight_format(fmt)
+    if not codec.dequantizes:
         return None
     if entry.get("input_rotation"):
         raise KilnError(f"{module}: its input is rotated online (Hadamard block {entry['input_rotation']}), "
                         "which the ModelOpt unified checkpoint cannot express; export a recipe without rotation")
-    if fmt == WeightFormat.FP8_E4M3:
-        per_tensor = tensors[f"{module}.weight_scale"].numel() == 1
-        if per_tensor and act == ActivationFormat.FP8_STATIC_PER_TENSOR:
-            return "FP8"
-        if not per_tensor and act == ActivationFormat.FP8_DYNAMIC_PER_TOKEN:
-            return "FP8_PER_CHANNEL_PER_TOKEN"
-    elif fmt == WeightFormat.NVFP4:
-        if act == ActivationFormat.NONE:
-            return "W4A16_NVFP4"
-        if act == ActivationFormat.NVFP4 and f"{module}.input_scale" in tensors:
-            return "NVFP4"
-    elif fmt == WeightFormat.MXFP4 and act in (ActivationFormat.NONE, ActivationFormat.MXFP4):
-        return "mxfp4"
-    if fmt == WeightFormat.FP8_E4M3 and act == ActivationFormat.NONE:
-        raise KilnError(f"{module}: FP8 weight-only (W8A16) has no ModelOpt unified-checkpoint algorithm; export it "
-                        "with --format compressed-tensors, which vLLM also loads")
+    for key, algo in codec.export_names.get("hf-modelopt", {}).items():
+        if _algo_applies(key, module, act, tensors):
+            return algo
+    refusal = codec.export_refusals.get(f"hf-modelopt {act}")
+    if refusal:
+        raise KilnError(f"{module}: {refusal}")
     raise KilnError(f"{module}: {fmt} weights with {act} activations have no ModelOpt unified-checkpoint "
                     "algorithm; try --format compressed-tensors (ModelOpt takes FP8 per-tensor + static, FP8 "
                     "per-channel + per-token, NVFP4 with calibrated input scale, NVFP4 weight-only, MXFP4)")
+
+
+def _algo_applies(key: str, module: str, act: str, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a format object's "hf-modelopt" key ("activation" or "activation+condition") fits the linear:
+    its activation format, and the scale granularity ("per_tensor", "per_channel") or a calibrated input_scale."""
+    activation, _, condition = key.partition("+")
+    if activation != act:
+        return False
+    if condition == "input_scale":
+        return f"{module}.input_scale" in tensors
+    if condition:
+        per_tensor = tensors[f"{module}.weight_scale"].numel() == 1
+        return condition == ("per_tensor" if per_tensor else "per_channel")
+    return True
 
 
 def _layer_config(algo: str) -> dict:
@@ -240,8 +251,6 @@ def quantization_config(hf_quant: Mapping) -> dict:
 def check_kv_scales(manifest: Mapping, artifact_tensors: Mapping[str, torch.Tensor], path: Path,
                     modelopt: bool) -> None:
     """Each KV scale the export wrote (`path`'s model.safetensors) is the artifact's value under its export name."""
-    from safetensors import safe_open
-
     names = kv_scale_names(manifest.get("kv_cache") or {}, modelopt)
     if not names:
         return
@@ -260,7 +269,8 @@ def export_tensors(manifest: Mapping, tensors: Mapping[str, torch.Tensor]) -> di
     for name, exported in kv_scale_names(manifest.get("kv_cache") or {}, modelopt=True).items():
         out[exported] = out.pop(name).float().reshape(())
     for module, entry in manifest["formats"].items():
-        if entry.get("format") == WeightFormat.FP8_E4M3:
+        codec = weight_format(entry.get("format"))
+        if codec.dequantizes and not codec.blocked:  # a scale per tensor or per output channel
             scale = tensors[f"{module}.weight_scale"]
             if scale.numel() > 1:
                 out[f"{module}.weight_scale"] = scale.reshape(-1).contiguous()
@@ -287,7 +297,7 @@ class ExportSource(NamedTuple):
 def read_for_export(artifact: Path, output: Path, overwrite: bool) -> ExportSource:
     """The verified artifact, after refusing an output the export may not write (before reading weights). Fused
     linears (passes/fuse.py) come back as their parts: serving engines load q/k/v and gate/up by their own names
-    and fuse them themselves (optimizer.unfuse)."""
+    and fuse them themselves (optimizer.export.unfuse)."""
     manifest = read_manifest(artifact)
     check_output(output, overwrite, [artifact])
     manifest, tensors = unfuse_artifact(manifest, load_file(str(artifact / WEIGHTS)))
@@ -343,9 +353,6 @@ def dequantize_modelopt_linear(name: str, algo: str, tensors: Mapping[str, torch
                                in_features: int) -> torch.Tensor:
     """fp32 weight of one linear stored with ModelOpt quant_algo `algo` (in_features: the true K; block formats
     pad it)."""
-    from kiln.kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize
-    from kiln.kernels.nvfp4 import Nvfp4Weight, nvfp4_dequantize
-
     if algo in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):
         scale = tensors[f"{name}.weight_scale"].float()
         return fp8.fp8_dequantize(tensors[f"{name}.weight"], scale.reshape(-1, 1) if scale.numel() > 1 else scale)
@@ -361,8 +368,6 @@ def dequantize_modelopt_linear(name: str, algo: str, tensors: Mapping[str, torch
 def dequantize_hf_modelopt(path: Path | str) -> dict[str, torch.Tensor]:
     """fp32 weight of every linear of an hf-modelopt checkpoint, read the way a serving engine reads it:
     the algorithm from hf_quant_config.json, the true in_features from config.json (block formats pad K)."""
-    from kiln.optimizer.loader_config import build_spec
-
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     spec = build_spec(config)
@@ -388,9 +393,7 @@ def dequantize_hf_modelopt(path: Path | str) -> dict[str, torch.Tensor]:
 
 def verify_export(path: Path, artifact: Path) -> None:
     """The export, dequantized as a serving engine would, must equal the artifact's weights bit for bit (a fused
-    linear's parts: its rows, optimizer.unfuse)."""
-    from kiln.runtime.weights import dequantize_weight
-
+    linear's parts: its rows, optimizer.export.unfuse)."""
     manifest, tensors = unfuse_artifact(json.loads((artifact / MANIFEST).read_text()),
                                         load_file(str(artifact / WEIGHTS)))
     spec = spec_from_json(manifest["architecture"])

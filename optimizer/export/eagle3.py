@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.export_notes import stamp, write_readme
+from kiln.kernels.registry import weight_format
+from kiln.optimizer.export.notes import stamp, write_readme
 from kiln.optimizer.output_dir import atomic_directory, check_output, mark_export
 from kiln.runtime.artifact import WEIGHTS, read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json
@@ -47,11 +48,15 @@ def eagle3_module(spec: ModelSpec):
     return module
 
 
+def _quantized(entry: dict) -> bool:
+    return weight_format(entry.get("format", "dense")).dequantizes
+
+
 def eagle3_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats: dict) -> dict[str, torch.Tensor]:
     module = eagle3_module(spec)
     prefix = module.name + "."
     names = sorted(n for n in spec.tensor_names() if n.startswith(prefix))
-    quantized = [n for n in names if formats.get(n.rsplit(".", 1)[0], {}).get("format", "dense") != "dense"]
+    quantized = [n for n in names if _quantized(formats.get(n.rsplit(".", 1)[0], {}))]
     if quantized:
         raise KilnError(f"--format eagle3 writes the head unquantized; {quantized[0]} is quantized")
     out = {n[len(prefix):]: tensors[n].contiguous() for n in names}
@@ -62,7 +67,7 @@ def eagle3_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], formats: d
         out["t2d"] = t2d
         return out
     head = spec.lm_head
-    if formats.get(head.name, {}).get("format", "dense") != "dense":
+    if _quantized(formats.get(head.name, {})):
         raise KilnError("--format eagle3 copies the target's lm_head into the draft, and it is quantized here")
     lm_head = tensors.get(f"{head.name}.weight")
     if lm_head is None:  # tied to the embedding
