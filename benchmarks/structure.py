@@ -141,7 +141,7 @@ def measure(root: Path) -> dict:
                 for inner in ast.walk(node):
                     if isinstance(inner, (ast.Import, ast.ImportFrom)):
                         inline += 1
-                        if not _has_reason(lines, inner.lineno):
+                        if not _has_reason(lines, inner):
                             unexplained.append(f"{rel}:{inner.lineno}")
             if isinstance(node, ast.Compare) and rel not in FORMAT_HOMES:
                 sides = [node.left, *node.comparators]
@@ -158,13 +158,22 @@ def measure(root: Path) -> dict:
             "unexplained": unexplained, "config_reads": config_reads, "graph": every}
 
 
-def _has_reason(lines: list[str], lineno: int) -> bool:
-    i = lineno - 1
-    if "lazy:" in lines[i]:
+def _has_reason(lines: list[str], node: ast.AST) -> bool:
+    """A `lazy:` comment within the import statement, or in the comment lines just above the run of consecutive
+    inline imports it belongs to."""
+    if any("lazy:" in lines[i] for i in range(node.lineno - 1, node.end_lineno)):
         return True
-    while i > 0 and re.match(r"\s*(from \S+ )?import ", lines[i - 1]) and "lazy:" not in lines[i - 1]:
+    i = node.lineno - 1
+    while i > 0 and (re.match(r"\s*(from \S+ )?import |\s+\w+,?\s*(#.*)?$|\s*\)", lines[i - 1])
+                     and "lazy:" not in lines[i - 1]):
         i -= 1
-    return i > 0 and "lazy:" in lines[i - 1]
+    if i > 0 and "lazy:" in lines[i - 1]:
+        return True
+    while i > 0 and lines[i - 1].strip().startswith("#"):
+        if "lazy:" in lines[i - 1]:
+            return True
+        i -= 1
+    return False
 
 
 def table(m: dict, root: Path) -> str:

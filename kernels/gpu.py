@@ -41,6 +41,7 @@ def use_triton(x: torch.Tensor) -> bool:
     """Whether Triton serves `x`: Triton installed, and x on CUDA (or on CPU with TRITON_INTERPRET=1)."""
     if not triton_installed():
         return False
+    # lazy: the Triton kernels import triton, which only this path needs
     from kiln.kernels.triton_codecs import interpreting
 
     return x.is_cuda != interpreting()
@@ -67,6 +68,7 @@ def fp8_linear(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor,
 def _fp8_linear(x: torch.Tensor, qw: torch.Tensor, w_scale: torch.Tensor,
                 input_scale: torch.Tensor | None) -> torch.Tensor:
     if use_triton(x):
+        # lazy: the Triton kernels import triton, which only this path needs
         from kiln.kernels.triton_fp8_gemm import fp8_linear as kernel
 
         return kernel(x, qw, w_scale, input_scale)
@@ -98,6 +100,7 @@ def fp4_linear(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight, activation: s
 def _fp4_linear(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight, activation: str,
                 input_scale: torch.Tensor | None) -> torch.Tensor:
     if use_triton(x):
+        # lazy: the Triton kernels import triton, which only this path needs
         from kiln.kernels.triton_fp4_gemm import fp4_w4a4_linear, fp4_w4a16_gemm
 
         if activation == ActivationFormat.NONE:
@@ -142,6 +145,7 @@ def fp6_linear(x: torch.Tensor, weight: Mxfp6Weight) -> torch.Tensor:
 
 def _fp6_linear(x: torch.Tensor, weight: Mxfp6Weight) -> torch.Tensor:
     if use_triton(x):
+        # lazy: the Triton kernels import triton, which only this path needs
         from kiln.kernels.triton_fp6_gemm import fp6_w6a16_gemm
 
         return fp6_w6a16_gemm(x, weight)
@@ -198,6 +202,7 @@ def rmsnorm_quantize(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: flo
     if dynamic and input_scale is not None:
         raise ValueError(f"{activation} computes its scales from the activation; input_scale must be None")
     if use_triton(x):
+        # lazy: the Triton kernels import triton, which only this path needs
         from kiln.kernels import triton_quant
 
         if activation in (ActivationFormat.FP8_DYNAMIC_PER_TOKEN, ActivationFormat.FP8_STATIC_PER_TENSOR):
@@ -236,6 +241,7 @@ def _pool_fields(pool: KvPool) -> tuple:
 def _paged_decode_attention(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, block_table: torch.Tensor,
                             context_lens: torch.Tensor, block_size: int, sm_scale: float | None) -> torch.Tensor:
     if use_triton(q):
+        # lazy: the Triton kernels import triton, which only this path needs
         from kiln.kernels.triton_paged_attention import paged_decode_attention as kernel
 
         return kernel(q, k_pool, v_pool, block_table, context_lens, block_size, sm_scale)
@@ -279,6 +285,7 @@ def _mla_decode_attention(q_latent: torch.Tensor, q_rot: torch.Tensor, latent_po
                           block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                           sm_scale: float) -> torch.Tensor:
     if use_triton(q_latent):
+        # lazy: the Triton kernels import triton, which only this path needs
         from kiln.kernels.triton_mla_decode import mla_decode_attention as kernel
 
         return kernel(q_latent, q_rot, latent_pool, rot_pool, block_table, context_lens, block_size, sm_scale)

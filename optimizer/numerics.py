@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import warnings
 from pathlib import Path
 
 CPU_NUMERICS = {
@@ -83,8 +84,6 @@ def warn_if_unpinned() -> None:
     if not _UNPINNED_AT_IMPORT:
         return
     pinned, early = _UNPINNED_AT_IMPORT.pop()
-    import warnings
-
     warnings.warn(f"{' and '.join(early)} {'were' if len(early) > 1 else 'was'} imported before kiln.optimizer, so "
                   f"{', '.join(pinned)} (the CLI's CPU numerics, kiln.optimizer.numerics) may not apply to it: this "
                   "build may store other bytes than `optimize build` does. Import kiln.optimizer first, or set "
