@@ -197,6 +197,7 @@ class ScaledFp8Codec(WeightCodec):
         return {"weight": weight, "weight_scale": scale}
 
     element_bits = 8
+    per_tensor_weight_scale = True  # granularity per_tensor stores one 0-dim scale, for E4M3 and E5M2 alike
 
 
 class Fp8E4M3Format(ScaledFp8Codec):
@@ -244,7 +245,6 @@ class Fp8E4M3Format(ScaledFp8Codec):
             return scale.reshape(-1, 1), {"weight_scale": scale}
         return self.grid_scales({"weight_scale": fp8_scale_per_tensor(w)}, granularity, w.shape[0])
 
-    per_tensor_weight_scale = True
     absmax_ranks_like_mse = True
     scaled_activations = (ActivationFormat.FP8_STATIC_PER_TENSOR,)
     export_names = {

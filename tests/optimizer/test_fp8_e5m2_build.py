@@ -53,3 +53,25 @@ def test_exports_refuse_it_in_one_line(artifact, tmp_path, fmt):
     assert result.returncode == 2, result.stderr
     assert "fp8_e5m2" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_per_tensor_scales_survive_fusion(tmp_path):
+    """granularity per_tensor stores a 0-dim scale per linear; fusing q/k/v and gate/up keeps each part's scale
+    (its rows repeat it), and the fused model computes what the unfused one does."""
+    if not (STORIES / "config.json").is_file():
+        pytest.skip("../shared/models absent")
+    arts = {}
+    for name, fuse in (("plain", ""), ("fused", "  - pass: fuse\n")):
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text("name: e5m2-per-tensor\npasses:\n  - pass: weight-quant\n    format: fp8_e5m2\n"
+                          f"    granularity: per_tensor\n    method: rtn\n{fuse}")
+        result = subprocess.run([OPTIMIZE, "build", str(STORIES), "--recipe", str(recipe), "--no-gate", "-o",
+                                 str(tmp_path / name)], env=ENV, capture_output=True, text=True, check=False)
+        assert result.returncode == 0, result.stderr
+        arts[name] = tmp_path / name
+    plain = load_file(arts["plain"] / "model.safetensors")
+    assert plain["model.layers.0.self_attn.q_proj.weight_scale"].dim() == 0
+    fused = json.loads((arts["fused"] / "manifest.json").read_text())["formats"]
+    assert "model.layers.0.self_attn.qkv_proj" in fused
+    [expected], [got] = runtime.load(arts["plain"]).logits(TOKENS), runtime.load(arts["fused"]).logits(TOKENS)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
