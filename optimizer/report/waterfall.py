@@ -20,8 +20,8 @@ from kiln.runtime.kv_format import kv_bytes_per_token
 from kiln.runtime.spec import LinearSpec, ModelSpec
 
 FP8_STEP_FORMAT = WeightFormat.FP8_E4M3
-"""The "weights FP8" step's format: what it prices the FP4/FP6 linears as (the FP4 step's baseline), and the
-linears its note counts as its own."""
+"""The "weights FP8" step's format: what it prices the FP4/FP6 linears as (the FP4 step's baseline). Its note
+counts every 8-bit linear (E4M3 and E5M2) as its own."""
 
 
 # --- the waterfall --------------------------------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def scenario(name: str, kind: str, spec: ModelSpec, source_spec: ModelSpec, form
                   + (" (the tied LM head reads it)" if lm_head_tied else ""))
     quantized = {k: e for k, e in formats.items() if _quantized(e["format"]) and e.get("role") != "embedding"}
     fp4 = {k: e for k, e in quantized.items() if _below_fp8(e["format"])}
-    fp8 = {k: e for k, e in quantized.items() if e["format"] == FP8_STEP_FORMAT}
+    fp8 = {k: e for k, e in quantized.items() if _element_bits(e["format"]) == 8}
     # the weight steps apply when only the table is quantized, too
     weights_step = bool(quantized) or table_entry is not None
     fp4_step = bool(fp4) or (table_entry is not None and _below_fp8(table_entry["format"]))
