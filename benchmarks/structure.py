@@ -120,13 +120,14 @@ def measure(root: Path) -> dict:
     known = set(modules)
     top, every = collections.defaultdict(set), collections.defaultdict(set)
     sizes, long_functions, branches = [], [], []
-    inline, unexplained, config_reads = 0, [], []
+    inline, unexplained, config_reads, module_lines = 0, [], [], {}
     for name, path in modules.items():
         rel = path.relative_to(root).as_posix()
         text = path.read_text()
         lines = text.splitlines()
         tree = ast.parse(text)
         sizes.append((len(lines), rel))
+        module_lines[name] = len(lines)
         is_package = path.name == "__init__.py"
         for node in tree.body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -155,7 +156,8 @@ def measure(root: Path) -> dict:
     sizes.sort(reverse=True)
     return {"files": len(files), "sizes": sizes, "long_functions": sorted(long_functions, reverse=True),
             "branches": branches, "cycles_top": _cycles(top), "cycles_all": _cycles(every), "inline": inline,
-            "unexplained": unexplained, "config_reads": config_reads, "graph": every}
+            "unexplained": unexplained, "config_reads": config_reads, "graph": every,
+            "modules": module_lines}
 
 
 def _has_reason(lines: list[str], node: ast.AST) -> bool:
@@ -203,17 +205,59 @@ def table(m: dict, root: Path) -> str:
     return "\n".join(out)
 
 
-def rooms(m: dict) -> str:
-    """Import arrows between rooms (a sub-package, or a top-level package's own modules), with their counts."""
-    def room(module: str) -> str:
-        parts = module.split(".")[1:]
-        return "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+def _room(module: str) -> str:
+    parts = module.split(".")[1:]
+    return "/".join(parts[:2]) if len(parts) > 2 else parts[0]
 
+
+def room_arrows(m: dict) -> collections.Counter:
+    """Import arrows between rooms (a sub-package, or a top-level package's own modules), with their counts."""
     arrows = collections.Counter()
     for src, targets in m["graph"].items():
         for dst in targets:
-            if room(src) != room(dst):
-                arrows[room(src), room(dst)] += 1
+            if _room(src) != _room(dst):
+                arrows[_room(src), _room(dst)] += 1
+    return arrows
+
+
+def draw_rooms(m: dict, path: Path, title: str) -> None:
+    """The rooms as boxes by floor (top: optimizer), the arrows between them; an upward arrow is drawn red."""
+    import matplotlib  # lazy: only --png draws
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # lazy: only --png draws
+
+    arrows = room_arrows(m)
+    sizes = collections.Counter()
+    for module, file in ((k, v) for k, v in m["modules"].items()):
+        sizes[_room(module)] += file
+    by_floor = collections.defaultdict(list)
+    for room in sorted(sizes):
+        by_floor[FLOORS[room.split("/")[0]] + (0.5 if "/" in room else 0)].append(room)
+    pos = {}
+    for floor, rooms_here in by_floor.items():
+        for i, room in enumerate(rooms_here):
+            pos[room] = ((i + 0.5) / len(rooms_here), floor)
+    fig, ax = plt.subplots(figsize=(12, 7))
+    for (a, b), n in arrows.items():
+        (x0, y0), (x1, y1) = pos[a], pos[b]
+        up = y1 > y0
+        ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(
+            arrowstyle="->", color="red" if up else "grey", alpha=0.8 if up else 0.35, lw=0.5 + min(n, 20) / 8))
+    for room, (x, y) in pos.items():
+        ax.text(x, y, f"{room}\n{sizes[room]} lines", ha="center", va="center", fontsize=8,
+                bbox=dict(boxstyle="round", fc="white", ec="black"))
+    ax.set_xlim(-0.05, 1.05)
+    ax.set_ylim(-0.5, 4.0)
+    ax.set_yticks([0, 1, 2, 3], ["kernels", "runtime | calibration", "passes", "optimizer"])
+    ax.set_xticks([])
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def rooms(m: dict) -> str:
+    arrows = room_arrows(m)
     lines = ["| from | to | imports |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {n} |" for (a, b), n in sorted(arrows.items())]
     return "\n".join(lines)
@@ -277,15 +321,18 @@ def main() -> int:
     parser.add_argument("--walk", action="store_true", help="also profile one stories260K build")
     parser.add_argument("--rooms", action="store_true", help="also list import arrows between rooms")
     parser.add_argument("--json", type=Path, help="write the counts as JSON here")
+    parser.add_argument("--png", type=Path, help="draw the rooms and their import arrows to this PNG")
     args = parser.parse_args()
     m = measure(args.root.resolve())
     print(table(m, args.root))
     if args.rooms:
         print("\n" + rooms(m))
+    if args.png:
+        draw_rooms(m, args.png, f"import arrows between rooms: {args.root.resolve().name}")
     if args.walk:
         print("\n" + walk(args.root.resolve()))
     if args.json:
-        keep = {k: v for k, v in m.items() if k != "graph"}
+        keep = {k: v for k, v in m.items() if k not in ("graph", "modules")}
         args.json.write_text(json.dumps(keep, indent=1) + "\n")
     return 0
 
