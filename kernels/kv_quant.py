@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import KvFormat
 from kiln.kernels.fp4 import e2m1_decode
 from kiln.kernels.fp8 import E4M3_MAX, FP8_DTYPE
@@ -118,16 +119,232 @@ def nvfp4_kv_dequantize(packed: Tensor, block_scale: Tensor, global_scale: Tenso
 def kv_fake_quantize(x: Tensor, fmt: str, scaling: str, scale: Tensor | None,
                      offset: Tensor | None = None) -> Tensor:
     """Store-then-read of [N, H, D] in a KV format, in fp32 (what attention sees); for error measurement."""
-    if fmt == KvFormat.BF16:
+    codec = KV_CODECS.get(fmt)
+    if codec is None:
+        raise ValueError(f"unknown KV format {fmt!r}; known: {', '.join(KvFormat)}")
+    if not codec.quantized:
         return x.float()
     centered = x.float() if offset is None else x.float() - offset
-    if fmt == KvFormat.FP8_E4M3:
-        if scaling == "dynamic":
-            out = fp8_kv_dequantize(*fp8_kv_quantize_per_token(centered))
-        else:
-            out = fp8_kv_dequantize(fp8_kv_quantize(centered, scale), scale)
-    elif fmt == KvFormat.NVFP4:
-        out = nvfp4_kv_dequantize(*nvfp4_kv_quantize(centered, scale), scale)
-    else:
-        raise ValueError(f"unknown KV format {fmt!r}; known: {', '.join(KvFormat)}")
+    out = codec.fake_quantize(centered, scaling, scale)
     return out if offset is None else out + offset
+
+
+# --- the KV formats as objects ----------------------------------------------------------------------------
+KERNEL_PER_TENSOR, KERNEL_PER_HEAD, KERNEL_PER_TOKEN = 0, 1, 2
+"""The paged-attention kernels' SCALE_MODE: one scale, one per KV head, one per token."""
+
+
+class KvCodec:
+    """One KV-cache number format: what a stream stored in it costs, holds and reads back as.
+
+    `name` is the manifest's "format" (a KvFormat); `scalings` the manifest "scaling" values it takes (the first
+    is what a layer gets when the requested scaling is not one of them); `quantized` False: held in the model's
+    dtype, read back as written; `dim_multiple`: what every cached dim must be a multiple of; `packing`: values
+    per stored data element; `kernel_format`: the paged-attention kernels' FORMAT code."""
+
+    name: KvFormat
+    label: str
+    scalings: tuple[str, ...]
+    quantized = True
+    dim_multiple = 1
+    packing = 1
+    kernel_format: int
+
+    def bytes_per_token(self, values: int, scaling: str) -> int:
+        """Deployment bytes a token's `values` cost (per-token scales included; static scales are not)."""
+        raise NotImplementedError
+
+    def static_scale(self, scaling: str) -> bool:
+        """Whether a stream reads a calibrated scale tensor (the manifest entry's "scale_tensors")."""
+        return False
+
+    def token_scales(self, scaling: str) -> bool:
+        """Whether a stream stores one scale per token beside its values."""
+        return False
+
+    def unaligned_dims(self, streams) -> list[str]:
+        """"name dim D" for each (name, heads, dim) stream whose dim this format cannot store."""
+        return [f"{name} dim {dim}" for name, _, dim in streams if dim % self.dim_multiple]
+
+    def calibrated_scale(self, x: Tensor, scaling: str) -> tuple[Tensor | None, Tensor | None]:
+        """(scale to store, scale to compute with) from calibration activations x [N, H, D]; None: none."""
+        return None, None
+
+    def fake_quantize(self, centered: Tensor, scaling: str, scale: Tensor | None) -> Tensor:
+        """Store-then-read of an offset-free [N, H, D] stream, in fp32."""
+        return centered.float()
+
+    def pool_layout(self, name: str, heads: int, dim: int, scaling: str, scale: Tensor | None,
+                    dtype: torch.dtype) -> tuple:
+        """The paged cache's tensors per token slot: (stored name, shape per slot, dtype, fill value), ..."""
+        return (("data", (heads, dim), dtype, 0.0),)
+
+    def store(self, storage: dict[str, Tensor], slots: Tensor, x: Tensor, scale: Tensor | None) -> None:
+        """Write an offset-free fp32 [len(slots), H, D] into a pool's tensors at `slots`."""
+        raise NotImplementedError
+
+    def load(self, storage: dict[str, Tensor], slots: Tensor, scale: Tensor | None) -> Tensor:
+        """fp32 [len(slots), H, D] read back from a pool's tensors at `slots` (offset not added)."""
+        raise NotImplementedError
+
+    def kernel_tensors(self, storage: dict[str, Tensor], scale: Tensor | None) -> tuple:
+        """(data, scale, global scale) as kernels/torch_refs.py's KvPool holds them for this pool."""
+        raise NotImplementedError
+
+    def check_pool(self, data: Tensor, scale: Tensor | None, global_scale: Tensor | None) -> None:
+        """A ValueError unless a KvPool's tensors are what this format stores."""
+
+    def read_pool(self, rows, data: Tensor, scale: Tensor | None, global_scale: Tensor | None) -> Tensor:
+        """fp32 values of a KvPool's slots on the CPU; `rows(t)` gathers t's slots there."""
+        raise NotImplementedError
+
+    def kernel_operands(self, data: Tensor, scale: Tensor | None, global_scale: Tensor | None,
+                        dummy: Tensor) -> tuple:
+        """(data, scale, global scale, scale mode) as the paged-attention kernels read them."""
+        raise NotImplementedError
+
+
+class Bf16KvCodec(KvCodec):
+    """Unquantized: BF16 (2 bytes a value) at deployment; the runtime holds the model's compute dtype."""
+
+    name, label, scalings = KvFormat.BF16, "BF16", ("none",)
+    quantized = False
+    kernel_format = 0
+
+    def bytes_per_token(self, values: int, scaling: str) -> int:
+        return 2 * values
+
+    def kernel_operands(self, data, scale, global_scale, dummy) -> tuple:
+        return data, dummy, dummy, KERNEL_PER_TENSOR
+
+    def read_pool(self, rows, data, scale, global_scale) -> Tensor:
+        return rows(data).float()
+
+
+class Fp8KvCodec(KvCodec):
+    """FP8 E4M3 values with a calibrated scale per tensor or per KV head, or a dynamic one per token."""
+
+    name, label, scalings = KvFormat.FP8_E4M3, "FP8 E4M3", KV_FP8_SCALINGS
+    kernel_format = 1
+
+    def bytes_per_token(self, values: int, scaling: str) -> int:
+        return values + (4 if scaling == "dynamic" else 0)  # dynamic: one fp32 scale per token
+
+    def static_scale(self, scaling: str) -> bool:
+        return scaling != "dynamic"
+
+    def token_scales(self, scaling: str) -> bool:
+        return scaling == "dynamic"
+
+    def calibrated_scale(self, x: Tensor, scaling: str) -> tuple[Tensor | None, Tensor | None]:
+        """(0-dim or [H] to store, 0-dim or [H, 1] to compute with); none for dynamic scaling."""
+        if scaling == "dynamic":
+            return None, None
+        amax = x.abs().amax() if scaling == "per_tensor" else x.abs().amax(dim=(0, 2))
+        scale = amax.float() / E4M3_MAX
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return scale, (scale if scaling == "per_tensor" else scale.reshape(-1, 1))
+
+    def fake_quantize(self, centered: Tensor, scaling: str, scale: Tensor | None) -> Tensor:
+        if scaling == "dynamic":
+            return fp8_kv_dequantize(*fp8_kv_quantize_per_token(centered))
+        return fp8_kv_dequantize(fp8_kv_quantize(centered, scale), scale)
+
+    def pool_layout(self, name, heads, dim, scaling, scale, dtype) -> tuple:
+        data = ("data", (heads, dim), torch.float8_e4m3fn, 0.0)
+        if scaling == "dynamic":
+            return (data, ("token_scale", (1, 1), torch.float32, 1.0))
+        if scale is None:
+            raise KilnError(f"FP8 KV stream {name!r} ({scaling}) has no scale")
+        return (data,)
+
+    def store(self, storage, slots, x, scale) -> None:
+        # index_copy_ has no float8 kernel on CPU: copy the bytes
+        if "token_scale" in storage:
+            q, token_scale = fp8_kv_quantize_per_token(x)
+            storage["data"].view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
+            storage["token_scale"].index_copy_(0, slots, token_scale)
+        else:
+            storage["data"].view(torch.uint8).index_copy_(0, slots, fp8_kv_quantize(x, scale).view(torch.uint8))
+
+    def load(self, storage, slots, scale) -> Tensor:
+        if "token_scale" in storage:
+            scale = storage["token_scale"].index_select(0, slots)
+        return fp8_kv_dequantize(storage["data"].index_select(0, slots), scale)
+
+    def kernel_tensors(self, storage, scale) -> tuple:
+        return storage["data"], storage.get("token_scale", scale), None
+
+    def check_pool(self, data, scale, global_scale) -> None:
+        if data.dtype != torch.float8_e4m3fn or scale is None:
+            raise ValueError("an FP8 KV pool needs float8_e4m3fn data and a scale")
+        slots, heads = data.shape[:2]
+        if tuple(scale.shape) not in ((), (heads, 1), (slots, 1, 1)):
+            raise ValueError(f"an FP8 KV scale is 0-dim, [{heads}, 1] or [{slots}, 1, 1], got {tuple(scale.shape)}")
+
+    def read_pool(self, rows, data, scale, global_scale) -> Tensor:
+        return fp8_kv_dequantize(rows(data), rows(scale) if scale.ndim == 3 else scale.cpu())
+
+    def kernel_operands(self, data, scale, global_scale, dummy) -> tuple:
+        mode = {0: KERNEL_PER_TENSOR, 2: KERNEL_PER_HEAD, 3: KERNEL_PER_TOKEN}[scale.ndim]
+        return data.view(torch.uint8), scale.float().contiguous(), dummy, mode
+
+
+class Nvfp4KvCodec(KvCodec):
+    """NVFP4: E2M1 values in 16-value blocks along D, an E4M3 scale per block, a calibrated global scale."""
+
+    name, label, scalings = KvFormat.NVFP4, "NVFP4", ("e4m3_block16",)
+    dim_multiple = NVFP4_BLOCK_SIZE
+    packing = 2
+    kernel_format = 2
+
+    def bytes_per_token(self, values: int, scaling: str) -> int:
+        return values // 2 + values // NVFP4_BLOCK_SIZE  # two E2M1 a byte + one E4M3 scale per 16
+
+    def static_scale(self, scaling: str) -> bool:
+        return True
+
+    def calibrated_scale(self, x: Tensor, scaling: str) -> tuple[Tensor | None, Tensor | None]:
+        g = nvfp4_kv_global_scale(x.abs().amax())
+        return g, g
+
+    def fake_quantize(self, centered: Tensor, scaling: str, scale: Tensor | None) -> Tensor:
+        return nvfp4_kv_dequantize(*nvfp4_kv_quantize(centered, scale), scale)
+
+    def pool_layout(self, name, heads, dim, scaling, scale, dtype) -> tuple:
+        if scale is None:
+            raise KilnError(f"NVFP4 KV stream {name!r} has no global scale")
+        if dim % NVFP4_BLOCK_SIZE:
+            raise KilnError(f"NVFP4 KV stream {name!r}: dim {dim} is not a multiple of {NVFP4_BLOCK_SIZE}")
+        return (("packed", (heads, dim // 2), torch.uint8, 0.0),
+                ("block_scale", (heads, dim // NVFP4_BLOCK_SIZE), torch.float8_e4m3fn, 0.0))
+
+    def store(self, storage, slots, x, scale) -> None:
+        packed, block_scale = nvfp4_kv_quantize(x, scale)
+        storage["packed"].index_copy_(0, slots, packed)
+        storage["block_scale"].view(torch.uint8).index_copy_(0, slots, block_scale.view(torch.uint8))
+
+    def load(self, storage, slots, scale) -> Tensor:
+        return nvfp4_kv_dequantize(storage["packed"].index_select(0, slots),
+                                   storage["block_scale"].index_select(0, slots), scale)
+
+    def kernel_tensors(self, storage, scale) -> tuple:
+        return storage["packed"], storage["block_scale"], scale
+
+    def check_pool(self, data, scale, global_scale) -> None:
+        expected = (*data.shape[:2], data.shape[2] * 2 // NVFP4_BLOCK_SIZE)
+        scale_ok = scale is not None and scale.dtype == torch.float8_e4m3fn and tuple(scale.shape) == expected
+        if data.dtype != torch.uint8 or not scale_ok or global_scale is None:
+            raise ValueError(f"an NVFP4 KV pool needs packed uint8 data, float8_e4m3fn block scales "
+                             f"{expected} and a global scale")
+
+    def read_pool(self, rows, data, scale, global_scale) -> Tensor:
+        return nvfp4_kv_dequantize(rows(data), rows(scale), global_scale.cpu())
+
+    def kernel_operands(self, data, scale, global_scale, dummy) -> tuple:
+        return data, scale.view(torch.uint8), global_scale.float().reshape(1), KERNEL_PER_TENSOR
+
+
+BF16_KV, FP8_E4M3_KV, NVFP4_KV = Bf16KvCodec(), Fp8KvCodec(), Nvfp4KvCodec()
+KV_CODECS: dict[str, KvCodec] = {codec.name: codec for codec in (BF16_KV, FP8_E4M3_KV, NVFP4_KV)}
+"""The KV formats by manifest name (kernels/registry.py's `kv_format` also takes the recipes' spellings)."""
