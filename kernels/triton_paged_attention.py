@@ -42,12 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.formats import KvFormat
 from kiln.kernels.torch_refs import KvPool, check_block_table
 from kiln.kernels.triton_codecs import check_device, e2m1_decode, e4m3_decode, interpreting
 
-_DENSE, _FP8, _NVFP4 = 0, 1, 2
-_PER_TENSOR, _PER_HEAD, _PER_TOKEN = 0, 1, 2
+# FORMAT: 0 dense, 1 FP8 E4M3, 2 NVFP4 (a KV format's `kernel_format`, kernels/kv_quant.py);
+# SCALE_MODE: 0 per tensor, 1 per KV head, 2 per token (what its `kernel_operands` says)
 
 
 @triton.jit
@@ -144,13 +143,8 @@ def paged_decode_kernel(
 
 def _pool_args(pool: KvPool, dummy: torch.Tensor):
     """(data, scale, global scale, format code, scale mode) pointers and flags for the kernel."""
-    if pool.format == KvFormat.BF16:
-        return pool.data, dummy, dummy, _DENSE, _PER_TENSOR
-    if pool.format == KvFormat.FP8_E4M3:
-        mode = {0: _PER_TENSOR, 2: _PER_HEAD, 3: _PER_TOKEN}[pool.scale.ndim]
-        return pool.data.view(torch.uint8), pool.scale.float().contiguous(), dummy, _FP8, mode
-    g = pool.global_scale.float().reshape(1)
-    return pool.data, pool.scale.view(torch.uint8), g, _NVFP4, _PER_TENSOR
+    data, scale, global_scale, mode = pool.codec.kernel_operands(pool.data, pool.scale, pool.global_scale, dummy)
+    return data, scale, global_scale, pool.codec.kernel_format, mode
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, block_table: torch.Tensor,
