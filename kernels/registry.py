@@ -5,11 +5,11 @@
     WEIGHT_FORMATS                 name -> object, in the order messages list them
     quantized_spellings()          what the quantization passes and calibration take ("fp8", "nvfp4", ...)
 
-    kv_format("fp8")               the KV-cache format object (a `KvCodec`, kernels/kv_quant.py) of a spelling,
+    kv_format("fp8")               the KV-cache format object (a `KvCodec`, kernels/kv_codec.py) of a spelling,
                                    or a one-line KilnError naming the known ones
     KV_FORMATS                     manifest name -> KV format object
 
-Adding a format is its module (a `WeightCodec` subclass and its instance) and one line here.
+Adding a format is its module (a `WeightCodec` or `KvCodec` subclass and its instance) and one line here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from kiln.kernels.formats import WEIGHT_SPELLINGS as ENUM_SPELLINGS
 from kiln.kernels.formats import KV_SPELLINGS, WeightFormat, parse_spelling
 from kiln.kernels.fp8 import FP8_E4M3_FORMAT
 from kiln.kernels.fp8_e5m2 import FP8_E5M2_FORMAT
-from kiln.kernels.kv_quant import BF16_KV, FP8_E4M3_KV, NVFP4_KV, KvCodec
+from kiln.kernels.kv_codec import BF16_KV, KvCodec
+from kiln.kernels.kv_fp8 import FP8_E4M3_KV
+from kiln.kernels.kv_nvfp4 import NVFP4_KV
 from kiln.kernels.mxfp4 import MXFP4_FORMAT
 from kiln.kernels.mxfp6 import MXFP6_FORMAT
 from kiln.kernels.nvfp4 import NVFP4_FORMAT

@@ -26,7 +26,8 @@ from kiln.kernels.fp8 import (
     fp8_quantize_per_channel,
     fp8_quantize_per_tensor,
 )
-from kiln.kernels.kv_quant import KV_CODECS, KvCodec
+from kiln.kernels.kv_codec import KvCodec
+from kiln.kernels.registry import KV_FORMATS
 from kiln.kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize, mxfp4_fake_quantize, mxfp4_quantize
 from kiln.kernels.mxfp6 import Mxfp6Weight, mxfp6_dequantize
 from kiln.kernels.nvfp4 import (
@@ -139,7 +140,7 @@ class KvPool:
     """One stream's pool of token slots, as runtime/paged_kv_cache.py holds it.
 
     Attributes:
-        format: a KV format's manifest name (kernels/kv_quant.py `KV_CODECS`): bf16 (any float dtype),
+        format: a KV format's manifest name (kernels/registry.py `KV_FORMATS`): bf16 (any float dtype),
             fp8_e4m3 or nvfp4.
         data: dense [slots, KVH, D]; fp8 float8_e4m3fn [slots, KVH, D]; nvfp4 packed uint8 [slots, KVH, D/2].
         scale: fp8 -> fp32 0-dim, [KVH, 1] or [slots, 1, 1]; nvfp4 -> float8_e4m3fn block scales
@@ -155,8 +156,8 @@ class KvPool:
     offset: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.format not in KV_CODECS:
-            raise ValueError(f"unknown KV format {self.format!r}; known: {', '.join(KV_CODECS)}")
+        if self.format not in KV_FORMATS:
+            raise ValueError(f"unknown KV format {self.format!r}; known: {', '.join(KV_FORMATS)}")
         if self.data.ndim != 3:
             raise ValueError(f"a KV pool is [slots, kv_heads, D'], got shape {tuple(self.data.shape)}")
         self.codec.check_pool(self.data, self.scale, self.global_scale)
@@ -166,8 +167,8 @@ class KvPool:
 
     @property
     def codec(self) -> KvCodec:
-        """Its format's object (kernels/kv_quant.py)."""
-        return KV_CODECS[self.format]
+        """Its format's object (kernels/kv_codec.py)."""
+        return KV_FORMATS[self.format]
 
     @property
     def kv_heads(self) -> int:
@@ -180,7 +181,7 @@ class KvPool:
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 [len(slots), KVH, D]: what runtime/paged_kv_cache.py's pools return for these slots.
 
-        Dequantizes on the CPU, where kernels/kv_quant.py keeps its lookup tables, and returns the values on
+        Dequantizes on the CPU, where kernels/kv_codec.py keeps the lookup tables, and returns the values on
         the pool's device."""
         slots = slots.long()
 
@@ -214,7 +215,7 @@ def sequence_slots(table_row: torch.Tensor, length: int, block_size: int) -> tor
 def paged_decode_attention_ref(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, block_table: torch.Tensor,
                                context_lens: torch.Tensor, block_size: int,
                                sm_scale: float | None = None) -> torch.Tensor:
-    """Gather each sequence's slots, dequantize (kernels/kv_quant.py, offsets added back), repeat the KV heads
+    """Gather each sequence's slots, dequantize (the KV format objects, offsets added back), repeat the KV heads
     for GQA, and run torch's scaled_dot_product_attention in fp32. Returns fp32 [B, H, D]."""
     batch, heads, dim = q.shape
     group = heads // k_pool.kv_heads

@@ -11,7 +11,7 @@ What it does: annotates `graph.kv_cache[layer]` with the format the runtime stor
            global scale per stream (amax / (6 * 448)). A layer whose cached dims are not multiples of 16
            backs off to FP8 with `scaling`, and the result says why.
 With `center` (the default) it also stores each stream's per-channel mean over the calibration tokens
-[heads, dim] as an offset taken off before quantizing and added back on reading (kernels/kv_quant.py): post-
+[heads, dim] as an offset taken off before quantizing and added back on reading (kernels/kv_codec.py): post-
 RoPE keys carry large, nearly constant means in their slowly rotating channels, which FP8's relative
 rounding would otherwise spend its precision on. It costs no bytes per token.
 It measures each layer's sensitivity into `result.metrics["model.layers.{i}.kv_cache"]`: the mean per-token
@@ -32,7 +32,8 @@ from kiln.calibration.metrics import relative_error
 from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import KvFormat
-from kiln.kernels.kv_quant import FP8_E4M3_KV, KV_FP8_SCALINGS, kv_fake_quantize
+from kiln.kernels.kv_fp8 import FP8_E4M3_KV, KV_FP8_SCALINGS
+from kiln.kernels.kv_quant import kv_fake_quantize
 from kiln.kernels.registry import kv_format
 from kiln.kernels.targets import Target
 from kiln.passes.base import MAX_BACK_OFFS, MAX_PARAGRAPHS, Pass, PassContext, PassResult, check_range

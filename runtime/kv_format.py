@@ -7,7 +7,7 @@ Manifest "kv_cache" (layer index as a string -> entry; a layer that is absent is
      "scaling": "none" (bf16) | "per_tensor" | "per_head" | "dynamic" (fp8) | "e4m3_block16" (nvfp4),
      "streams": ["k", "v"] or ["latent", "k_rope"],
      "scale_tensors": {stream: tensor name in model.safetensors} (static fp8 scales, NVFP4 global scales),
-     "offset_tensors": {stream: tensor name} (optional calibrated per-channel offsets, kernels/kv_quant.py),
+     "offset_tensors": {stream: tensor name} (optional calibrated per-channel offsets, kernels/kv_codec.py),
      "note": why the pass chose this format (optional)}
 Scale tensors: fp32, `model.layers.{i}.self_attn.k_scale` / `v_scale` (the names vLLM and ModelOpt use;
 `latent_scale` / `k_rope_scale` for MLA); 0-dim per tensor, [Hkv] per head; x = float(q) * scale.
@@ -27,7 +27,7 @@ import torch
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import KvFormat
-from kiln.kernels.kv_quant import KvCodec
+from kiln.kernels.kv_codec import KvCodec
 from kiln.kernels.registry import KV_FORMATS, kv_format
 from kiln.runtime.spec import ModelSpec
 
@@ -48,7 +48,7 @@ class KvStream:
 
     @property
     def codec(self) -> KvCodec:
-        """Its format's object (kernels/kv_quant.py): byte counts, scales, storage."""
+        """Its format's object (kernels/kv_codec.py): byte counts, scales, storage."""
         return kv_format(self.format)
 
     def bytes_per_token(self) -> int:

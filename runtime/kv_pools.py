@@ -63,7 +63,7 @@ class _DensePool:
 
 
 class _QuantizedPool:
-    """A quantized stream's slots, stored and read as its format's object says (kernels/kv_quant.py): its
+    """A quantized stream's slots, stored and read as its format's object says (kernels/kv_codec.py): its
     stored tensors by name (float8 `data` (+ `token_scale`) for FP8, `packed` + `block_scale` for NVFP4) and its
     calibrated scale (static FP8, NVFP4's global scale). The stream's calibrated offset comes off before
     storing, back on reading (in fp32); reads come back in the model's dtype."""
