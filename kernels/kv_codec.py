@@ -135,6 +135,10 @@ class KvCodec:
         """(data, scale, global scale, scale mode) as the paged-attention kernels read them."""
         raise NotImplementedError
 
+    def scale_shape(self, heads: int, scaling: str) -> tuple[int, ...]:
+        """The shape a stream's calibrated scale is computed with: () for one scale."""
+        return ()
+
 
 class Bf16KvCodec(KvCodec):
     """Unquantized: BF16 (2 bytes a value) at deployment; the runtime holds the model's compute dtype."""

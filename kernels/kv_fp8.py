@@ -131,5 +131,8 @@ class Fp8KvCodec(KvCodec):
         mode = {0: KERNEL_PER_TENSOR, 2: KERNEL_PER_HEAD, 3: KERNEL_PER_TOKEN}[scale.ndim]
         return data.view(torch.uint8), scale.float().contiguous(), dummy, mode
 
+    def scale_shape(self, heads: int, scaling: str) -> tuple[int, ...]:
+        return (heads, 1) if scaling == "per_head" else ()
+
 
 FP8_E4M3_KV = Fp8KvCodec()

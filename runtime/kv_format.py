@@ -20,6 +20,7 @@ layers are stored as real float8_e4m3fn / packed uint8 bytes there too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -131,11 +132,12 @@ def _scale_tensor(layer: int, entry: Mapping, stream: str, heads: int, scaling: 
     if names[stream] not in tensors:
         raise KilnError(f"artifact is missing KV scale tensor {names[stream]!r}")
     scale = tensors[names[stream]].float()
-    expected = heads if scaling == "per_head" else 1
+    shape = kv_format(entry["format"]).scale_shape(heads, scaling)
+    expected = math.prod(shape)
     if scale.numel() != expected or not torch.isfinite(scale).all() or bool((scale <= 0).any()):
         raise KilnError(f"KV scale {names[stream]!r} must hold {expected} positive finite value(s), "
                         f"got shape {tuple(scale.shape)}")
-    return scale.reshape(-1, 1) if scaling == "per_head" else scale.reshape(())
+    return scale.reshape(shape)
 
 
 def _offset_tensor(name: str, heads: int, dim: int, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
