@@ -98,7 +98,8 @@ def correctness(device: str, interpret: bool) -> list:
 
     from kiln.kernels import torch_refs as refs
     from kiln.kernels.fp8 import fp8_quantize_per_channel
-    from kiln.kernels.kv_quant import fp8_kv_quantize_per_token, nvfp4_kv_global_scale, nvfp4_kv_quantize
+    from kiln.kernels.kv_fp8 import fp8_kv_quantize_per_token
+    from kiln.kernels.kv_nvfp4 import nvfp4_kv_global_scale, nvfp4_kv_quantize
     from kiln.kernels.mxfp4 import Mxfp4Weight, mxfp4_quantize
     from kiln.kernels.nvfp4 import Nvfp4Weight, nvfp4_quantize
     from kiln.kernels.triton_codecs import e4m3_encode_tensor

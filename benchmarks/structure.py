@@ -32,7 +32,7 @@ PACKAGES = ("optimizer", "passes", "runtime", "calibration", "kernels")
 FLOORS = {"kernels": 0, "runtime": 1, "calibration": 1, "passes": 2, "optimizer": 3}
 FORMAT_HOMES = {"kernels/registry.py", "kernels/formats.py", "kernels/fp8.py", "kernels/fp8_e5m2.py",
                 "kernels/nvfp4.py", "kernels/mxfp4.py", "kernels/mxfp6.py", "kernels/dense.py", "kernels/kv_quant.py",
-                "kernels/kv_codec.py"}
+                "kernels/kv_codec.py", "kernels/kv_fp8.py", "kernels/kv_nvfp4.py"}
 FORMAT_NAMES = {"fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4", "mxfp6", "dense", "int8"}
 LOADERS = {"optimizer/loader.py", "optimizer/loader_config.py"}
 

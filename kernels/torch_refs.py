@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.kernels.formats import KvFormat
 from kiln.kernels.fp8 import (
     fp8_dequantize,
     fp8_fake_quantize_per_tensor,
@@ -27,17 +26,17 @@ from kiln.kernels.fp8 import (
     fp8_quantize_per_channel,
     fp8_quantize_per_tensor,
 )
-from kiln.kernels.kv_quant import fp8_kv_dequantize, nvfp4_kv_dequantize
+from kiln.kernels.kv_codec import KvCodec
 from kiln.kernels.mxfp4 import Mxfp4Weight, mxfp4_dequantize, mxfp4_fake_quantize, mxfp4_quantize
 from kiln.kernels.mxfp6 import Mxfp6Weight, mxfp6_dequantize
 from kiln.kernels.nvfp4 import (
-    NVFP4_BLOCK_SIZE,
     Nvfp4Weight,
     nvfp4_dequantize,
     nvfp4_fake_quantize,
     nvfp4_global_scale,
     nvfp4_quantize,
 )
+from kiln.kernels.registry import KV_FORMATS
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,8 @@ class KvPool:
     """One stream's pool of token slots, as runtime/paged_kv_cache.py holds it.
 
     Attributes:
-        format: KvFormat.BF16 (any float dtype), FP8_E4M3 or NVFP4.
+        format: a KV format's manifest name (kernels/registry.py `KV_FORMATS`): bf16 (any float dtype),
+            fp8_e4m3 or nvfp4.
         data: dense [slots, KVH, D]; fp8 float8_e4m3fn [slots, KVH, D]; nvfp4 packed uint8 [slots, KVH, D/2].
         scale: fp8 -> fp32 0-dim, [KVH, 1] or [slots, 1, 1]; nvfp4 -> float8_e4m3fn block scales
             [slots, KVH, D/16]; dense -> None.
@@ -156,27 +156,19 @@ class KvPool:
     offset: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.format not in (KvFormat.BF16, KvFormat.FP8_E4M3, KvFormat.NVFP4):
-            raise ValueError(f"unknown KV format {self.format!r}; known: {', '.join(KvFormat)}")
+        if self.format not in KV_FORMATS:
+            raise ValueError(f"unknown KV format {self.format!r}; known: {', '.join(KV_FORMATS)}")
         if self.data.ndim != 3:
             raise ValueError(f"a KV pool is [slots, kv_heads, D'], got shape {tuple(self.data.shape)}")
-        if self.format == KvFormat.FP8_E4M3:
-            if self.data.dtype != torch.float8_e4m3fn or self.scale is None:
-                raise ValueError("an FP8 KV pool needs float8_e4m3fn data and a scale")
-            slots, heads = self.data.shape[:2]
-            if tuple(self.scale.shape) not in ((), (heads, 1), (slots, 1, 1)):
-                raise ValueError(f"an FP8 KV scale is 0-dim, [{heads}, 1] or [{slots}, 1, 1], "
-                                 f"got {tuple(self.scale.shape)}")
-        if self.format == KvFormat.NVFP4:
-            expected = (*self.data.shape[:2], self.data.shape[2] * 2 // NVFP4_BLOCK_SIZE)
-            scale_ok = (self.scale is not None and self.scale.dtype == torch.float8_e4m3fn
-                        and tuple(self.scale.shape) == expected)
-            if self.data.dtype != torch.uint8 or not scale_ok or self.global_scale is None:
-                raise ValueError(f"an NVFP4 KV pool needs packed uint8 data, float8_e4m3fn block scales "
-                                 f"{expected} and a global scale")
+        self.codec.check_pool(self.data, self.scale, self.global_scale)
         if self.offset is not None and tuple(self.offset.shape) != (self.kv_heads, self.head_dim):
             raise ValueError(f"the offset must be [{self.kv_heads}, {self.head_dim}], "
                              f"got {tuple(self.offset.shape)}")
+
+    @property
+    def codec(self) -> KvCodec:
+        """Its format's object (kernels/kv_codec.py)."""
+        return KV_FORMATS[self.format]
 
     @property
     def kv_heads(self) -> int:
@@ -184,12 +176,12 @@ class KvPool:
 
     @property
     def head_dim(self) -> int:
-        return self.data.shape[2] * (2 if self.format == KvFormat.NVFP4 else 1)
+        return self.data.shape[2] * self.codec.packing
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 [len(slots), KVH, D]: what runtime/paged_kv_cache.py's pools return for these slots.
 
-        Dequantizes on the CPU, where kernels/kv_quant.py keeps its lookup tables, and returns the values on
+        Dequantizes on the CPU, where kernels/kv_codec.py keeps the lookup tables, and returns the values on
         the pool's device."""
         slots = slots.long()
 
@@ -198,13 +190,7 @@ class KvPool:
                 return t.view(torch.uint8).index_select(0, slots.to(t.device)).cpu().view(torch.float8_e4m3fn)
             return t.index_select(0, slots.to(t.device)).cpu()
 
-        if self.format == KvFormat.BF16:
-            values = rows(self.data).float()
-        elif self.format == KvFormat.FP8_E4M3:
-            scale = rows(self.scale) if self.scale.ndim == 3 else self.scale.cpu()
-            values = fp8_kv_dequantize(rows(self.data), scale)
-        else:
-            values = nvfp4_kv_dequantize(rows(self.data), rows(self.scale), self.global_scale.cpu())
+        values = self.codec.read_pool(rows, self.data, self.scale, self.global_scale)
         values = values if self.offset is None else values + self.offset.cpu()
         return values.to(self.data.device)
 
@@ -229,7 +215,7 @@ def sequence_slots(table_row: torch.Tensor, length: int, block_size: int) -> tor
 def paged_decode_attention_ref(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, block_table: torch.Tensor,
                                context_lens: torch.Tensor, block_size: int,
                                sm_scale: float | None = None) -> torch.Tensor:
-    """Gather each sequence's slots, dequantize (kernels/kv_quant.py, offsets added back), repeat the KV heads
+    """Gather each sequence's slots, dequantize (the KV format objects, offsets added back), repeat the KV heads
     for GQA, and run torch's scaled_dot_product_attention in fp32. Returns fp32 [B, H, D]."""
     batch, heads, dim = q.shape
     group = heads // k_pool.kv_heads

@@ -2,7 +2,7 @@
 
 The cache is read where runtime/paged_kv_cache.py stores it: per stream one pool of token slots
 [slots, kv_heads, D'] with slot = block_table[b, t // block_size] * block_size + t % block_size, in the
-layer's KV format (kernels/kv_quant.py):
+layer's KV format (kernels/kv_fp8.py, kernels/kv_nvfp4.py):
     bf16/dense  data [slots, KVH, D]
     fp8_e4m3    data float8_e4m3fn [slots, KVH, D]; scale 0-dim (per tensor), [KVH, 1] (per head) or
                 [slots, 1, 1] (dynamic, one per token)
@@ -25,7 +25,7 @@ any interleave; FP8 and dense pools use the same halves. The K offset is dropped
 every key, and softmax is shift-invariant per query; the V offset is added once, since the weights sum to 1.
 
 Reference: kernels/torch_refs.py `paged_decode_attention_ref` gathers the slots, dequantizes them with
-kernels/kv_quant.py (what the runtime's cache returns), repeats KV heads for GQA and calls torch's
+the KV formats (what the runtime's cache returns), repeats KV heads for GQA and calls torch's
 scaled_dot_product_attention in fp32.
 The kernel matches it within 2e-5 absolute on unit-scale values (fp32 softmax and sums in a different order;
 the K offset's softmax shift). FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` (FP8 KV) is the production
@@ -42,12 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.formats import KvFormat
 from kiln.kernels.torch_refs import KvPool, check_block_table
 from kiln.kernels.triton_codecs import check_device, e2m1_decode, e4m3_decode, interpreting
 
-_DENSE, _FP8, _NVFP4 = 0, 1, 2
-_PER_TENSOR, _PER_HEAD, _PER_TOKEN = 0, 1, 2
+# FORMAT: 0 dense, 1 FP8 E4M3, 2 NVFP4 (a KV format's `kernel_format`, kernels/kv_codec.py);
+# SCALE_MODE: 0 per tensor, 1 per KV head, 2 per token (what its `kernel_operands` says)
 
 
 @triton.jit
@@ -144,13 +143,8 @@ def paged_decode_kernel(
 
 def _pool_args(pool: KvPool, dummy: torch.Tensor):
     """(data, scale, global scale, format code, scale mode) pointers and flags for the kernel."""
-    if pool.format == KvFormat.BF16:
-        return pool.data, dummy, dummy, _DENSE, _PER_TENSOR
-    if pool.format == KvFormat.FP8_E4M3:
-        mode = {0: _PER_TENSOR, 2: _PER_HEAD, 3: _PER_TOKEN}[pool.scale.ndim]
-        return pool.data.view(torch.uint8), pool.scale.float().contiguous(), dummy, _FP8, mode
-    g = pool.global_scale.float().reshape(1)
-    return pool.data, pool.scale.view(torch.uint8), g, _NVFP4, _PER_TENSOR
+    data, scale, global_scale, mode = pool.codec.kernel_operands(pool.data, pool.scale, pool.global_scale, dummy)
+    return data, scale, global_scale, pool.codec.kernel_format, mode
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: KvPool, v_pool: KvPool, block_table: torch.Tensor,

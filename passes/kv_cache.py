@@ -11,7 +11,7 @@ What it does: annotates `graph.kv_cache[layer]` with the format the runtime stor
            global scale per stream (amax / (6 * 448)). A layer whose cached dims are not multiples of 16
            backs off to FP8 with `scaling`, and the result says why.
 With `center` (the default) it also stores each stream's per-channel mean over the calibration tokens
-[heads, dim] as an offset taken off before quantizing and added back on reading (kernels/kv_quant.py): post-
+[heads, dim] as an offset taken off before quantizing and added back on reading (kernels/kv_codec.py): post-
 RoPE keys carry large, nearly constant means in their slowly rotating channels, which FP8's relative
 rounding would otherwise spend its precision on. It costs no bytes per token.
 It measures each layer's sensitivity into `result.metrics["model.layers.{i}.kv_cache"]`: the mean per-token
@@ -28,15 +28,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-import torch
-
 from kiln.calibration.metrics import relative_error
 from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
-from kiln.kernels.formats import KvFormat, parse_kv_format
-from kiln.kernels.fp8 import E4M3_MAX
-from kiln.kernels.kv_quant import KV_FP8_SCALINGS, kv_fake_quantize, nvfp4_kv_global_scale
-from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from kiln.kernels.formats import KvFormat
+from kiln.kernels.kv_fp8 import FP8_E4M3_KV, KV_FP8_SCALINGS
+from kiln.kernels.kv_quant import kv_fake_quantize
+from kiln.kernels.registry import kv_format
 from kiln.kernels.targets import Target
 from kiln.passes.base import MAX_BACK_OFFS, MAX_PARAGRAPHS, Pass, PassContext, PassResult, check_range
 from kiln.passes.graph import ModelGraph
@@ -47,16 +45,6 @@ KV_FORMATS = ("fp8", "nvfp4")
 
 def layer_key(layer: int) -> str:
     return f"model.layers.{layer}.kv_cache"
-
-
-def _fp8_scale(x: torch.Tensor, scaling: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(scale to store: 0-dim or [H], scale to compute with: 0-dim or [H, 1]) for activations x [N, H, D]."""
-    if scaling == "dynamic":
-        return None, None
-    amax = x.abs().amax() if scaling == "per_tensor" else x.abs().amax(dim=(0, 2))
-    scale = amax.float() / E4M3_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return scale, (scale if scaling == "per_tensor" else scale.reshape(-1, 1))
 
 
 @dataclass(frozen=True)
@@ -110,14 +98,14 @@ class KvCacheQuantization(Pass):
 
     def _layer_format(self, attention: AttentionSpec) -> tuple[KvFormat, str, str | None]:
         """(stored format, scaling, why it differs from the requested format or None)."""
-        if parse_kv_format(self.format) == KvFormat.NVFP4:
-            bad = [f"{name} dim {dim}" for name, _, dim in attention.kv_streams() if dim % NVFP4_BLOCK_SIZE]
-            if not bad:
-                return KvFormat.NVFP4, "e4m3_block16", None
-            dims = "head_dim" if attention.kind != "mla" else "cached dims"
-            return KvFormat.FP8_E4M3, self.scaling, (f"NVFP4 needs {dims} in multiples of {NVFP4_BLOCK_SIZE} "
-                                              f"({', '.join(bad)}): FP8 E4M3 instead")
-        return KvFormat.FP8_E4M3, self.scaling, None
+        codec = kv_format(self.format)
+        bad = codec.unaligned_dims(attention.kv_streams())
+        if not bad:
+            return codec.name, self.scaling if self.scaling in codec.scalings else codec.scalings[0], None
+        dims = "head_dim" if attention.kind != "mla" else "cached dims"
+        fallback = FP8_E4M3_KV  # every cached dim fits it
+        return fallback.name, self.scaling, (f"{codec.label} needs {dims} in multiples of {codec.dim_multiple} "
+                                             f"({', '.join(bad)}): {fallback.label} instead")
 
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
         result = PassResult(self.name)
@@ -127,7 +115,7 @@ class KvCacheQuantization(Pass):
                 result.skipped[layer_key(block.index)] = "kept in BF16 (keep list / back-off)"
             else:
                 plans[block.index] = self._layer_format(block.attention)
-        needs_calibration = self.center or any(fmt == KvFormat.NVFP4 or scaling != "dynamic"
+        needs_calibration = self.center or any(kv_format(fmt).static_scale(scaling)
                                                for fmt, scaling, _ in plans.values())
         if ctx.runner is None and needs_calibration:
             raise KilnError("kv-cache: static KV scales need K/V activations on calibration text, and the pass "
@@ -148,10 +136,7 @@ class KvCacheQuantization(Pass):
                 x = activations[block.index][s] if activations is not None else None
                 offset = x.mean(dim=0) if (self.center and x is not None) else None
                 centered = x if offset is None else x - offset
-                if fmt == KvFormat.NVFP4:
-                    stored = compute = nvfp4_kv_global_scale(centered.abs().amax())
-                else:
-                    stored, compute = _fp8_scale(centered, scaling) if x is not None else (None, None)
+                stored, compute = kv_format(fmt).calibrated_scale(centered, scaling) if x is not None else (None, None)
                 if stored is not None:
                     scales[stream] = stored
                 if offset is not None:

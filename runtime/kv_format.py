@@ -7,7 +7,7 @@ Manifest "kv_cache" (layer index as a string -> entry; a layer that is absent is
      "scaling": "none" (bf16) | "per_tensor" | "per_head" | "dynamic" (fp8) | "e4m3_block16" (nvfp4),
      "streams": ["k", "v"] or ["latent", "k_rope"],
      "scale_tensors": {stream: tensor name in model.safetensors} (static fp8 scales, NVFP4 global scales),
-     "offset_tensors": {stream: tensor name} (optional calibrated per-channel offsets, kernels/kv_quant.py),
+     "offset_tensors": {stream: tensor name} (optional calibrated per-channel offsets, kernels/kv_codec.py),
      "note": why the pass chose this format (optional)}
 Scale tensors: fp32, `model.layers.{i}.self_attn.k_scale` / `v_scale` (the names vLLM and ModelOpt use;
 `latent_scale` / `k_rope_scale` for MLA); 0-dim per tensor, [Hkv] per head; x = float(q) * scale.
@@ -20,6 +20,7 @@ layers are stored as real float8_e4m3fn / packed uint8 bytes there too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,15 +28,11 @@ import torch
 
 from kiln.kernels.errors import KilnError
 from kiln.kernels.formats import KvFormat
-from kiln.kernels.kv_quant import KV_FP8_SCALINGS
-from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from kiln.kernels.kv_codec import KvCodec
+from kiln.kernels.registry import KV_FORMATS, kv_format
 from kiln.runtime.spec import ModelSpec
 
-KV_FORMATS = tuple(KvFormat)
-KV_SCALINGS = {KvFormat.BF16: ("none",), KvFormat.FP8_E4M3: KV_FP8_SCALINGS, KvFormat.NVFP4: ("e4m3_block16",)}
 BF16 = {"format": KvFormat.BF16, "scaling": "none"}
-STATIC_SCALES = {(KvFormat.FP8_E4M3, "per_tensor"), (KvFormat.FP8_E4M3, "per_head"), (KvFormat.NVFP4, "e4m3_block16")}
-"""(format, scaling) pairs that read a calibrated scale tensor (static FP8 scales, NVFP4's global scale)."""
 
 
 @dataclass(frozen=True)
@@ -50,25 +47,19 @@ class KvStream:
     scale: torch.Tensor | None = None  # static fp8: 0-dim or [H, 1]; nvfp4: 0-dim global scale
     offset: torch.Tensor | None = None  # [H, D] subtracted before quantizing, added back on reading
 
+    @property
+    def codec(self) -> KvCodec:
+        """Its format's object (kernels/kv_codec.py): byte counts, scales, storage."""
+        return kv_format(self.format)
+
     def bytes_per_token(self) -> int:
-        return stream_bytes_per_token(self.heads, self.dim, self.format, self.scaling)
+        """Deployment bytes one token costs in this stream (per-token scales included; static scales are not)."""
+        return self.codec.bytes_per_token(self.heads * self.dim, self.scaling)
 
     @property
     def static_scale(self) -> bool:
         """Whether it reads a calibrated scale tensor, which the manifest's entry must name."""
-        return (self.format, self.scaling) in STATIC_SCALES
-
-
-def stream_bytes_per_token(heads: int, dim: int, fmt: str, scaling: str) -> int:
-    """Deployment bytes one token costs in one stream (per-token scales included; static scales are not)."""
-    values = heads * dim
-    if fmt == KvFormat.BF16:
-        return 2 * values
-    if fmt == KvFormat.FP8_E4M3:
-        return values + (4 if scaling == "dynamic" else 0)  # dynamic: one fp32 scale per token
-    if fmt == KvFormat.NVFP4:
-        return values // 2 + values // NVFP4_BLOCK_SIZE  # two E2M1 a byte + one E4M3 scale per 16
-    raise KilnError(f"unknown KV format {fmt!r}; known: {', '.join(KV_FORMATS)}")
+        return self.codec.static_scale(self.scaling)
 
 
 def check_entry(layer: int, entry: Mapping, streams: tuple[tuple[str, int, int], ...]) -> None:
@@ -76,17 +67,17 @@ def check_entry(layer: int, entry: Mapping, streams: tuple[tuple[str, int, int],
     fmt, scaling = entry.get("format"), entry.get("scaling", "none")
     if fmt not in KV_FORMATS:
         raise KilnError(f"kv_cache layer {layer}: unknown format {fmt!r}; known: {', '.join(KV_FORMATS)}")
-    if scaling not in KV_SCALINGS[fmt]:
+    codec = KV_FORMATS[fmt]
+    if scaling not in codec.scalings:
         raise KilnError(f"kv_cache layer {layer}: scaling {scaling!r} is not allowed for {fmt}; "
-                        f"choose one of {', '.join(KV_SCALINGS[fmt])}")
+                        f"choose one of {', '.join(codec.scalings)}")
     names = [name for name, _, _ in streams]
     if "streams" in entry and list(entry["streams"]) != names:
         raise KilnError(f"kv_cache layer {layer}: streams {entry['streams']} do not match the model's {names}")
-    if fmt == KvFormat.NVFP4:
-        bad = [f"{name} dim {dim}" for name, _, dim in streams if dim % NVFP4_BLOCK_SIZE]
-        if bad:
-            raise KilnError(f"kv_cache layer {layer}: NVFP4 needs dims that are multiples of {NVFP4_BLOCK_SIZE}, "
-                            f"got {', '.join(bad)}")
+    bad = codec.unaligned_dims(streams)
+    if bad:
+        raise KilnError(f"kv_cache layer {layer}: {codec.label} needs dims that are multiples of "
+                        f"{codec.dim_multiple}, got {', '.join(bad)}")
 
 
 def _entry(table: Mapping | None, layer: int) -> Mapping:
@@ -112,11 +103,12 @@ def resolve_kv_streams(spec: ModelSpec, table: Mapping | None,
         streams = layer.attention.kv_streams()
         check_entry(layer.index, entry, streams)
         fmt, scaling = entry["format"], entry.get("scaling", "none")
-        needs_scale = (fmt, scaling) in STATIC_SCALES
+        codec = KV_FORMATS[fmt]
+        needs_scale = codec.static_scale(scaling)
         resolved = []
         offsets = entry.get("offset_tensors") or {}
-        if offsets and fmt == KvFormat.BF16:
-            raise KilnError(f"kv_cache layer {layer.index}: a BF16 cache takes no offsets")
+        if offsets and not codec.quantized:
+            raise KilnError(f"kv_cache layer {layer.index}: a {codec.label} cache takes no offsets")
         unknown = sorted(set(offsets) - {name for name, _, _ in streams})
         if unknown:
             raise KilnError(f"kv_cache layer {layer.index}: offsets for unknown streams {unknown}")
@@ -140,11 +132,12 @@ def _scale_tensor(layer: int, entry: Mapping, stream: str, heads: int, scaling: 
     if names[stream] not in tensors:
         raise KilnError(f"artifact is missing KV scale tensor {names[stream]!r}")
     scale = tensors[names[stream]].float()
-    expected = heads if scaling == "per_head" else 1
+    shape = kv_format(entry["format"]).scale_shape(heads, scaling)
+    expected = math.prod(shape)
     if scale.numel() != expected or not torch.isfinite(scale).all() or bool((scale <= 0).any()):
         raise KilnError(f"KV scale {names[stream]!r} must hold {expected} positive finite value(s), "
                         f"got shape {tuple(scale.shape)}")
-    return scale.reshape(-1, 1) if scaling == "per_head" else scale.reshape(())
+    return scale.reshape(shape)
 
 
 def _offset_tensor(name: str, heads: int, dim: int, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -32,15 +32,7 @@ import torch
 from torch import Tensor
 
 from kiln.kernels.errors import KilnError
-from kiln.kernels.formats import KvFormat
-from kiln.kernels.kv_quant import (
-    fp8_kv_dequantize,
-    fp8_kv_quantize,
-    fp8_kv_quantize_per_token,
-    nvfp4_kv_dequantize,
-    nvfp4_kv_quantize,
-)
-from kiln.kernels.nvfp4 import NVFP4_BLOCK_SIZE
+from kiln.kernels.registry import KV_FORMATS
 from kiln.kernels.torch_refs import KvPool
 from kiln.runtime.kv_format import KvStream
 
@@ -59,13 +51,9 @@ def on_device(t: Tensor | None, device: torch.device) -> Tensor | None:
 class _DensePool:
     """Unquantized (BF16 at deployment): the model's compute dtype, so reads equal the uncached values."""
 
-    @staticmethod
-    def layout(stream: KvStream, dtype: torch.dtype) -> tuple:
-        return (("data", (stream.heads, stream.dim), dtype, 0.0),)
-
     def __init__(self, stream: KvStream, storage: dict[str, Tensor], dtype: torch.dtype, device: torch.device):
         self.data = storage["data"]
-        self.kernel_pool = KvPool(KvFormat.BF16, self.data)  # what the decode kernels read (same tensors)
+        self.kernel_pool = KvPool(stream.format, self.data)  # what the decode kernels read (same tensors)
 
     def write(self, slots: Tensor, x: Tensor) -> None:
         self.data.index_copy_(0, slots, x.to(self.data.dtype))
@@ -75,109 +63,40 @@ class _DensePool:
 
 
 class _QuantizedPool:
-    """Shared by the quantized pools: the stream's calibrated offset comes off before storing, back on reading
-    (in fp32); reads come back in the model's dtype."""
+    """A quantized stream's slots, stored and read as its format's object says (kernels/kv_codec.py): its
+    stored tensors by name (float8 `data` (+ `token_scale`) for FP8, `packed` + `block_scale` for NVFP4) and its
+    calibrated scale (static FP8, NVFP4's global scale). The stream's calibrated offset comes off before
+    storing, back on reading (in fp32); reads come back in the model's dtype."""
 
-    def __init__(self, stream: KvStream, dtype: torch.dtype, device: torch.device):
+    def __init__(self, stream: KvStream, storage: dict[str, Tensor], dtype: torch.dtype, device: torch.device):
+        self.codec = stream.codec
         self.offset = on_device(stream.offset, device)  # [H, D] or None
+        self.scale = on_device(stream.scale, device)
         self.dtype = dtype
+        self.tensors = storage
+        for name, tensor in storage.items():
+            setattr(self, name, tensor)
+        self.kernel_pool = KvPool(self.codec.name, *self.codec.kernel_tensors(storage, self.scale), self.offset)
 
     def write(self, slots: Tensor, x: Tensor) -> None:
-        self._store(slots, x.float() if self.offset is None else x.float() - self.offset)
+        self.codec.store(self.tensors, slots, x.float() if self.offset is None else x.float() - self.offset,
+                         self.scale)
 
     def read(self, slots: Tensor) -> Tensor:
-        values = self._load(slots)
+        values = self.codec.load(self.tensors, slots, self.scale)
         return (values if self.offset is None else values + self.offset).to(self.dtype)
 
 
-class _Fp8StaticPool(_QuantizedPool):
-    """float8_e4m3fn bytes with a calibrated per-tensor (0-dim) or per-head ([H, 1]) scale."""
-
-    @staticmethod
-    def layout(stream: KvStream, dtype: torch.dtype) -> tuple:
-        if stream.scale is None:
-            raise KilnError(f"FP8 KV stream {stream.name!r} ({stream.scaling}) has no scale")
-        return (("data", (stream.heads, stream.dim), torch.float8_e4m3fn, 0.0),)
-
-    def __init__(self, stream: KvStream, storage: dict[str, Tensor], dtype: torch.dtype, device: torch.device):
-        super().__init__(stream, dtype, device)
-        self.scale = on_device(stream.scale, device)
-        self.data = storage["data"]
-        self.kernel_pool = KvPool(KvFormat.FP8_E4M3, self.data, self.scale, None, self.offset)
-
-    def _store(self, slots: Tensor, x: Tensor) -> None:
-        # index_copy_ has no float8 kernel on CPU: copy the bytes
-        self.data.view(torch.uint8).index_copy_(0, slots, fp8_kv_quantize(x, self.scale).view(torch.uint8))
-
-    def _load(self, slots: Tensor) -> Tensor:
-        return fp8_kv_dequantize(self.data.index_select(0, slots), self.scale)
-
-
-class _Fp8DynamicPool(_QuantizedPool):
-    """float8_e4m3fn bytes with one fp32 scale per token (amax over the token's heads and dims / 448)."""
-
-    @staticmethod
-    def layout(stream: KvStream, dtype: torch.dtype) -> tuple:
-        return (("data", (stream.heads, stream.dim), torch.float8_e4m3fn, 0.0),
-                ("token_scale", (1, 1), torch.float32, 1.0))
-
-    def __init__(self, stream: KvStream, storage: dict[str, Tensor], dtype: torch.dtype, device: torch.device):
-        super().__init__(stream, dtype, device)
-        self.data, self.token_scale = storage["data"], storage["token_scale"]
-        self.kernel_pool = KvPool(KvFormat.FP8_E4M3, self.data, self.token_scale, None, self.offset)
-
-    def _store(self, slots: Tensor, x: Tensor) -> None:
-        q, scale = fp8_kv_quantize_per_token(x)
-        self.data.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
-        self.token_scale.index_copy_(0, slots, scale)
-
-    def _load(self, slots: Tensor) -> Tensor:
-        return fp8_kv_dequantize(self.data.index_select(0, slots), self.token_scale.index_select(0, slots))
-
-
-class _Nvfp4Pool(_QuantizedPool):
-    """Packed E2M1 codes [H, D/2] and E4M3 block scales [H, D/16] per token; a calibrated global scale."""
-
-    @staticmethod
-    def layout(stream: KvStream, dtype: torch.dtype) -> tuple:
-        if stream.scale is None:
-            raise KilnError(f"NVFP4 KV stream {stream.name!r} has no global scale")
-        if stream.dim % NVFP4_BLOCK_SIZE:
-            raise KilnError(f"NVFP4 KV stream {stream.name!r}: dim {stream.dim} is not a multiple of "
-                            f"{NVFP4_BLOCK_SIZE}")
-        return (("packed", (stream.heads, stream.dim // 2), torch.uint8, 0.0),
-                ("block_scale", (stream.heads, stream.dim // NVFP4_BLOCK_SIZE), torch.float8_e4m3fn, 0.0))
-
-    def __init__(self, stream: KvStream, storage: dict[str, Tensor], dtype: torch.dtype, device: torch.device):
-        super().__init__(stream, dtype, device)
-        self.global_scale = on_device(stream.scale, device)
-        self.packed, self.block_scale = storage["packed"], storage["block_scale"]
-        self.kernel_pool = KvPool(KvFormat.NVFP4, self.packed, self.block_scale, self.global_scale, self.offset)
-
-    def _store(self, slots: Tensor, x: Tensor) -> None:
-        packed, block_scale = nvfp4_kv_quantize(x, self.global_scale)
-        self.packed.index_copy_(0, slots, packed)
-        self.block_scale.view(torch.uint8).index_copy_(0, slots, block_scale.view(torch.uint8))
-
-    def _load(self, slots: Tensor) -> Tensor:
-        return nvfp4_kv_dequantize(self.packed.index_select(0, slots), self.block_scale.index_select(0, slots),
-                                   self.global_scale)
-
-
-_POOLS = {
-    (KvFormat.BF16, "none"): _DensePool,
-    (KvFormat.FP8_E4M3, "per_tensor"): _Fp8StaticPool,
-    (KvFormat.FP8_E4M3, "per_head"): _Fp8StaticPool,
-    (KvFormat.FP8_E4M3, "dynamic"): _Fp8DynamicPool,
-    (KvFormat.NVFP4, "e4m3_block16"): _Nvfp4Pool,
-}
-
-
 def _pool_kind(s: KvStream):
-    kind = _POOLS.get((s.format, s.scaling))
-    if kind is None:
+    codec = KV_FORMATS.get(s.format)
+    if codec is None or s.scaling not in codec.scalings:
         raise KilnError(f"no KV storage for format {s.format!r} with scaling {s.scaling!r}")
-    return kind
+    return _QuantizedPool if codec.quantized else _DensePool
+
+
+def _layout(s: KvStream, dtype: torch.dtype) -> tuple:
+    """The stream's tensors per token slot: (name, shape, dtype, fill value), ... (its format's pool_layout)."""
+    return s.codec.pool_layout(s.name, s.heads, s.dim, s.scaling, s.scale, dtype)
 
 
 # --- KV-cache groups and the storage they share -----------------------------------------------------------
@@ -216,7 +135,7 @@ def _storage_plan(streams: Sequence[Sequence[KvStream]], groups: Sequence[KvGrou
             plan[layer] = []
             for index, s in enumerate(streams[layer]):
                 kind = _pool_kind(s)
-                layout = kind.layout(s, dtype)
+                layout = _layout(s, dtype)
                 key = keys.setdefault((slot, index, layout), (slot, index, len(keys)))
                 plan[layer].append((key, kind, layout))
     return [plan[layer] for layer in range(len(streams))]
@@ -244,8 +163,7 @@ def stored_bytes_per_token(streams: Sequence[Sequence[KvStream]], dtype: torch.d
     total = 0
     for layer in streams:
         for s in layer:
-            dense = s.format == KvFormat.BF16
-            total += s.heads * s.dim * dtype.itemsize if dense else s.bytes_per_token()
+            total += s.bytes_per_token() if s.codec.quantized else s.heads * s.dim * dtype.itemsize
     return total
 
 

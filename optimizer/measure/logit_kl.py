@@ -44,7 +44,6 @@ from kiln.calibration.data import length_batches
 from kiln.calibration.metrics import kl_terms
 from kiln.calibration.sensitivity import SensitivityTable
 from kiln.kernels.errors import KilnError
-from kiln.kernels.formats import KvFormat
 from kiln.optimizer.lower import kv_cache_table, lower_tensors
 from kiln.optimizer.measure.gate import BATCH_TOKENS
 from kiln.passes.graph import ModelGraph
@@ -362,7 +361,7 @@ class LogitKl:
                     # attends to them directly
                     streams = model.kv_streams[i]
                     cache = None
-                    if any(s.format != KvFormat.BF16 for s in streams):
+                    if any(s.codec.quantized for s in streams):
                         cache = PagedKVCache([streams], sum(-(-n // DEFAULT_BLOCK_SIZE) for n in lengths),
                                              device=probe.device)
                         for row in range(len(batch)):

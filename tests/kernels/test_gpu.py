@@ -9,7 +9,7 @@ import torch
 
 from kiln.kernels import gpu, torch_refs
 from kiln.kernels.fp8 import fp8_quantize_per_channel
-from kiln.kernels.kv_quant import fp8_kv_quantize_per_token
+from kiln.kernels.kv_fp8 import fp8_kv_quantize_per_token
 from kiln.kernels.mxfp4 import mxfp4_quantize
 from kiln.kernels.nvfp4 import nvfp4_quantize
 

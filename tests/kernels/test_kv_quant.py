@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kernels.kv_quant import (
-    fp8_kv_dequantize,
-    fp8_kv_quantize,
-    fp8_kv_quantize_per_token,
-    kv_fake_quantize,
-    nvfp4_kv_dequantize,
-    nvfp4_kv_quantize,
-)
+from kiln.kernels.kv_fp8 import fp8_kv_dequantize, fp8_kv_quantize, fp8_kv_quantize_per_token
+from kiln.kernels.kv_nvfp4 import nvfp4_kv_dequantize, nvfp4_kv_quantize
+from kiln.kernels.kv_quant import kv_fake_quantize
 from kiln.kernels.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 
 torch.set_num_threads(1)

@@ -16,7 +16,7 @@ import torch
 # isort: off
 from tests.kernels.triton_setup import DEVICE, make_pool, pool_to, INTERPRET, output_rounding, relative_max_error
 from kiln.kernels import gpu
-from kiln.kernels.kv_quant import (
+from kiln.kernels.kv_nvfp4 import (
     nvfp4_kv_global_scale,
 )
 from kiln.kernels.torch_refs import KvPool, mla_decode_attention_ref

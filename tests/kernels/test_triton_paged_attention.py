@@ -11,7 +11,7 @@ import torch
 # triton_setup first: it skips without Triton and sets TRITON_INTERPRET before any kernel is defined
 # isort: off
 from tests.kernels.triton_setup import DEVICE, make_pool, pool_to
-from kiln.kernels.kv_quant import (
+from kiln.kernels.kv_nvfp4 import (
     nvfp4_kv_global_scale,
 )
 from kiln.kernels.torch_refs import KvPool, paged_decode_attention_ref

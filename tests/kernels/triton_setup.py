@@ -54,12 +54,8 @@ def make_pool(kind: str, x: torch.Tensor, offset: torch.Tensor | None = None):
     """x [slots, KV heads, D] stored as the runtime's KV pool of that kind would store it: `offset` comes off
     before storing and back on reading. kind: fp32 (the CPU runtime's BF16 layers), bf16, fp8_per_tensor,
     fp8_per_head, fp8_dynamic (per token) or nvfp4."""
-    from kiln.kernels.kv_quant import (
-        fp8_kv_quantize,
-        fp8_kv_quantize_per_token,
-        nvfp4_kv_global_scale,
-        nvfp4_kv_quantize,
-    )
+    from kiln.kernels.kv_fp8 import fp8_kv_quantize, fp8_kv_quantize_per_token
+    from kiln.kernels.kv_nvfp4 import nvfp4_kv_global_scale, nvfp4_kv_quantize
     from kiln.kernels.torch_refs import KvPool
 
     centered = x if offset is None else x - offset
