@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from kiln.kernels.formats import ActivationFormat, KvFormat, WeightFormat
+from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.optimizer.export.onnx_graph import (
     DATA_FILE,
     MODEL_FILE,
@@ -137,7 +137,7 @@ class Lowering:
 
     def kv_store(self, x: str, stream: KvStream, name: str) -> str:
         """What the layer's KV format stores for new K or V [B, Hkv, T, D], read back in fp32."""
-        if stream.format == KvFormat.BF16 or not self.fake_quantize:
+        if not stream.codec.quantized or not self.fake_quantize:
             return x
         out, tap = kv_store(self.g, x, stream, name)
         self.taps.append(tap)
