@@ -25,8 +25,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from kiln.calibration import progress
 from kiln.calibration.grids import Scales, WeightLayout
-from kiln.kernels import progress
 
 
 def ste_round(layout: WeightLayout, v: Tensor, multiplier: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ from kiln.calibration.data import (
     tokenize_paragraphs,
     within_tokens,
 )
-from kiln.kernels.progress import stage
+from kiln.calibration.progress import stage
 from kiln.optimizer.build_config import BuildConfig
 from kiln.optimizer.errors import BelowFloor
 from kiln.optimizer.loader import load_checkpoint

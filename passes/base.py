@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from kiln.kernels import progress
+from kiln.calibration import progress
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import Target
 from kiln.passes.gate_result import Gate, GateResult, PassMetric

@@ -17,9 +17,9 @@ from dataclasses import replace
 
 import torch
 
+from kiln.calibration import progress
 from kiln.calibration.observers import InputObserver
 from kiln.calibration.quantize import static_input_scale
-from kiln.kernels import progress
 from kiln.kernels.errors import KilnError
 from kiln.passes.awq_fold import awq_block
 from kiln.passes.base import CalibrationSession, PassContext, PassResult

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
+from kiln.calibration import progress
 from kiln.calibration.data import token_cap
 from kiln.calibration.grids import Scales
 from kiln.calibration.quantize import stored_layout
 from kiln.calibration.tuning import FakeQuantWeight, tune
-from kiln.kernels import progress
 from kiln.kernels.errors import KilnError
 from kiln.passes.graph import ModelGraph
 

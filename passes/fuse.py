@@ -45,7 +45,7 @@ from typing import ClassVar
 
 import torch
 
-from kiln.kernels import progress
+from kiln.calibration import progress
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import ActivationFormat, WeightFormat
 from kiln.kernels.registry import weight_format

@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from kiln.calibration import progress
 from kiln.calibration.metrics import relative_error
-from kiln.kernels import progress
 from kiln.kernels.errors import KilnError, check_choice
 from kiln.kernels.formats import KvFormat
 from kiln.kernels.kv_fp8 import FP8_E4M3_KV, KV_FP8_SCALINGS

@@ -59,8 +59,8 @@ from typing import ClassVar
 
 import torch
 
+from kiln.calibration import progress
 from kiln.calibration.tuning import tune
-from kiln.kernels import progress
 from kiln.kernels.errors import KilnError
 from kiln.kernels.targets import Target
 from kiln.passes.base import (

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kiln.calibration import progress
 from kiln.calibration.observers import InputObserver
 from kiln.calibration.quantize import calibrated_weight, shared_global_scales
-from kiln.kernels import progress
 from kiln.kernels.errors import KilnError
 from kiln.kernels.registry import weight_format
 from kiln.passes.base import PassContext

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 
 import torch
 
+from kiln.calibration import progress
 from kiln.calibration.observers import InputObserver
 from kiln.calibration.sensitivity import SensitivityTable
-from kiln.kernels import progress
 from kiln.kernels.errors import KilnError
 from kiln.passes.base import PassContext, PassResult
 from kiln.passes.end_to_end_tuning import linear_weight_count

@@ -12,7 +12,7 @@
     threads         the CPU thread count, chosen before torch starts
     tables          the tables build, inspect and gate print
     console         stdout and stderr, and the log line
-    progress_view   kiln.kernels.progress drawn as bars or lines, and the timing table
+    progress_view   kiln.calibration.progress drawn as bars or lines, and the timing table
 """
 
 from kiln.optimizer.cli.app import app, main

@@ -18,7 +18,7 @@ import sys
 
 import typer
 
-from kiln.kernels import progress
+from kiln.calibration import progress
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.cli.build_export import build, export_
 from kiln.optimizer.cli.console import console

@@ -1,4 +1,4 @@
-"""How the CLI shows `kiln.kernels.progress`: rich bars on a terminal, a line per stage otherwise, and a
+"""How the CLI shows `kiln.calibration.progress`: rich bars on a terminal, a line per stage otherwise, and a
 per-stage timing table at the end.
 
     with progress.reporting(reporter_for(console)):
@@ -27,8 +27,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from kiln.kernels import progress
-from kiln.kernels.progress import Reporter, Task
+from kiln.calibration import progress
+from kiln.calibration.progress import Reporter, Task
 
 HEARTBEAT = 30.0
 """Seconds between the count lines of a running stage when stderr is not a terminal."""

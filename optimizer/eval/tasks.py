@@ -58,8 +58,8 @@ import numpy as np
 import torch
 
 from kiln.calibration.data import length_batches
+from kiln.calibration.progress import stage
 from kiln.kernels.errors import KilnError
-from kiln.kernels.progress import stage
 from kiln.optimizer.measure.gate import BATCH_TOKENS, MAX_FLOOR, Check, head_log_probs
 from kiln.runtime.engine import Engine
 
@@ -463,7 +463,7 @@ def _seeded():
 @contextlib.contextmanager
 def _quiet_lm_eval(lm_eval):
     """lm-eval logs each task's setup at INFO/WARNING and draws a tqdm bar per task while building requests;
-    the gate reports through kiln.kernels.progress instead, so both are silenced for the run (errors still
+    the gate reports through kiln.calibration.progress instead, so both are silenced for the run (errors still
     raise)."""
     logger = logging.getLogger("lm_eval")
     level = logger.level

@@ -33,8 +33,8 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
+from kiln.calibration import progress
 from kiln.calibration.data import length_batches
-from kiln.kernels import progress
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.lower import lower_tensors
 from kiln.optimizer.measure.calibration_session import _Batch, _RecordingWeights

@@ -27,8 +27,8 @@ import torch
 
 from kiln.calibration.data import FORWARD_BATCH_TOKENS, length_batches
 from kiln.calibration.metrics import kl_terms
+from kiln.calibration.progress import stage
 from kiln.kernels.errors import KilnError
-from kiln.kernels.progress import stage
 from kiln.optimizer.lower import kv_cache_table, lower_tensors, roundtrip
 from kiln.passes.base import Pass
 from kiln.passes.gate_result import GateResult, MetricResult, PassMetric

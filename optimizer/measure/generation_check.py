@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.calibration.progress import stage
 from kiln.kernels.errors import KilnError
-from kiln.kernels.progress import stage
 from kiln.optimizer.measure.gate import Check
 from kiln.runtime.engine import Engine
 

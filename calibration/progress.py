@@ -9,7 +9,8 @@
 Work deep in the stack (a pass's block loop, the gate's scoring, tuning steps) opens a stage here, and the
 front end installs a `Reporter` with `reporting(reporter)`; nothing is passed down the call chain. Stages
 nest (a pass's calibration inside a build); the reporter is told the depth. With no reporter installed a
-stage only keeps its timing. This module imports nothing of Kiln's, so every layer may use it.
+stage only keeps its timing. It imports nothing of Kiln's, and lives on the lowest floor that does long work
+(calibration: GPTQ, tuning), below the passes and the optimizer that use it too.
 """
 
 from __future__ import annotations
