@@ -242,11 +242,12 @@ def draw_rooms(m: dict, path: Path, title: str) -> None:
     for (a, b), n in arrows.items():
         (x0, y0), (x1, y1) = pos[a], pos[b]
         up = y1 > y0
-        ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(
-            arrowstyle="->", color="red" if up else "grey", alpha=0.8 if up else 0.35, lw=0.5 + min(n, 20) / 8))
+        ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops={
+            "arrowstyle": "->", "color": "red" if up else "grey", "alpha": 0.8 if up else 0.35,
+            "lw": 0.5 + min(n, 20) / 8})
     for room, (x, y) in pos.items():
         ax.text(x, y, f"{room}\n{sizes[room]} lines", ha="center", va="center", fontsize=8,
-                bbox=dict(boxstyle="round", fc="white", ec="black"))
+                bbox={"boxstyle": "round", "fc": "white", "ec": "black"})
     ax.set_xlim(-0.05, 1.05)
     ax.set_ylim(-0.5, 4.0)
     ax.set_yticks([0, 1, 2, 3], ["kernels", "runtime | calibration", "passes", "optimizer"])
@@ -301,18 +302,37 @@ def walk(root: Path) -> str:
                   eval_data=shared / "data" / "tinystories" / "evaluation.txt", paragraphs=20, reproducible=True)
         finally:
             sys.setprofile(None)
-    entered, left, climbs, returns, current = set(), set(), 0, 0, None
+    files = _walk_counts(steps, lambda f: f)
+    rooms_ = _walk_counts(steps, lambda f: _room("kiln." + f[:-3].replace("/", ".")))
+    up = collections.Counter((a, b) for a, b in rooms_["climb_pairs"])
+    return (f"walk of one build (stories260K, fp8-weights, 20-paragraph gate): {len(steps)} cross-file steps; "
+            f"files: {files['entered']} entered, {files['climbs']} climbs back up, {files['returns']} returns to a "
+            f"file it had left; rooms: {rooms_['entered']} entered, {rooms_['moves']} moves between rooms, "
+            f"{rooms_['climbs']} climbs back up, {rooms_['returns']} returns to a room it had left\n"
+            "climbs by room: " + ", ".join(f"{a} -> {b} ({n})" for (a, b), n in up.most_common()))
+
+
+def _walk_counts(steps: list[tuple[str, str]], place) -> dict:
+    """Places entered, moves between places, climbs (to a higher floor) and returns (to a place left before)
+    along the steps, each step's files mapped to a place (a file, or its room)."""
+    entered, left, current = set(), set(), None
+    moves = climbs = returns = 0
+    pairs = []
     for caller, callee in steps:
-        floor = lambda f: FLOORS[f.split("/")[0]]  # noqa: E731
-        climbs += floor(callee) > floor(caller)
-        if callee in left:
+        a, b = place(caller), place(callee)
+        entered.update((a, b))
+        if a == b:
+            continue
+        moves += 1
+        if FLOORS[callee.split("/")[0]] > FLOORS[caller.split("/")[0]]:
+            climbs += 1
+            pairs.append((a, b))
+        if b in left:
             returns += 1
-        if current is not None and current != callee:
+        if current is not None and current != b:
             left.add(current)
-        entered.update((caller, callee))
-        current = callee
-    return (f"walk of one build (stories260K, fp8-weights, 20-paragraph gate): {len(steps)} cross-file steps, "
-            f"{len(entered)} files entered, {climbs} climbs back up, {returns} returns to a file it had left")
+        current = b
+    return {"entered": len(entered), "moves": moves, "climbs": climbs, "returns": returns, "climb_pairs": pairs}
 
 
 def main() -> int:

@@ -274,7 +274,6 @@ class Mxfp4Format(WeightCodec):
     static_activation_refusal = "its E8M0 block scales are always dynamic"
     coarse_grid = True
     power_of_two_block_scales = True
-    element_bits = 4
     export_names = {"compressed-tensors": "mxfp4", "hf-modelopt": {"none": "mxfp4", "mxfp4": "mxfp4"},
                     "onnx": "FLOAT4E2M1+E8M0"}
 

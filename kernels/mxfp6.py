@@ -214,7 +214,6 @@ class Mxfp6Format(Mxfp4Format):
         return scaled.copy_(e2m3_decode(e2m3_encode(scaled)))
 
     coarse_grid = False
-    element_bits = 6
     export_names = {}  # not MXFP4's: no serving engine's layout (nor ONNX) has a type for its elements
     export_refusals = dict.fromkeys(
         ("compressed-tensors", "hf-modelopt", "onnx"),

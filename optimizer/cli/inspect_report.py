@@ -165,12 +165,18 @@ def report_(
 ) -> None:
     """Economics: weight and KV bytes, concurrency, decode roofline tokens/s and $/Mtok per GPU, and what each pass
     buys against its honest baseline; with --workload, co-located against disaggregated serving."""
-    from kiln.optimizer.report import economics as econ  # lazy: imports torch, which --help never needs
+    # lazy: the report's modules import torch, which --help never needs
+    from kiln.optimizer.report.economics import economics_report
+    from kiln.optimizer.report.economics_text import economics_tables, not_modelled_text
+    from kiln.optimizer.report.prices import is_tier_table, load_tiers, parse_gpus, parse_prices
+    from kiln.optimizer.report.report_output import check_report_output, write_report
+    from kiln.optimizer.report.roofline import Speculation
+    from kiln.optimizer.report.scenarios import load_scenario, load_speculation
 
     if output is not None:  # before any work: never an artifact, the input, or a directory of the user's
-        econ.check_report_output(output, target)
-    gpus = econ.parse_gpus(gpu)
-    prices = econ.parse_prices(price_per_hour, gpus)
+        check_report_output(output, target)
+    gpus = parse_gpus(gpu)
+    prices = parse_prices(price_per_hour, gpus)
     served = None
     if workload is not None:
         from kiln.optimizer.report.workload import parse_workload  # lazy: imports torch
@@ -180,17 +186,17 @@ def report_(
         raise KilnError("--rate sets a --workload's arrival rate; give one (chat, long-prompt or rate=..,prompt=..)")
     if tau is not None and speculation is not None:
         raise KilnError("give --tau or --speculation, not both")
-    speculation = (econ.Speculation(tau, draft_tokens) if tau is not None
-                   else econ.load_speculation(speculation) if speculation is not None else None)
-    scenario = econ.load_scenario(target, weights, kv, speculation)
-    tiers = econ.load_tiers(price_per_hour, gpus) if econ.is_tier_table(price_per_hour) else None
-    report = econ.economics_report(scenario, gpus, prices, context, gpus_per_replica, tiers, served, link_gbps)
+    speculation = (Speculation(tau, draft_tokens) if tau is not None
+                   else load_speculation(speculation) if speculation is not None else None)
+    scenario = load_scenario(target, weights, kv, speculation)
+    tiers = load_tiers(price_per_hour, gpus) if is_tier_table(price_per_hour) else None
+    report = economics_report(scenario, gpus, prices, context, gpus_per_replica, tiers, served, link_gbps)
     if output is not None:
-        paths = econ.write_report(report, output, target)
+        paths = write_report(report, output, target)
         console.print(f"wrote {', '.join(map(str, paths))}")
     if as_json:
         print(json.dumps(report, indent=2))
         return
-    for table in econ.economics_tables(report):
+    for table in economics_tables(report):
         out.print(table)
-    out.print(econ.not_modelled_text(report))
+    out.print(not_modelled_text(report))

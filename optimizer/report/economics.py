@@ -62,20 +62,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
 from kiln.kernels.errors import KilnError
-from kiln.optimizer.report.economics_text import economics_markdown, economics_tables, not_modelled_text
+from kiln.optimizer.report.economics_text import economics_markdown
 from kiln.optimizer.report.prices import (
     PRICE_NOTE,
     Tier,
     capacity_step,
-    is_tier_table,
-    load_tiers,
-    parse_gpus,
     parse_prices,
     tier_rows,
 )
-from kiln.optimizer.report.report_output import check_report_output, write_report
-from kiln.optimizer.report.roofline import GPUS, Speculation, gpu_figures, replica
-from kiln.optimizer.report.scenarios import load_scenario, load_speculation, manifest_scenario
+from kiln.optimizer.report.roofline import GPUS, gpu_figures, replica
+from kiln.optimizer.report.scenarios import manifest_scenario
 from kiln.optimizer.report.serving_model import SERVING_ASSUMPTIONS, SERVING_NOT_MODELLED
 from kiln.optimizer.report.serving_section import disaggregation_step, serving_section
 from kiln.optimizer.report.waterfall import Scenario, price_steps
@@ -83,12 +79,6 @@ from kiln.optimizer.report.waterfall_plot import WATERFALL_PNG, waterfall_png
 from kiln.optimizer.report.workload import DEFAULT_LINK_GBPS, link_bytes_per_second
 from kiln.runtime.kv_budget import ACTIVATION_RESERVE_FRACTION
 from kiln.runtime.spec import ModelSpec
-
-__all__ = [  # what `optimize report` (optimizer/cli.py) calls, from the modules above
-    "Speculation", "check_report_output", "economics_report", "economics_tables", "is_tier_table", "load_scenario",
-    "load_speculation", "load_tiers", "not_modelled_text", "parse_gpus", "parse_prices", "write_report",
-    "build_economics",
-]
 
 DEFAULT_CONTEXT = 4096
 NOT_MODELLED = (
