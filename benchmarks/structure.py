@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import functools
 import json
 import re
 import sys
@@ -272,13 +273,14 @@ def walk(root: Path) -> str:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from kiln.optimizer.build import build  # lazy: only --walk builds a model
 
-    shared = root.parent / "shared"
+    shared = ROOT.parent / "shared"
     ours = {str(root / pkg) for pkg in PACKAGES}
     steps, seen = [], set()
 
+    @functools.cache
     def rel(filename: str) -> str | None:
-        return Path(filename).resolve().relative_to(root).as_posix() if any(
-            filename.startswith(p) for p in ours) else None
+        path = Path(filename).resolve()
+        return path.relative_to(root).as_posix() if any(str(path).startswith(p) for p in ours) else None
 
     def profile(frame, event, arg):
         if event != "call":

@@ -137,7 +137,7 @@ def fp4_w4a4_ref(x: torch.Tensor, weight: Nvfp4Weight | Mxfp4Weight,
 
 @dataclass(frozen=True)
 class KvPool:
-    """One stream's pool of token slots, as runtime/paged_kv_cache.py holds it.
+    """One stream's pool of token slots, as runtime/kv_pools.py holds it.
 
     Attributes:
         format: a KV format's manifest name (kernels/registry.py `KV_FORMATS`): bf16 (any float dtype),
@@ -179,7 +179,7 @@ class KvPool:
         return self.data.shape[2] * self.codec.packing
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
-        """fp32 [len(slots), KVH, D]: what runtime/paged_kv_cache.py's pools return for these slots.
+        """fp32 [len(slots), KVH, D]: what runtime/kv_pools.py's pools return for these slots.
 
         Dequantizes on the CPU, where kernels/kv_codec.py keeps the lookup tables, and returns the values on
         the pool's device."""

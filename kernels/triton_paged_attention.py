@@ -1,6 +1,6 @@
 """Paged decode attention over a quantized KV cache (BF16, FP8 E4M3, NVFP4), with GQA.
 
-The cache is read where runtime/paged_kv_cache.py stores it: per stream one pool of token slots
+The cache is read where runtime/kv_pools.py stores it: per stream one pool of token slots
 [slots, kv_heads, D'] with slot = block_table[b, t // block_size] * block_size + t % block_size, in the
 layer's KV format (kernels/kv_fp8.py, kernels/kv_nvfp4.py):
     bf16/dense  data [slots, KVH, D]

@@ -14,7 +14,7 @@ No calibration data is read: the table's rows are the values themselves (no acti
 in), so the pass is data-free. The graph's embedding becomes the dequantized table in fp32 (the exact stored
 values), which everything after it reads: calibration, the gate, a draft head. The stored tensors are
 `graph.embedding_quant`; lowering writes them under the embedding's name with a format entry
-(optimizer/lower.py), and the runtime dequantizes them once at load on the CPU (runtime/model.py).
+(optimizer/lower.py), and the runtime dequantizes them once at load on the CPU (runtime/model_weights.py).
 
 Reports: the table's bytes before (as stored in the source) and after, and what reads it (the tied head); the
 gate after the pass measures the KL it adds through the runtime. Skipped, with the reason: an embedding an

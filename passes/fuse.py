@@ -14,7 +14,7 @@ What it does, per decoder layer:
                  swiglu_quant   silu(gate) * up and the down projection's activation quantization
                  rope_kv_write  RoPE on q and k and the KV-cache write (any cache format)
 The fused linear's `LinearSpec.parts` lists the linears it replaced; the runtime runs one F.linear and splits
-its output (runtime/model.py); `graph.metadata["fusion"]` (the manifest's records) lists every fused group.
+its output (runtime/model_weights.py fused_split); `graph.metadata["fusion"]` (the manifest's records) lists every fused group.
 How the stored formats concatenate (each output row is quantized on its own in every format):
     dense      weights concatenated
     fp8_e4m3   values and per-channel scales concatenated; per-tensor scales kept when equal, otherwise each part's

@@ -89,7 +89,7 @@ class PagedKVCache:
         self.lookahead = lookahead
         self.device, self.dtype = torch.device(device), dtype
         # one-token steps attend through kiln.kernels.gpu.paged_decode_attention, reading the pools as stored
-        # (a GPU engine's default), where the layer's shape allows (runtime.model.GqaAttention)
+        # (a GPU engine's default), where the layer's shape allows (runtime.attention.GqaAttention)
         self.use_decode_kernel = decode_kernel
         self.allocator = BlockAllocator(num_blocks)
         self.null_block = num_blocks  # the last block of every pool: zeros, never handed out
