@@ -38,7 +38,7 @@ def build(recipe: str, work: Path, checkpoint: Path, calib: Path) -> dict[str, s
     cmd = [sys.executable, "-m", "kiln.optimizer.cli", "build", str(checkpoint), "--recipe", spec, "-o", str(out),
            "--calib-data", str(calib), "--reproducible", "--no-gate"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{recipe}: build failed (exit {done.returncode}): {done.stderr.strip()[-400:]}")
     return {p.relative_to(out).as_posix(): _sha(p) for p in sorted(out.rglob("*")) if p.is_file()}
@@ -48,6 +48,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--save", type=Path, help="write the hashes to this JSON file")
     parser.add_argument("--against", type=Path, help="compare with hashes saved by --save (exit 1 if any differ)")
+    parser.add_argument("--keep", type=Path, help="build into this directory and keep the artifacts there")
     parser.add_argument("--recipes", default=",".join(RECIPES).replace(",fuse", "+fuse"),
                         help="recipes to build, comma-separated ('+' joins a compound recipe)")
     args = parser.parse_args()
@@ -60,8 +61,12 @@ def main() -> int:
     print("| recipe | model.safetensors sha256 | files | against saved |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            work = args.keep
         for recipe in recipes:
-            hashes[recipe] = files = build(recipe, Path(tmp), checkpoint, calib)
+            hashes[recipe] = files = build(recipe, work, checkpoint, calib)
             verdict = ""
             if args.against:
                 old = saved.get(recipe)

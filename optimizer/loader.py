@@ -400,6 +400,7 @@ def load_checkpoint(ref: str | Path, trust_remote_code: bool = False, *,
         weight_bytes=sum(stored.info(name).nbytes for name in stored),
         tokenizer_files=tuple(root / n for n in TOKENIZER_FILES if (root / n).is_file()),
         config_sha256=config_sha256,
+        spec=spec,
     )
     tensors = TensorStore(stored, spill=SpillFile())
     tensors = prequantized.dequantize(quantized, tensors, _bad_values)  # float32; source keeps the stored bytes

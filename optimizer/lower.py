@@ -16,6 +16,7 @@ the runtime's model reads only that block's tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import struct
@@ -247,7 +248,10 @@ def write_artifact(graph: ModelGraph, out: Path, manifest: Manifest | dict, repo
         if Path(name).name != name or name in (WEIGHTS, MANIFEST, "config.json", "report.md"):
             raise KilnError(f"artifact extra file name {name!r} must be a plain file name not used by Kiln")
     lowered = lower(graph) if lowered is None else lowered
-    manifest = lowered.into(manifest if isinstance(manifest, Manifest) else Manifest.from_json(manifest), graph)
+    manifest = manifest if isinstance(manifest, Manifest) else Manifest.from_json(manifest)
+    if manifest.source_spec is None and graph.source.spec is not None:  # the source's spec, as loaded
+        manifest = dataclasses.replace(manifest, source_spec=graph.source.spec)
+    manifest = lowered.into(manifest, graph)
     with atomic_directory(out, overwrite, inputs) as tmp:
         # one metadata key only: safetensors writes metadata in a nondeterministic order
         write_safetensors(tmp / WEIGHTS, lowered.tensors, {"format": "pt"})

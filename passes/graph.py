@@ -105,8 +105,9 @@ class Linear:
 
 @dataclass(frozen=True)
 class Source:
-    """Where the graph came from: directory, weight files with their sha256, byte size, tokenizer files, and the
-    sha256 of its config.json's content (None: not known, e.g. a graph built in memory)."""
+    """Where the graph came from: directory, weight files with their sha256, byte size, tokenizer files, the
+    sha256 of its config.json's content, and its spec as loaded, before any pass (None: not known, e.g. a graph
+    built in memory). An artifact's manifest records that spec (runtime/manifest.py)."""
 
     path: Path
     name: str
@@ -114,6 +115,7 @@ class Source:
     weight_bytes: int
     tokenizer_files: tuple[Path, ...] = ()
     config_sha256: str | None = None
+    spec: ModelSpec | None = None
 
 
 @dataclass

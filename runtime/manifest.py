@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.kernels.errors import KilnError
 from kiln.runtime.artifact import read_manifest
 from kiln.runtime.spec import ModelSpec, spec_from_json
 
@@ -197,3 +198,18 @@ def source_spec(manifest: Manifest | dict, artifact_spec: ModelSpec) -> ModelSpe
     if recorded is None:
         return None
     return artifact_spec if recorded == artifact_spec else recorded
+
+
+def known_source_spec(manifest: Manifest | dict, artifact_spec: ModelSpec, purpose: str) -> ModelSpec:
+    """The source's spec, where it is known: recorded, or (in a manifest written before it was recorded) the
+    artifact's own when no layer is MLA or the source is natively MLA (DeepSeek-V3). A layer a pass converted to
+    MLA in such an older artifact is refused in one line: `purpose` says what needed the source."""
+    recorded = source_spec(manifest, artifact_spec)
+    if recorded is not None:
+        return recorded
+    model_type = (manifest.source.model_type if isinstance(manifest, Manifest)
+                  else (manifest.get("source") or {}).get("model_type"))
+    if model_type == "deepseek_v3" or all(layer.attention.kind != "mla" for layer in artifact_spec.layers):
+        return artifact_spec
+    raise KilnError(f"{purpose} needs the structure of the checkpoint this artifact was converted from, which its "
+                    f"manifest predates (no {SOURCE_ARCHITECTURE}); rebuild the artifact with this Kiln")

@@ -32,7 +32,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from kiln.kernels.errors import KilnError
+from kiln.kernels.errors import KilnError, clip
 from kiln.kernels.registry import weight_format
 from kiln.optimizer.export.compressed_tensors import describe, export_compressed_tensors
 from kiln.optimizer.export.deepseek import export_deepseek
@@ -41,7 +41,7 @@ from kiln.optimizer.export.eagle3 import export_eagle3
 from kiln.optimizer.export.modelopt import HF_QUANT_CONFIG, export_hf_modelopt
 from kiln.optimizer.output_dir import check_output
 from kiln.runtime.artifact import read_manifest
-from kiln.runtime.manifest import source_spec as recorded_source_spec
+from kiln.runtime.manifest import known_source_spec
 from kiln.runtime.spec import spec_from_json
 
 FORMATS = ("compressed-tensors", "hf-modelopt", "hf", "eagle3", "onnx")
@@ -98,18 +98,13 @@ def export(artifact: Path | str, fmt: str, output: Path | str, overwrite: bool =
 
 
 def converted_layers(artifact: Path, manifest: dict) -> list[int]:
-    """Layers a structural pass converted to MLA (a native MLA source such as DeepSeek has its own): the
-    quantized layouts that keep the source's config.json cannot hold them. The manifest's record of the source's
-    spec says which; an artifact written before it was recorded is told by its config.json (no latent there)."""
+    """Layers a structural pass converted to MLA (a native MLA source such as DeepSeek has its own), as the
+    manifest's record of the source's spec says: the quantized layouts that keep the source's config.json
+    cannot hold them."""
     spec = spec_from_json(manifest["architecture"])
-    source = recorded_source_spec(manifest, spec)
-    if source is not None:
-        return [new.index for new, old in zip(spec.layers, source.layers, strict=True)
-                if new.attention.kind == "mla" and old.attention.kind != "mla"]
-    config_path = artifact / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    return [layer["index"] for layer in manifest["architecture"]["layers"]
-            if layer["attention"]["kind"] == "mla" and "kv_lora_rank" not in config]
+    source = known_source_spec(manifest, spec, f"exporting {clip(artifact)}")
+    return [new.index for new, old in zip(spec.layers, source.layers, strict=True)
+            if new.attention.kind == "mla" and old.attention.kind != "mla"]
 
 
 def export_summary(path: Path | str, fmt: str) -> str:

@@ -17,7 +17,7 @@ from kiln.optimizer.loader_config import build_spec, check_config
 from kiln.optimizer.report.roofline import DEFAULT_DRAFT_TOKENS, Speculation
 from kiln.optimizer.report.waterfall import Scenario, scenario
 from kiln.runtime.artifact import MANIFEST, read_json, read_manifest
-from kiln.runtime.manifest import source_spec as recorded_source_spec
+from kiln.runtime.manifest import known_source_spec
 from kiln.runtime.spec import ModelSpec, spec_from_json
 
 # --weights: every linear's but the LM head's and routers' (format, activations, what the note adds)
@@ -148,15 +148,6 @@ def _config_spec(config_path: Path) -> ModelSpec:
     return build_spec(data)
 
 
-def _legacy_source_spec(target: Path, manifest: Mapping, spec: ModelSpec) -> ModelSpec:
-    """The source's spec of an artifact written before manifests recorded it: where a pass made layers MLA, its
-    config.json (the source's, copied beside the weights); else the artifact's own spec."""
-    if (any(layer.attention.kind == "mla" for layer in spec.layers)
-            and manifest["source"]["model_type"] != "deepseek_v3" and (target / "config.json").is_file()):
-        return _config_spec(target / "config.json")
-    return spec
-
-
 def load_scenario(target: Path, weights: str | None = None, kv: str | None = None,
                   speculation: Speculation | None = None) -> Scenario:
     """An artifact directory (its manifest; weights are not read, so not checksummed), or a Hugging Face config:
@@ -169,9 +160,7 @@ def load_scenario(target: Path, weights: str | None = None, kv: str | None = Non
             raise KilnError("--weights and --kv describe a config; an artifact's manifest records its own formats")
         manifest = read_manifest(target, verify=False)
         spec = spec_from_json(manifest["architecture"])
-        source = recorded_source_spec(manifest, spec)
-        if source is None:
-            source = _legacy_source_spec(target, manifest, spec)
+        source = known_source_spec(manifest, spec, "pricing the MLA conversion")
         return manifest_scenario(str(target), manifest, spec, source, speculation)
     config = target / "config.json" if target.is_dir() else target
     if not config.is_file():

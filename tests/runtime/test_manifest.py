@@ -10,7 +10,7 @@ import pytest
 from kiln.kernels.errors import KilnError
 from kiln.optimizer.build_config import BuildConfig
 from kiln.optimizer.loader import load_checkpoint
-from kiln.runtime.manifest import SOURCE_ARCHITECTURE, Manifest, load_manifest, source_spec
+from kiln.runtime.manifest import SOURCE_ARCHITECTURE, Manifest, known_source_spec, load_manifest, source_spec
 
 
 def _as_written(manifest: Manifest) -> dict:
@@ -61,3 +61,19 @@ def test_build_config_checks_before_anything_loads():
     assert config.resolved_recipe.name == "fp8-weights" and len(config.pipeline.passes) == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.gate = True
+
+
+def test_known_source_spec_refuses_an_older_converted_artifact_in_one_line(plain_artifact):
+    data = json.loads((plain_artifact / "manifest.json").read_text())
+    spec = load_manifest(plain_artifact).architecture
+    layer = spec.layers[0]
+    converted = dataclasses.replace(spec, layers=(dataclasses.replace(
+        layer, attention=dataclasses.replace(layer.attention, kind="mla")), *spec.layers[1:]))
+    assert known_source_spec(data, converted, "pricing") == spec  # recorded: the source before the conversion
+    del data[SOURCE_ARCHITECTURE]  # written before the record
+    assert known_source_spec(data, spec, "pricing") is spec  # nothing converted: the artifact's own
+    with pytest.raises(KilnError, match="^pricing needs the structure of the checkpoint") as refused:
+        known_source_spec(data, converted, "pricing")
+    assert "\n" not in str(refused.value)
+    data["source"]["model_type"] = "deepseek_v3"  # natively MLA: nothing was converted
+    assert known_source_spec(data, converted, "pricing") is converted
