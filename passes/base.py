@@ -252,6 +252,12 @@ class Pass(abc.ABC):
         """More conservative configs, most aggressive first. The default: none (a failed gate reverts)."""
         return iter(())
 
+    def shipping(self, result: PassResult) -> Pass | None:
+        """For a back-off config whose attempt (`result`) passed the gate: the config to apply and gate again in
+        its place before it ships, or None (it ships as it is; the default). A pass whose back-off steps take
+        shortcuts (WeightQuantization: blocks on an earlier attempt's inputs) redoes them here."""
+        return None
+
     def check(self, graph: ModelGraph, target: Target) -> None:
         """Refuse, before anything runs, what this graph or target cannot do. Raise KilnError."""
 
@@ -380,6 +386,13 @@ def run_gated(p: Pass, graph: ModelGraph, ctx: PassContext, reference: GateResul
         graph.restore(state)
         ctx.log(f"{p.name}: gate failed; backing off")
         cand_result, cand_gate = attempt(candidate)
+        final = candidate.shipping(cand_result) if cand_gate.passed else None
+        if final is not None:  # what ships is applied and gated in its own right
+            graph.restore(state)
+            ctx.log(f"{p.name}: the back-off passed the gate; redoing its shortcuts before it ships (gated again)")
+            candidate, (cand_result, cand_gate) = final, attempt(final)
+            if not cand_gate.passed:
+                ctx.log(f"{p.name}: without its shortcuts the back-off fails the gate; backing off further")
         if cand_gate.passed:
             return PassRecord(p.name, config_dict(candidate), "backed-off", cand_result, cand_gate, attempts)
     graph.restore(state)

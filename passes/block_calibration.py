@@ -58,17 +58,24 @@ class BlockCalibration:
         stride = 0  # keep the block inputs of every stride-th block (CHECKPOINT_BYTES); 0: not known yet
         calibration_start = time.perf_counter()
         redone: list[int | None] = []
+        exact = True  # every block so far is what a full calibration with this keep list gives (BlockProduct.exact)
         for layer in progress.track(order, f"{self.name}: calibrate {self.format}", unit="blocks"):
             if layer in reused:  # as the attempt before calibrated it: restored, not recomputed
-                products.append(restore_block(graph, reused[layer], result, idle))
+                block = restore_block(graph, reused[layer], result, idle)
+                # after a recalibrated block its inputs moved (sequential; or an AWQ fold's rounding)
+                exact = exact and block.exact and not (redone and (self.sequential or self.awq))
+                products.append(block if block.exact == exact else replace(block, exact=False))
                 continue
             if reused and (self.back_off_scope == "touched" or not redone):  # start from the block's kept inputs
-                self._resume(observe, len(graph.spec.layers) if layer is None else layer, ctx,
-                             exact=self.back_off_scope == "downstream")
+                exact = self._resume(observe, len(graph.spec.layers) if layer is None else layer, ctx,
+                                     exact=self.back_off_scope == "downstream") and exact
             redone.append(layer)
             products.append(self._calibrate_block(graph, observe, layer, by_layer[layer], result, idle))
             found = getattr(observe, "checkpoint", lambda: None)()  # the inputs this block was calibrated on
-            if found is not None and found.position == (len(graph.spec.layers) if layer is None else layer):
+            if found is not None and found.position != (len(graph.spec.layers) if layer is None else layer):
+                found = None
+            exact = products[-1].exact = exact and (found is None or found.faithful)
+            if found is not None:
                 stride = stride or max(1, math.ceil(found.nbytes * len(order) / CHECKPOINT_BYTES))
                 if (len(products) - 1) % stride == 0:
                     products[-1].checkpoint = found
@@ -167,11 +174,14 @@ class BlockCalibration:
         chosen = {layer: frozenset(lin.name for lin in lins) for layer, lins in by_layer.items()}
         return cache.reusable(order, chosen, downstream=self.back_off_scope == "downstream")
 
-    def _resume(self, session, position: int, ctx: PassContext, exact: bool) -> None:
-        at = self.reuse.resume(session, position, exact)
+    def _resume(self, session, position: int, ctx: PassContext, exact: bool) -> bool:
+        """Resume `session` at the cache's latest kept inputs at or before `position`; whether the inputs it then
+        stands at are what the blocks before compute now (False: an earlier attempt's, taken as they were)."""
+        at, faithful = self.reuse.resume(session, position, exact)
         if at is not None:
-            exactness = "" if exact else ", as the attempt before gave them"
+            exactness = "" if faithful else ", as the attempt before gave them"
             ctx.log(f"{self.name}: calibration resumes from the kept inputs of block {at}{exactness}")
+        return faithful
 
     def _record_calibration(self, products: list[BlockProduct], redone: list[int | None],
                             order: list[int | None], seconds: float, start_state: tuple, result: PassResult,
@@ -186,9 +196,12 @@ class BlockCalibration:
         cache.blocks = products
         kept = block_span([layer for layer in order if layer not in redone])
         share = f"{100 * seconds / cache.first_seconds:.0f}%" if cache.first_seconds > 0 else "n/a"
+        inexact = [p.layer for p in products if not p.exact]
+        exactness = ("every block as a full calibration with this keep list gives it" if not inexact else
+                     f"blocks {block_span(inexact)} on inputs an earlier attempt gave them")
         ctx.log(f"back-off step {cache.steps}: kept {len(self.keep)} linears in source precision, recalibrated "
                 f"blocks {block_span(redone)} ({seconds:.1f} s, {share} of the first calibration); reused "
-                f"blocks {kept}")
+                f"blocks {kept}; {exactness}")
         inputs = ("the same linears, the same inputs" if self.back_off_scope == "downstream" else
                   "the same linears; back_off_scope 'touched': every block on the inputs the attempt before gave it")
         result.notes.append(f"calibration of blocks {kept} reused from the attempt before ({inputs}); blocks "

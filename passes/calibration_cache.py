@@ -23,7 +23,10 @@ blocks before it) instead of replaying every block before it."""
 class BlockProduct:
     """What calibrating one block (or the lm_head, `layer` None) left in the graph, before any tuning: the
     quant annotation of each linear it quantized, the tensor entries it replaced (AWQ folds: norms, producer
-    rows, consumer columns; as stored, possibly spilled), and its lines of the result."""
+    rows, consumer columns; as stored, possibly spilled), and its lines of the result. `exact`: it is what a full
+    calibration with the same keep list gives (every block before it was, and it was calibrated on the inputs
+    they compute); False for a block a back_off_scope "touched" step kept after a recalibrated one, or
+    recalibrated on an earlier attempt's inputs."""
 
     layer: int | None
     chosen: frozenset[str]  # the block's linears this calibration quantized
@@ -35,6 +38,7 @@ class BlockProduct:
     idle: list[str]  # linears that saw no calibration token
     seconds: float
     checkpoint: Any = None  # the session's hidden states at this block's input (session.checkpoint), or None
+    exact: bool = True
 
 
 class CalibrationCache:
@@ -52,7 +56,9 @@ class CalibrationCache:
     - "touched" (the default): only the blocks whose chosen linears differ are redone, each on the inputs the
       attempt before gave it; the blocks after them keep their product. Their inputs moved by what the newly
       kept linears' quantization error was, so a full calibration would round a few weights the other way
-      (benchmarks/results/backoff.md measures how many); the step costs its touched blocks only.
+      (benchmarks/results/backoff.md measures how many); the step costs its touched blocks only. Each block
+      product says whether it is exact (BlockProduct.exact), so a later "downstream" attempt (the one that
+      ships: WeightQuantization.ship_exact) redoes the blocks from the first one that is not.
 
     End-to-end tuning (tune_steps) fits every block at once, so it is redone whole, from the attempt's
     untuned product.
@@ -82,31 +88,34 @@ class CalibrationCache:
     def reusable(self, order: Sequence[int | None], chosen: Mapping[int | None, frozenset[str]],
                  downstream: bool) -> dict[int | None, BlockProduct]:
         """The blocks of `order` whose product this cache holds for exactly the linears `chosen` quantizes in them,
-        by layer: `downstream`, only the leading ones (their inputs are then the same too: every block before
+        by layer: `downstream`, only the leading exact ones (their inputs are then the same too: every block before
         them is); otherwise every one (a block after a recalibrated one keeps the product of its earlier
         inputs)."""
         cached = {block.layer: block for block in self.blocks}
         reused = {}
         for layer in order:
             block = cached.get(layer)
-            if block is not None and block.chosen == chosen[layer]:
+            if block is not None and block.chosen == chosen[layer] and (block.exact or not downstream):
                 reused[layer] = block
             elif downstream:
                 break
         return reused
 
-    def resume(self, session, position: int, exact: bool) -> int | None:
+    def resume(self, session, position: int, exact: bool) -> tuple[int | None, bool]:
         """Have `session` stand at the latest kept block input at or before `position` (a block to recalibrate),
-        rather than replay every block before it from the embedding; the position it stands at, or None (no
-        checkpoint served: the session starts from the embedding). `exact`: only where the graph holds what
-        those blocks computed with (the session checks by identity; restored objects are the same); otherwise
-        at the earlier attempt's inputs, whatever changed since (RuntimeCalibrationSession.resume)."""
+        rather than replay every block before it from the embedding: the position it stands at, or None (no
+        checkpoint served: the session goes on from where it stands), and whether the resume was exact. `exact`:
+        only where the graph holds what those blocks computed with (the session checks by identity; restored
+        objects are the same) and the states were computed so; otherwise at the earlier attempt's inputs,
+        whatever changed since (RuntimeCalibrationSession.resume), exactly where they still hold."""
         resume = getattr(session, "resume", None)
         found = [b.checkpoint for b in self.blocks if b.checkpoint is not None and b.checkpoint.position <= position]
         for checkpoint in sorted(found, key=lambda c: -c.position) if resume is not None else ():
-            if resume(checkpoint, exact=exact):
-                return checkpoint.position
-        return None
+            if resume(checkpoint, exact=True):
+                return checkpoint.position, True
+            if not exact and resume(checkpoint, exact=False):
+                return checkpoint.position, False
+        return None, True
 
 
 

@@ -39,8 +39,10 @@ A back-off attempt reuses the calibration of the attempt before it (CalibrationC
 `back_offs` yields) and recalibrates only the blocks that hold a newly kept linear, each from the inputs the
 attempt before gave it (back_off_scope "touched"), or those blocks and every one after them, whose inputs the
 kept linears changed (sequential), so that the stored tensors are bit for bit a full calibration's with the
-same keep list ("downstream"). End-to-end tuning fits every block at once: it is redone whole on each attempt.
-The log says what each step cost.
+same keep list ("downstream"). A touched step that passes the gate is, before it ships, recalibrated from its
+first block that is not a full calibration's and gated again (`ship_exact`): the search is cheap, and what ships
+is what the recorded config rebuilds. End-to-end tuning fits every block at once: it is redone whole on each
+attempt. The log says what each step cost.
 Where the parts live: one linear and fused siblings quantized, the stage order (passes/linear_quant.py); AWQ's
 search and folds (passes/awq_fold.py); the calibrated path, block by block, and its reuse on back-off
 (passes/block_calibration.py).
@@ -139,6 +141,10 @@ class WeightQuantization(BlockCalibration, Pass):
                       holding a newly kept linear, each on the inputs the attempt before gave it, the rest
                       restored; "downstream" those blocks and every block after them, so that the step stores
                       exactly what a full calibration with its keep list stores
+        ship_exact    a "touched" step that passes the gate is recalibrated from its first block that is not
+                      what a full calibration gives, and gated again, before it ships: the artifact is then bit
+                      for bit the full calibration's with its keep list, and the manifest's config rebuilds it
+                      (False: the touched product ships)
         method        "rtn", "mse" (scale search) or "gptq" (see the module docstring)
         awq           fold AWQ per-channel scales into the preceding norms / linears first
         act_order     GPTQ: quantize the most active input channels first (scales chosen up front)
@@ -163,6 +169,7 @@ class WeightQuantization(BlockCalibration, Pass):
     keep: tuple[str, ...] = ()
     max_back_offs: int = 4
     back_off_scope: str = "touched"
+    ship_exact: bool = True
     method: str = "rtn"
     awq: bool = False
     act_order: bool = True
@@ -202,7 +209,7 @@ class WeightQuantization(BlockCalibration, Pass):
         if self.activations == "static" and codec.static_activation_refusal:
             raise KilnError(f"activations='static' is not allowed for {self.format} "
                             f"({codec.static_activation_refusal}); use 'dynamic' or 'none', or format fp8 / nvfp4")
-        for flag in ("awq", "act_order", "sequential", "true_sequential"):
+        for flag in ("awq", "act_order", "sequential", "true_sequential", "ship_exact"):
             if not isinstance(getattr(self, flag), bool):
                 raise KilnError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         check_range("damping", self.damping, 0, 1)
@@ -281,10 +288,19 @@ class WeightQuantization(BlockCalibration, Pass):
         object.__setattr__(out, "reuse", cache)
         return out
 
+    def shipping(self, result: PassResult) -> WeightQuantization | None:
+        """A back-off step that passed the gate with blocks calibrated on an earlier attempt's inputs (touched):
+        the same keep list recalibrated from the first such block (downstream: bit for bit a full calibration's),
+        to be gated again; None when it already is a full calibration's, or ship_exact is off."""
+        cache = getattr(result, "calibration", None)
+        if not self.ship_exact or cache is None or all(block.exact for block in cache.blocks):
+            return None
+        return replace(self, back_off_scope="downstream").reusing(cache)
+
     def _config_key(self) -> tuple:
         """Everything that decides a block's calibration except which linears are kept."""
         return (type(self), *((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
-                              if f.name not in ("keep", "max_back_offs", "back_off_scope")))
+                              if f.name not in ("keep", "max_back_offs", "back_off_scope", "ship_exact")))
 
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
         start_state = graph_state(graph)  # what a back-off's cache is checked against

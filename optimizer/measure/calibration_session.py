@@ -130,12 +130,16 @@ class _Batch:
 
 class HiddenCheckpoint:
     """A session's hidden states at the input of block `position` (one tensor per batch, on the session's
-    device) and the fingerprints of the blocks they went through (RuntimeCalibrationSession.checkpoint)."""
+    device) and the fingerprints of the blocks they went through (RuntimeCalibrationSession.checkpoint).
+    `faithful`: they are what those blocks compute from the embedding; False when the session had taken an
+    earlier attempt's states as they were (a resume that was not exact), whatever the fingerprints say."""
 
-    __slots__ = ("hidden", "position", "ran", "tokens")
+    __slots__ = ("faithful", "hidden", "position", "ran", "tokens")
 
-    def __init__(self, position: int, hidden: list[torch.Tensor], ran: dict, tokens: list[torch.Tensor]):
+    def __init__(self, position: int, hidden: list[torch.Tensor], ran: dict, tokens: list[torch.Tensor],
+                 faithful: bool = True):
         self.position, self.hidden, self.ran, self.tokens = position, hidden, ran, tokens
+        self.faithful = faithful
 
     @property
     def nbytes(self) -> int:
@@ -159,6 +163,7 @@ class RuntimeCalibrationSession:
         self._rotary: tuple | None = None  # (spec, its LayerRotaries): blocks run as the graph's spec says now
         self.position: int | None = None  # hidden states are at the input of this block
         self._ran: dict[int, tuple[_Same, ...]] = {}  # what each block held when the hidden states went through
+        self._faithful = True  # the hidden states are what those blocks compute (HiddenCheckpoint.faithful)
         self.source = lower_tensors(graph)  # (tensors, formats) before the pass: the distillation teacher
         self.tokens = sum(b.count for b in self.batches)
 
@@ -198,24 +203,28 @@ class RuntimeCalibrationSession:
         if self.position is None:
             return None
         hidden = [b.hidden if b.hidden.device.type == "cpu" else b.hidden.to("cpu") for b in self.batches]
-        return HiddenCheckpoint(self.position, hidden, dict(self._ran), [b.tokens for b in self.batches])
+        return HiddenCheckpoint(self.position, hidden, dict(self._ran), [b.tokens for b in self.batches],
+                                self._faithful)
 
     def resume(self, checkpoint: HiddenCheckpoint, exact: bool = True) -> bool:
         """Stand at `checkpoint` (e.g. from an earlier session on the same text) instead of replaying the blocks
         before it, when this session's batches are its and (`exact`) the graph still holds exactly what those
         blocks computed with (the fingerprints, by identity); False, and nothing changed, otherwise. Not `exact`:
         whatever the blocks before hold now, the hidden states are taken as theirs (a back-off that
-        recalibrates a block on the inputs an earlier attempt gave it)."""
+        recalibrates a block on the inputs an earlier attempt gave it); the session is then not faithful until it
+        starts again from the embedding. `exact` takes only a faithful checkpoint."""
         if len(checkpoint.tokens) != len(self.batches) or any(
                 not torch.equal(t, b.tokens) for t, b in zip(checkpoint.tokens, self.batches, strict=True)):
             return False
-        if exact and any(self._fingerprint(i) != checkpoint.ran.get(i) for i in range(-1, checkpoint.position)):
+        if exact and (not checkpoint.faithful or any(self._fingerprint(i) != checkpoint.ran.get(i)
+                                                     for i in range(-1, checkpoint.position))):
             return False
         for b, hidden in zip(self.batches, checkpoint.hidden, strict=True):
             b.hidden = hidden.to(self.device)  # (a copy back to the session's device; the same tensor on the CPU)
         self.position = checkpoint.position
         self._ran = (dict(checkpoint.ran) if exact else
                      {i: self._fingerprint(i) for i in range(-1, checkpoint.position)})
+        self._faithful = exact
         return True
 
     # --- internals -----------------------------------------------------------------------------------------
@@ -233,6 +242,7 @@ class RuntimeCalibrationSession:
             del embed
             self.position = 0
             self._ran = {-1: self._fingerprint(-1)}
+            self._faithful = True
         while self.position < layer:
             self._ran[self.position] = self._fingerprint(self.position)
             self._run_block(self.position, (), None, keep_output=True)

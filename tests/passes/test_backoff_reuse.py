@@ -101,7 +101,8 @@ def test_a_reusing_attempt_stores_what_a_full_calibration_stores(four_blocks, na
         lines.clear()
         assert line.startswith(f"back-off step {step}: kept {len(keep)} linears in source precision, recalibrated "
                                f"blocks {reused_to + 1}")
-        assert line.endswith(f"of the first calibration); reused blocks 0..{reused_to}")
+        assert line.endswith(f"of the first calibration); reused blocks 0..{reused_to}; every block as a full "
+                             "calibration with this keep list gives it")
         full_graph, full = full_build(four_blocks, tokens, config)
         assert_identical(stored(graph), stored(full_graph))
         assert result.changed == full.changed and result.metrics == full.metrics and result.skipped == full.skipped
@@ -264,9 +265,11 @@ def test_a_touched_step_recalibrates_only_the_blocks_with_a_newly_kept_linear(fo
     assert set(observed) == {1}
     for layer in (0, 2, 3):
         assert all(graph.linears[n].quant is q for n, q in first[layer].items()), layer
-    assert "weight-quant: calibration resumes from the kept inputs of block 1, as the attempt before gave them" in lines
+    # block 0 is unchanged, so block 1's kept inputs are what it computes: an exact resume
+    assert "weight-quant: calibration resumes from the kept inputs of block 1" in lines
     line = next(line for line in lines if line.startswith("back-off step 1"))
-    assert "recalibrated blocks 1 (" in line and line.endswith("of the first calibration); reused blocks 0, 2..3")
+    assert "recalibrated blocks 1 (" in line and line.endswith(
+        "of the first calibration); reused blocks 0, 2..3; blocks 2..3 on inputs an earlier attempt gave them")
     # block 1 saw the same inputs as in a downstream step (block 0 is unchanged): the same product, bit for bit
     exact_graph, _ = full_build(four_blocks, tokens, replace_config(config, keep1, back_off_scope="downstream"))
     assert_identical(stored_layer(graph, 1), stored_layer(exact_graph, 1))
@@ -323,3 +326,149 @@ def replace_config(config: WeightQuantization, keep: tuple[str, ...], **changes)
 
 def stored_layer(graph, layer: int) -> dict[str, torch.Tensor]:
     return {f"{n}.{k}": v for n, q in quant_of(graph, layer).items() if q is not None for k, v in q.tensors.items()}
+
+
+def test_a_touched_step_knows_which_blocks_are_exact_and_a_downstream_one_redoes_from_there(four_blocks):
+    """Keeping a linear of block 1: block 1 is recalibrated on the inputs block 0 computes (exact), blocks 2..3
+    keep products of their old inputs (not exact). A downstream attempt with the same keep list then reuses
+    blocks 0..1 only and stores the full calibration's bytes."""
+    graph = load_checkpoint(four_blocks)
+    tokens = token_lists(graph.spec.vocab_size)
+    lines: list[str] = []
+    ctx = context(graph, tokens, lines.append)
+    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False)
+    state = graph.snapshot()
+    cache = config.apply(graph, ctx).calibration
+    assert [b.exact for b in cache.blocks] == [True] * 4
+    keep = ("model.layers.1.mlp.up_proj",)
+    graph.restore(state)
+    replace_config(config, keep).reusing(cache).apply(graph, ctx)
+    assert [b.exact for b in cache.blocks] == [True, True, False, False]
+    graph.restore(state)
+    lines.clear()
+    replace_config(config, keep, back_off_scope="downstream").reusing(cache).apply(graph, ctx)
+    line = next(line for line in lines if line.startswith("back-off step 2"))
+    assert "recalibrated blocks 2..3 (" in line and "reused blocks 0..1;" in line
+    assert [b.exact for b in cache.blocks] == [True] * 4
+    full_graph, _ = full_build(four_blocks, tokens, replace_config(config, keep))
+    assert_identical(stored(graph), stored(full_graph))
+
+
+def test_an_exact_resume_refuses_states_an_inexact_one_led_to(four_blocks):
+    """After a resume that took an earlier attempt's states as they were, the session's checkpoints carry
+    the current fingerprints but not the states those blocks compute: an exact resume refuses them."""
+    from kiln.optimizer.measure.calibration_session import RuntimeCalibrator
+
+    graph = load_checkpoint(four_blocks)
+    tokens = token_lists(graph.spec.vocab_size)
+    calibrator = RuntimeCalibrator(tokens, max_batch_tokens=128)
+    first = calibrator.session(graph)
+    first.observe(["model.layers.2.self_attn.o_proj"], lambda n, x: None)
+    checkpoint = first.checkpoint()
+    assert checkpoint.faithful
+    WeightQuantization(format="nvfp4", keep=tuple(n for n in graph.linears if ".layers.1." not in n)).apply(
+        graph, PassContext(get_target("hopper")))
+    session = calibrator.session(graph)
+    assert session.resume(checkpoint, exact=False)
+    session.observe(["model.layers.3.self_attn.o_proj"], lambda n, x: None)
+    stale = session.checkpoint()
+    assert stale.position == 3 and not stale.faithful
+    assert not calibrator.session(graph).resume(stale)  # fingerprints match; the states are not theirs
+    assert calibrator.session(graph).resume(stale, exact=False)
+    fresh = calibrator.session(graph)
+    fresh.observe(["model.layers.3.self_attn.o_proj"], lambda n, x: None)  # from the embedding
+    assert fresh.checkpoint().faithful and calibrator.session(graph).resume(fresh.checkpoint())
+
+
+def gate_passing_from(attempt_number: int, log: list[int], failing: tuple[int, ...] = ()):
+    """A gate that fails attempts before `attempt_number` (1: the first attempt) and those in `failing`."""
+    def gate(g, floor, *args):
+        log.append(1)
+        ok = len(log) >= attempt_number and len(log) not in failing
+        return GateResult(perplexity=10.0 if ok else 20.0, baseline_perplexity=10.0, kl=0.0, top1=1.0, tokens=100,
+                          floor=floor)
+    return gate
+
+
+def test_a_touched_step_that_passes_is_recalibrated_exactly_before_it_ships(four_blocks):
+    """The default (touched steps, ship_exact): the search steps recalibrate only their blocks; the passing
+    step is redone from its first inexact block and gated again, and what ships is bit for bit the full
+    calibration with its keep list, under the config the manifest records."""
+    graph = load_checkpoint(four_blocks)
+    tokens = token_lists(graph.spec.vocab_size)
+    lines: list[str] = []
+    ctx = context(graph, tokens, lines.append)
+    gates: list[int] = []
+    ctx.gate = gate_passing_from(3, gates)  # back-off step 2 passes
+    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False)
+    record = run_gated(config, graph, ctx)
+    assert record.decision == "backed-off" and len(record.attempts) == 4 and len(gates) == 4
+    assert "weight-quant: the back-off passed the gate; redoing its shortcuts before it ships (gated again)" in lines
+    assert record.config["back_off_scope"] == "downstream" and record.config["ship_exact"] is True
+    assert [a["config"]["back_off_scope"] for a in record.attempts] == ["touched"] * 3 + ["downstream"]
+    steps = [line for line in lines if line.startswith("back-off step")]
+    assert len(steps) == 3 and steps[-1].endswith("every block as a full calibration with this keep list gives it")
+    assert "on inputs an earlier attempt gave them" in steps[1]
+    keep = tuple(record.config["keep"])
+    assert len(keep) == 2 and all(graph.linears[k].quant is None for k in keep)
+    from kiln.optimizer.recipes import build_pass
+
+    rebuilt = build_pass(json.loads(json.dumps(record.config)))  # as a recipe file names it
+    assert rebuilt.keep == keep and rebuilt.back_off_scope == "downstream"
+    full_graph, _ = full_build(four_blocks, tokens, rebuilt)
+    assert_identical(stored(graph), stored(full_graph))
+
+
+def test_when_the_exact_recalibration_fails_the_gate_the_back_off_goes_on(four_blocks):
+    graph = load_checkpoint(four_blocks)
+    tokens = token_lists(graph.spec.vocab_size)
+    lines: list[str] = []
+    ctx = context(graph, tokens, lines.append)
+    gates: list[int] = []
+    ctx.gate = gate_passing_from(2, gates, failing=(3,))  # step 1 passes touched, fails exact; step 2 passes
+    record = run_gated(WeightQuantization(format="nvfp4", method="gptq", act_order=False), graph, ctx)
+    assert "weight-quant: without its shortcuts the back-off fails the gate; backing off further" in lines
+    assert record.decision == "backed-off" and len(record.config["keep"]) == 2
+    # step 2 reused the exact product of the failed shipping attempt; it passed, and ships (exact or redone)
+    full_graph, _ = full_build(four_blocks, tokens, WeightQuantization(
+        format="nvfp4", method="gptq", act_order=False, keep=tuple(record.config["keep"])))
+    assert_identical(stored(graph), stored(full_graph))
+
+
+def test_with_ship_exact_off_the_touched_product_ships():
+    cfg = WeightQuantization(format="nvfp4", method="gptq", ship_exact=False)
+    cache = CalibrationCache(cfg._config_key(), (), [], 1.0)
+    from kiln.passes.calibration_cache import BlockProduct
+
+    cache.blocks = [BlockProduct(0, frozenset(), {}, {}, {}, {}, [], [], 0.0, exact=False)]
+    from kiln.passes.weight_quant import WeightQuantResult
+
+    res = WeightQuantResult("weight-quant")
+    res.calibration = cache
+    assert cfg.shipping(res) is None
+    exact_cfg = WeightQuantization(format="nvfp4", method="gptq")
+    ship = exact_cfg.shipping(res)
+    assert ship.back_off_scope == "downstream" and ship.reuse is cache and ship.keep == exact_cfg.keep
+    cache.blocks[0].exact = True
+    assert exact_cfg.shipping(res) is None  # already a full calibration's
+    from kiln.kernels.errors import KilnError
+
+    with pytest.raises(KilnError, match="ship_exact must be true or false"):
+        WeightQuantization(format="nvfp4", ship_exact="yes")
+
+
+def test_unsequential_touched_steps_are_exact(four_blocks):
+    """sequential=False calibrates every block on the source's inputs: a touched step moves no other block's
+    inputs, so it is already the full calibration's and nothing is redone to ship it."""
+    graph = load_checkpoint(four_blocks)
+    tokens = token_lists(graph.spec.vocab_size)
+    lines: list[str] = []
+    ctx = context(graph, tokens, lines.append)
+    gates: list[int] = []
+    ctx.gate = gate_passing_from(2, gates)
+    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False, sequential=False)
+    record = run_gated(config, graph, ctx)
+    assert record.decision == "backed-off" and len(record.attempts) == 2  # no shipping attempt
+    assert record.config["back_off_scope"] == "touched"
+    full_graph, _ = full_build(four_blocks, tokens, replace_config(config, tuple(record.config["keep"])))
+    assert_identical(stored(graph), stored(full_graph))
