@@ -192,14 +192,15 @@ class BlockCalibration:
         if cache is None or cache.matches(self._config_key(), start_state) is not None:
             ctx.log(f"{self.name}: calibrated blocks {block_span(order)} in {seconds:.1f} s")
             return CalibrationCache(self._config_key(), start_state, products, seconds)
-        cache.steps += 1
+        cache.steps += 0 if self.ships else 1  # the step that passed, redone as it ships, is not another step
         cache.blocks = products
         kept = block_span([layer for layer in order if layer not in redone])
         share = f"{100 * seconds / cache.first_seconds:.0f}%" if cache.first_seconds > 0 else "n/a"
         inexact = [p.layer for p in products if not p.exact]
         exactness = ("every block as a full calibration with this keep list gives it" if not inexact else
                      f"blocks {block_span(inexact)} on inputs an earlier attempt gave them")
-        ctx.log(f"back-off step {cache.steps}: kept {len(self.keep)} linears in source precision, recalibrated "
+        label = f"back-off step {cache.steps}" + (", as it ships" if self.ships else "")
+        ctx.log(f"{label}: kept {len(self.keep)} linears in source precision, recalibrated "
                 f"blocks {block_span(redone)} ({seconds:.1f} s, {share} of the first calibration); reused "
                 f"blocks {kept}; {exactness}")
         inputs = ("the same linears, the same inputs" if self.back_off_scope == "downstream" else

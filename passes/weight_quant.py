@@ -189,6 +189,8 @@ class WeightQuantization(BlockCalibration, Pass):
     # Not config (no field: never in a recipe or the manifest): the calibration a back-off attempt may reuse,
     # handed over explicitly by `back_offs` through `reusing` (CalibrationCache).
     reuse: ClassVar[CalibrationCache | None] = None
+    # Not config either: set on the config `shipping` returns, so the log names it for what it is
+    ships: ClassVar[bool] = False
 
     def __post_init__(self):
         check_choice("format", self.format, WEIGHT_FORMATS)
@@ -295,7 +297,9 @@ class WeightQuantization(BlockCalibration, Pass):
         cache = getattr(result, "calibration", None)
         if not self.ship_exact or cache is None or all(block.exact for block in cache.blocks):
             return None
-        return replace(self, back_off_scope="downstream").reusing(cache)
+        out = replace(self, back_off_scope="downstream").reusing(cache)
+        object.__setattr__(out, "ships", True)
+        return out
 
     def _config_key(self) -> tuple:
         """Everything that decides a block's calibration except which linears are kept."""
