@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import kiln.kernels.fp8 as fp8
 from kiln import runtime
 from kiln.calibration.data import load_token_lists, token_cap
+from kiln.kernels import fp8
 
 EVALUATION_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories" / "evaluation.txt"
 

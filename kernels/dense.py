@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from kiln.kernels.formats import WeightFormat
 from kiln.kernels.weight_codec import StoredTensor, WeightCodec
 
@@ -26,7 +28,7 @@ class DenseFormat(WeightCodec):
     def stored_tensors(self, out, in_features, weight_shape):
         return (StoredTensor("weight", "a dense weight", (), None if out is None else ((out, in_features),)),)
 
-    export_names = {"onnx": "FLOAT"}  # the quantized layouts keep it as it is
+    export_names: ClassVar[dict] = {"onnx": "FLOAT"}  # the quantized layouts keep it as it is
 
 
 DENSE_FORMAT = DenseFormat()

@@ -12,6 +12,7 @@ of the flattened input) or statically with a calibrated per-tensor scale; both a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -247,13 +248,13 @@ class Fp8E4M3Format(ScaledFp8Codec):
 
     absmax_ranks_like_mse = True
     scaled_activations = (ActivationFormat.FP8_STATIC_PER_TENSOR,)
-    export_names = {
+    export_names: ClassVar[dict] = {
         "compressed-tensors": {"per_tensor": "fp8_tensor", "per_channel": "fp8_channel"},
         "hf-modelopt": {"fp8_static_per_tensor+per_tensor": "FP8",
                         "fp8_dynamic_per_token+per_channel": "FP8_PER_CHANNEL_PER_TOKEN"},
         "onnx": "FLOAT8E4M3FN",
     }
-    export_refusals = {"hf-modelopt none": "FP8 weight-only (W8A16) has no ModelOpt unified-checkpoint algorithm; "
+    export_refusals: ClassVar[dict] = {"hf-modelopt none": "FP8 weight-only (W8A16) has no ModelOpt unified-checkpoint algorithm; "
                                            "export it with --format compressed-tensors, which vLLM also loads"}
 
 

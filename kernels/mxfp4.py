@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -274,7 +275,7 @@ class Mxfp4Format(WeightCodec):
     static_activation_refusal = "its E8M0 block scales are always dynamic"
     coarse_grid = True
     power_of_two_block_scales = True
-    export_names = {"compressed-tensors": "mxfp4", "hf-modelopt": {"none": "mxfp4", "mxfp4": "mxfp4"},
+    export_names: ClassVar[dict] = {"compressed-tensors": "mxfp4", "hf-modelopt": {"none": "mxfp4", "mxfp4": "mxfp4"},
                     "onnx": "FLOAT4E2M1+E8M0"}
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -214,7 +215,7 @@ class Mxfp6Format(Mxfp4Format):
         return scaled.copy_(e2m3_decode(e2m3_encode(scaled)))
 
     coarse_grid = False
-    export_names = {}  # not MXFP4's: no serving engine's layout (nor ONNX) has a type for its elements
+    export_names: ClassVar[dict] = {}  # not MXFP4's: no serving engine's layout (nor ONNX) has a type for its elements
     export_refusals = dict.fromkeys(
         ("compressed-tensors", "hf-modelopt", "onnx"),
         "MXFP6 (W6A16), which Kiln's runtime runs but no serving engine's checkpoint layout has; for an export, "

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -335,7 +336,7 @@ class Nvfp4Format(WeightCodec):
     coarse_grid = True
     element_bits = 4
     scaled_activations = (ActivationFormat.NVFP4,)  # the global scale (optional: else from each activation)
-    export_names = {"compressed-tensors": "nvfp4",
+    export_names: ClassVar[dict] = {"compressed-tensors": "nvfp4",
                     "hf-modelopt": {"none": "W4A16_NVFP4", "nvfp4+input_scale": "NVFP4"},
                     "onnx": "FLOAT4E2M1+FLOAT8E4M3FN"}
 

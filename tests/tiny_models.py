@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=160, max_position_embeddings=256)
+COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 160, "max_position_embeddings": 256}
 
 TINY_CONFIGS: dict[str, dict] = {
     "llama": dict(COMMON),

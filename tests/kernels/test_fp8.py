@@ -26,7 +26,7 @@ def test_per_channel_matches_torch_cast_bit_exactly():
 
 def test_per_tensor_and_saturation():
     w = torch.tensor([[0.0, 1.0, -2.0, 1000.0]])
-    q, scale = fp8.fp8_quantize_per_tensor(w, torch.tensor(1.0))  # static scale: 1000 saturates to 448
+    q, _scale = fp8.fp8_quantize_per_tensor(w, torch.tensor(1.0))  # static scale: 1000 saturates to 448
     assert q.float().tolist() == [[0.0, 1.0, -2.0, 448.0]]
     assert not torch.isnan(q.float()).any()
 
@@ -42,7 +42,7 @@ def test_every_e4m3_value_round_trips(code):
     value = torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     if torch.isnan(value).any():
         return
-    q, scale = fp8.fp8_quantize_per_tensor(value, torch.tensor(1.0))
+    q, _scale = fp8.fp8_quantize_per_tensor(value, torch.tensor(1.0))
     assert torch.equal(q.float(), value)
 
 

@@ -133,7 +133,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(cli, generated_checkpoi
     recipe = "fp7" if unknown_recipe else "fp8-weights"
     outdir = tmp_path / "outs"
     outdir.mkdir()
-    code, stdout, stderr = cli("build", ckpt, "--recipe", recipe, "-o", outdir / "art", "--eval-data", SAMPLE_TEXT)
+    code, _stdout, stderr = cli("build", ckpt, "--recipe", recipe, "-o", outdir / "art", "--eval-data", SAMPLE_TEXT)
     assert code == 2
     assert stderr.startswith("error: ") and message in stderr
     assert stderr.count("\n") == 1 and "Traceback" not in stderr
@@ -169,10 +169,10 @@ def test_strict_revert_exits_1_and_writes_nothing(cli, tmp_path, monkeypatch):
     recipe.write_text("passes:\n  - pass: tests.passes.destructive:Scramble\n    noise: 3.0\n")
     common = ("--recipe", recipe, "--allow-custom-passes", "--eval-data", EVAL_TEXT, "--paragraphs", "60",
               "--min-recovery", "0.9")
-    code, stdout, stderr = cli("build", STORIES, "-o", tmp_path / "strict", "--strict", *common)
+    code, _stdout, stderr = cli("build", STORIES, "-o", tmp_path / "strict", "--strict", *common)
     assert code == 1 and "reverted" in stderr and "Traceback" not in stderr
     assert _no_leftovers(tmp_path, "strict")
-    code, stdout, stderr = cli("build", STORIES, "-o", tmp_path / "lenient", *common)
+    code, _stdout, stderr = cli("build", STORIES, "-o", tmp_path / "lenient", *common)
     assert code == 0, stderr
     manifest = json.loads((tmp_path / "lenient" / "manifest.json").read_text())
     (record,) = manifest["passes"]
@@ -202,6 +202,6 @@ def test_gate_command_on_the_real_model(cli, tmp_path):
 def test_console_script_prints_no_traceback(tmp_path):
     exe = OPTIMIZE
     proc = subprocess.run([exe, "build", str(tmp_path / "missing"), "-o", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr

@@ -25,7 +25,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 def run(*args, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run([OPTIMIZE, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=ENV,
-                          cwd=ROOT)
+                          cwd=ROOT, check=False)
 
 
 def one_line(stderr: str) -> str:
