@@ -111,9 +111,21 @@ SKINNY_ROWS = (2, 32)
 F.linear outside them (one row: the two are equally fast; many rows: a regular GEMM)."""
 
 
+ONEDNN_ONE_ROW = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+"""Whether a one-row product (a decode step at batch 1) goes through the oneDNN copy too. One thread, SmolLM2's
+210 block linears out of cache, ms: on an AMD EPYC with AVX-512, oneDNN 15.0 against MKL's 21; on an AMD EPYC
+with AVX2 only, oneDNN 32.5-34.5 against MKL's 27.5-29.7, while at 8 rows oneDNN still leads there (47.8 against
+58.3). So without AVX-512 one row multiplies through MKL from the dense weight (benchmarks/results/decode.md)."""
+
+
 def onednn_product(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """x [rows, K] @ weight^T in fp32 through the oneDNN copy of QuantLinear `handle` (prepack_onednn)."""
-    return torch.ops.mkldnn._linear_pointwise(x, _ONEDNN_LINEARS[handle].onednn, None, "none", [], "")
+    """x [rows, K] @ weight^T in fp32 through the oneDNN copy of QuantLinear `handle` (prepack_onednn), or for
+    one row on a CPU where MKL is faster there (ONEDNN_ONE_ROW) through MKL from its dense weight. The choice
+    is made here, inside the op a compiled step calls too, so compiled and eager steps multiply alike."""
+    linear = _ONEDNN_LINEARS[handle]
+    if x.shape[0] == 1 and not ONEDNN_ONE_ROW:
+        return F.linear(x, linear.weight)
+    return torch.ops.mkldnn._linear_pointwise(x, linear.onednn, None, "none", [], "")
 
 
 @torch.library.custom_op("kiln::onednn_linear", mutates_args=())
