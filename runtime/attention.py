@@ -107,9 +107,13 @@ class GqaAttention(nn.Module):
             self.qkv_split = fused_split(spec.linears["qkv"], ("q", "k", "v"), sizes)
             self.qkv_proj = weights.linear(spec.linears["qkv"])
         else:
-            self.qkv_proj = None
-            self.q_proj = weights.linear(spec.linears["q"])
-            self.k_proj, self.v_proj = _projection(spec, weights, "k"), _projection(spec, weights, "v")
+            parts = [spec.linears.get(role) for role in ("q", "k", "v")]
+            self.qkv_proj = weights.siblings(parts) if None not in parts else None  # fused at load, if it can be
+            if self.qkv_proj is not None:
+                self.qkv_split = tuple(p.out_features for p in parts)
+            else:
+                self.q_proj = weights.linear(spec.linears["q"])
+                self.k_proj, self.v_proj = _projection(spec, weights, "k"), _projection(spec, weights, "v")
         self.q_norm = weights.norm(f"{layer_prefix}.self_attn.q_norm.weight") if spec.qk_norm else None
         self.k_norm = weights.norm(f"{layer_prefix}.self_attn.k_norm.weight") if spec.qk_norm else None
         # what the paged decode kernel serves: head dims a power of two >= 32, K's and V's equal, no window

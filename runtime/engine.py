@@ -59,7 +59,8 @@ class Engine:
 
     The KV cache is paged (runtime.paged_kv_cache) and stored in the artifact's KV format (manifest
     "kv_cache"; `kv_cache` overrides it): `kv_cache_blocks` blocks of `kv_block_size` tokens, by default
-    as many as fit in runtime.model_runner.DEFAULT_KV_CACHE_BYTES. `generate_ids` runs its prompts on that pool
+    as many as fit in runtime.model_runner.DEFAULT_KV_CACHE_BYTES. `fuse` (on the dequantized path): q/k/v and
+    gate/up run as one product each where they can (ModelRunner). `generate_ids` runs its prompts on that pool
     through the continuous-batching scheduler (runtime.scheduler) and refuses a request that could never fit.
     """
 
@@ -67,7 +68,7 @@ class Engine:
                  tokenizer=None, manifest: dict | None = None, kv_cache: Mapping | None = None,
                  kv_block_size: int = DEFAULT_BLOCK_SIZE, kv_cache_blocks: int | None = None,
                  repetition_penalty: float = 1.0, packed: bool | None = None, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None, onednn_head: bool = True):
+                 dtype: torch.dtype | None = None, onednn_head: bool = True, fuse: bool = True):
         self.spec = spec
         device, dtype, packed = resolve_placement(device, dtype, packed)
         # the default for generate_ids, as the artifact's generation_config.json sets it for every server
@@ -76,7 +77,7 @@ class Engine:
         self.manifest = manifest or {}
         kv_table = kv_cache if kv_cache is not None else self.manifest.get("kv_cache") or {}
         self.runner = ModelRunner(spec, tensors, formats, kv_table, kv_block_size, kv_cache_blocks, packed, device,
-                                  dtype, onednn_head)
+                                  dtype, onednn_head, fuse)
         self.last_speculative = None  # SpeculativeStats of the last speculative `generate`
 
     # --- the runner's model, placement and KV pools (runtime.model_runner) -------------------------------------

@@ -29,9 +29,13 @@ class DenseMlp(nn.Module):
             self.gate_up_split = fused_split(fused, ("gate", "up"), (down.in_features, down.in_features))
             self.gate_up_proj = weights.linear(fused)
         else:
-            self.gate_up_proj = None
-            self.gate_proj = weights.linear(linears[f"{prefix}gate"])
-            self.up_proj = weights.linear(linears[f"{prefix}up"])
+            gate, up = linears[f"{prefix}gate"], linears[f"{prefix}up"]
+            self.gate_up_proj = weights.siblings([gate, up])  # fused at load, if it can be
+            if self.gate_up_proj is not None:
+                self.gate_up_split = (gate.out_features, up.out_features)
+            else:
+                self.gate_proj = weights.linear(gate)
+                self.up_proj = weights.linear(up)
         self.down_proj = weights.linear(down)
 
     def forward(self, x):

@@ -8,7 +8,8 @@ A block is attention (runtime.attention: GQA or MLA) and an MLP (runtime.mlp: de
 every linear is a `QuantLinear` holding the dequantized fp32 weight and the activation fake-quantizer its
 format asks for, or a `PackedLinear` over the stored bytes (runtime.linear), resolved by `Weights`
 (runtime.model_weights). A fused linear (`qkv`, `gate_up`: passes/fuse.py) is one F.linear whose output is
-split. The kernel fusions a layer's spec lists (norm + activation quantization, SwiGLU + quantization, RoPE +
+split; the runtime's dequantized path fuses an unfused artifact's siblings so at load (Weights.siblings).
+The kernel fusions a layer's spec lists (norm + activation quantization, SwiGLU + quantization, RoPE +
 KV-cache write) are for GPU kernels; here they run one operation after another, which is what they compute.
 """
 
@@ -85,19 +86,22 @@ def scale_embedding(rows: torch.Tensor, scale: float) -> torch.Tensor:
 class Transformer(nn.Module):
     """The whole model. Built from the artifact's tensors and format table, or from a `Weights` the caller
     made (the calibrator passes one that records which module each linear became). `packed`: linears keep
-    their stored bytes and run kiln.kernels.gpu (PackedLinear) where their format has a kernel."""
+    their stored bytes and run kiln.kernels.gpu (PackedLinear) where their format has a kernel. `fuse`: sibling
+    linears (q/k/v, gate/up) become one product at load where they can (Weights.siblings); `fused_groups`
+    counts them."""
 
     def __init__(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor] | None = None,
                  formats: Mapping[str, Mapping] | None = None, *, weights: Weights | None = None,
-                 packed: bool = False):
+                 packed: bool = False, fuse: bool = False):
         super().__init__()
         self.spec = spec
-        weights = weights if weights is not None else Weights(tensors, formats, spec, packed)
+        weights = weights if weights is not None else Weights(tensors, formats, spec, packed, fuse)
         self.embed = nn.Parameter(weights.embedding(), requires_grad=False)
         self.rotary = LayerRotaries(spec.layers)
         self.blocks = nn.ModuleList(build_block(layer, weights) for layer in spec.layers)
         self.norm = weights.norm(spec.final_norm)
         self.lm_head = weights.linear(spec.lm_head)
+        self.fused_groups = weights.fused_groups
 
     def stream_shapes(self) -> list[tuple[tuple[int, int], ...]]:
         return [b.attention.stream_shapes() for b in self.blocks]

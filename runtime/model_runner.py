@@ -83,18 +83,26 @@ class ModelRunner:
     The KV cache is paged (runtime.paged_kv_cache) and stored in the formats of `kv_table` (the manifest's
     "kv_cache" table): `kv_cache_blocks` blocks of `kv_block_size` tokens for `kv_pool`, by default as many as
     fit in DEFAULT_KV_CACHE_BYTES (on a GPU, GPU_KV_CACHE_FRACTION of the memory left free).
+
+    `fuse` (the default): on the dequantized path, sibling linears that read one input (q/k/v, gate/up) run as
+    one product (runtime.model_weights.Weights.siblings); the packed path runs them as the artifact stores them
+    (the `fuse` pass concatenates their stored bytes at build time).
     """
 
     def __init__(self, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping],
                  kv_table: Mapping | None = None, kv_block_size: int = DEFAULT_BLOCK_SIZE,
                  kv_cache_blocks: int | None = None, packed: bool | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None, onednn_head: bool = True):
+                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None, onednn_head: bool = True,
+                 fuse: bool = True):
         self.spec = spec
         self.device, self.dtype, self.packed = resolve_placement(device, dtype, packed)
         # one-token decode steps attend through the paged decode kernel, reading the KV pools as stored (on a
         # GPU; elsewhere the cache gathers and dequantizes the history for SDPA, the reference path)
         self.decode_kernel = self.device.type == "cuda"
-        self.model = Transformer(spec, tensors, formats, packed=self.packed).eval().place(self.device, self.dtype)
+        # fuse: an unfused artifact's q/k/v and gate/up become one product each on the dequantized path (as vLLM
+        # fuses them at load): one GEMM reads the three weights in one pass (benchmarks/results/decode.md)
+        self.model = Transformer(spec, tensors, formats, packed=self.packed, fuse=fuse).eval().place(self.device,
+                                                                                                   self.dtype)
         self.onednn_bytes = self._prepack_onednn(onednn_head)
         self.kv_table = dict(kv_table or {})
         self.kv_streams = resolve_kv_streams(spec, self.kv_table, tensors)

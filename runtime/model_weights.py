@@ -4,11 +4,12 @@
     head = weights.linear(spec.lm_head)                       # QuantLinear, or PackedLinear when packed
     norm = weights.norm(spec.final_norm)                      # RMSNorm
     sizes = fused_split(spec_of_qkv, ("q", "k", "v"), (q_dim, k_dim, v_dim))
+    qkv = Weights(tensors, formats, spec, fuse=True).siblings([q, k, v])   # one QuantLinear, or None
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -58,15 +59,20 @@ class Weights:
 
     Every tensor is checked against the spec as it is resolved (presence, shape, dtype, finite values), so an
     artifact whose tensors disagree with its architecture is refused at load with one line naming the tensor,
-    rather than failing inside a matmul at the first forward."""
+    rather than failing inside a matmul at the first forward.
+
+    `fuse`: sibling linears that read one input (q/k/v, gate/up) become one QuantLinear at load (`siblings`),
+    as vLLM fuses them, so an artifact built without the `fuse` pass runs one GEMM where it would run three."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], formats: Mapping[str, Mapping], spec: ModelSpec,
-                 packed: bool = False):
+                 packed: bool = False, fuse: bool = False):
         self.tensors = tensors
         self.formats = formats
         self.spec = spec
         self.norm_sizes = spec.norms()
         self.packed = packed  # PackedLinear where the stored format has a kernel (PACKED_ACTIVATIONS)
+        self.fuse = fuse
+        self.fused_groups = 0  # sibling groups fused at load (`siblings`)
         self._embedding: torch.Tensor | None = None
 
     @property
@@ -123,6 +129,30 @@ class Weights:
         else:
             weight = dequantize_weight(name, entry, self.tensors, shape)
         return QuantLinear(weight, bias, input_transform(name, entry, self.tensors))
+
+    def siblings(self, lins: Sequence[LinearSpec]) -> QuantLinear | None:
+        """One QuantLinear computing `lins` side by side (output columns in their order), or None where they
+        cannot be one product: this Weights does not fuse, keeps weights packed (a fused packed weight needs
+        the stored tensors concatenated: the `fuse` pass), or their inputs differ in width, rotation,
+        activation format or input scale, or some have a bias and some not. The weights are each dequantized
+        (their exact stored values) and concatenated, so the product equals the separate ones up to the order
+        of fp32 sums."""
+        if not self.fuse or self.packed or len(lins) < 2:
+            return None
+        entries = [self.formats.get(lin.name, {"format": "dense"}) for lin in lins]
+        first = entries[0]
+        if (len({lin.in_features for lin in lins}) > 1 or len({lin.bias for lin in lins}) > 1
+                or any(e.get(k) != first.get(k) for e in entries for k in ("activation", "input_rotation"))):
+            return None
+        scales = [self.tensors.get(f"{lin.name}.input_scale") for lin in lins]
+        if any((s is None) != (scales[0] is None) or (s is not None and not torch.equal(s, scales[0]))
+               for s in scales):
+            return None
+        parts = [self.linear(lin, packable=False) for lin in lins]
+        bias = torch.cat([p.bias.detach() for p in parts]) if lins[0].bias else None
+        fused = QuantLinear(torch.cat([p.weight.detach() for p in parts]), bias, parts[0].input_quantizer)
+        self.fused_groups += 1
+        return fused
 
     def _packed(self, name: str, entry: Mapping, shape: tuple[int, int], activation: str,
                 bias: torch.Tensor | None) -> PackedLinear:
