@@ -59,15 +59,18 @@ class BlockCalibration:
         calibration_start = time.perf_counter()
         redone: list[int | None] = []
         exact = True  # every block so far is what a full calibration with this keep list gives (BlockProduct.exact)
+        replayed = self._replayed_blocks(graph, order)
         for layer in progress.track(order, f"{self.name}: calibrate {self.format}", unit="blocks"):
-            if layer in reused:  # as the attempt before calibrated it: restored, not recomputed
+            # a back_off_keep block whose replayed inputs run through a block redone here is redone too
+            stale = layer in replayed and bool(redone) and _position(graph, redone[-1]) >= replayed[layer]
+            if layer in reused and not stale:  # as the attempt before calibrated it: restored, not recomputed
                 block = restore_block(graph, reused[layer], result, idle)
                 # after a recalibrated block its inputs moved (sequential; or an AWQ fold's rounding)
                 exact = exact and block.exact and not (redone and (self.sequential or self.awq))
                 products.append(block if block.exact == exact else replace(block, exact=False))
                 continue
             if reused and (self.back_off_scope == "touched" or not redone):  # start from the block's kept inputs
-                exact = self._resume(observe, len(graph.spec.layers) if layer is None else layer, ctx,
+                exact = self._resume(observe, _position(graph, layer), ctx,
                                      exact=self.back_off_scope == "downstream") and exact
             redone.append(layer)
             products.append(self._calibrate_block(graph, observe, layer, by_layer[layer], result, idle))
@@ -85,7 +88,7 @@ class BlockCalibration:
         if idle:
             result.notes.append(f"{len(idle)} linear(s) saw no calibration token (experts never routed to), "
                                 f"data-free MSE scales: {', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''}")
-        if self.tune_steps:
+        if self.tune_steps and not self.calibration_only:
             tune_start = time.perf_counter()
             if self._tune(graph, session, chosen, result, ctx.log):
                 ctx.log(f"{self.name}: end-to-end tuning (every block, redone on each attempt): "
@@ -174,6 +177,25 @@ class BlockCalibration:
         chosen = {layer: frozenset(lin.name for lin in lins) for layer, lins in by_layer.items()}
         return cache.reusable(order, chosen, downstream=self.back_off_scope == "downstream")
 
+    def _replayed_blocks(self, graph: ModelGraph, order: list[int | None]) -> dict[int | None, int]:
+        """back_off_keep's blocks whose inputs a resume replays from an earlier block's kept inputs (the cache
+        keeps every k-th: CHECKPOINT_BYTES), by layer: the position replay starts at. Such a block is
+        recalibrated whenever a block in that span is, so that its product is what its config rebuilds
+        (a rebuild recalibrates every block holding back_off_keep in one attempt) whatever the order of the
+        steps before."""
+        if (not self.back_off_keep or self.back_off_scope != "touched" or self.reuse is None
+                or not (self.sequential or self.awq)):  # unsequential: the replay runs through source weights
+            return {}
+        kept = sorted(b.checkpoint.position for b in self.reuse.blocks if b.checkpoint is not None)
+        held = {graph.linears[name].layer for name in self.back_off_keep if name in graph.linears}
+        out = {}
+        for layer in order:
+            position = _position(graph, layer)
+            start = max((c for c in kept if c <= position), default=0)
+            if layer in held and start < position:
+                out[layer] = start
+        return out
+
     def _resume(self, session, position: int, ctx: PassContext, exact: bool) -> bool:
         """Resume `session` at the cache's latest kept inputs at or before `position`; whether the inputs it then
         stands at are what the blocks before compute now (False: an earlier attempt's, taken as they were)."""
@@ -199,8 +221,11 @@ class BlockCalibration:
         inexact = [p.layer for p in products if not p.exact]
         exactness = ("every block as a full calibration with this keep list gives it" if not inexact else
                      f"blocks {block_span(inexact)} on inputs an earlier attempt gave them")
+        if inexact and self.back_off_keep and self.back_off_scope == "touched":
+            exactness = ("what its config rebuilds (back_off_keep: every block on the inputs the calibration "
+                         "without them gives)")
         label = f"back-off step {cache.steps}" + (", as it ships" if self.ships else "")
-        ctx.log(f"{label}: kept {len(self.keep)} linears in source precision, recalibrated "
+        ctx.log(f"{label}: kept {len(self.keep) + len(self.back_off_keep)} linears in source precision, recalibrated "
                 f"blocks {block_span(redone)} ({seconds:.1f} s, {share} of the first calibration); reused "
                 f"blocks {kept}; {exactness}")
         inputs = ("the same linears, the same inputs" if self.back_off_scope == "downstream" else
@@ -237,6 +262,11 @@ class BlockCalibration:
                          lambda keys, samples: self._observe(session, keys, max_samples=samples, rotate=False),
                          fmt=self.format, granularity=self.granularity, activations=self.activations,
                          rotation_block=self.rotation_block, true_sequential=self.true_sequential)
+
+
+def _position(graph: ModelGraph, layer: int | None) -> int:
+    """A block's place in calibration order (the lm_head after the last block)."""
+    return len(graph.spec.layers) if layer is None else layer
 
 
 def _unquantized_view(graph: ModelGraph) -> ModelGraph:

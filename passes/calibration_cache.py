@@ -54,11 +54,13 @@ class CalibrationCache:
     - back_off_scope "downstream": the blocks from f on are redone. The step stores exactly what a full
       calibration with the same keep list stores, and costs as much as the blocks from f on.
     - "touched" (the default): only the blocks whose chosen linears differ are redone, each on the inputs the
-      attempt before gave it; the blocks after them keep their product. Their inputs moved by what the newly
-      kept linears' quantization error was, so a full calibration would round a few weights the other way
-      (benchmarks/results/backoff.md measures how many); the step costs its touched blocks only. Each block
-      product says whether it is exact (BlockProduct.exact), so a later "downstream" attempt (the one that
-      ships: WeightQuantization.ship_exact) redoes the blocks from the first one that is not.
+      attempt before gave it; the blocks after them keep their product. The step keeps its linears as
+      `back_off_keep`, whose definition is exactly that (the inputs are those of the calibration without
+      them), so the config rebuilds it. A full calibration with them in `keep` would round some weights of
+      the later blocks the other way (benchmarks/results/backoff.md measures how many); the step costs its
+      touched blocks only. Each block product says whether it is what that full calibration gives
+      (BlockProduct.exact), so a later "downstream" attempt (ship_exact's: WeightQuantization.shipping)
+      redoes the blocks from the first one that is not.
 
     End-to-end tuning (tune_steps) fits every block at once, so it is redone whole, from the attempt's
     untuned product.

@@ -36,13 +36,18 @@ lm_head (tied to the embedding in many models) and blocks other than GQA/MHA att
 and says so in the result.
 Back-off: keep the linears with the largest relative weight error in source precision, 1, 2, 4, ... of them.
 A back-off attempt reuses the calibration of the attempt before it (CalibrationCache, carried by the config
-`back_offs` yields) and recalibrates only the blocks that hold a newly kept linear, each from the inputs the
-attempt before gave it (back_off_scope "touched"), or those blocks and every one after them, whose inputs the
-kept linears changed (sequential), so that the stored tensors are bit for bit a full calibration's with the
-same keep list ("downstream"). A touched step that passes the gate is, before it ships, recalibrated from its
-first block that is not a full calibration's and gated again (`ship_exact`): the search is cheap, and what ships
-is what the recorded config rebuilds. End-to-end tuning fits every block at once: it is redone whole on each
-attempt. The log says what each step cost.
+`back_offs` yields) and recalibrates only what its kept linears change:
+- back_off_scope "touched" (the default): the step's kept linears are `back_off_keep`, which leave what every
+  block is calibrated on as the attempt without them had it (as ModelOpt's auto_quantize assembles layers it
+  calibrated once). Only the blocks holding one are recalibrated, on those inputs; the others keep their
+  product. The recorded config rebuilds the same bytes (a build with `back_off_keep` calibrates without them,
+  then recalibrates their blocks), so what ships is what the config says, at a few percent of a calibration.
+- "downstream": the kept linears join `keep`; the blocks from the first one holding one are recalibrated,
+  since their inputs changed (sequential), and the stored tensors are bit for bit a full calibration's with
+  that keep list. `ship_exact` asks the same of a touched step that passed: its keep list is recalibrated so
+  from its first inexact block and gated again before it ships.
+End-to-end tuning fits every block at once: it is redone whole on each attempt. The log says what each step
+cost.
 Where the parts live: one linear and fused siblings quantized, the stage order (passes/linear_quant.py); AWQ's
 search and folds (passes/awq_fold.py); the calibrated path, block by block, and its reuse on back-off
 (passes/block_calibration.py).
@@ -136,15 +141,17 @@ class WeightQuantization(BlockCalibration, Pass):
         granularity   FP8 weight scales: "per_channel" (one per output row) or "per_tensor"
         roles         which linear roles to quantize (routers are never quantized)
         keep          module names kept in source precision
+        back_off_keep module names the back-off kept in source precision (back_off_scope "touched"): every block
+                      is calibrated on the inputs the build without them gives it, then the blocks holding them
+                      are recalibrated with them kept (what the back-off step stored; a recipe may name them too)
         max_back_offs how many back-off steps to try before reverting
         back_off_scope  what a back-off step recalibrates (CalibrationCache): "touched" (default) only the blocks
-                      holding a newly kept linear, each on the inputs the attempt before gave it, the rest
-                      restored; "downstream" those blocks and every block after them, so that the step stores
-                      exactly what a full calibration with its keep list stores
-        ship_exact    a "touched" step that passes the gate is recalibrated from its first block that is not
-                      what a full calibration gives, and gated again, before it ships: the artifact is then bit
-                      for bit the full calibration's with its keep list, and the manifest's config rebuilds it
-                      (False: the touched product ships)
+                      holding a newly kept linear (kept as back_off_keep), the rest restored; "downstream" those
+                      blocks and every block after them (kept as keep), so that the step stores exactly what a
+                      full calibration with that keep list stores
+        ship_exact    a "touched" step that passes the gate is recalibrated as "downstream" (its back_off_keep
+                      joining keep) from its first block that is not what that full calibration gives, and gated
+                      again, before it ships (default False: the touched product ships; its config rebuilds it)
         method        "rtn", "mse" (scale search) or "gptq" (see the module docstring)
         awq           fold AWQ per-channel scales into the preceding norms / linears first
         act_order     GPTQ: quantize the most active input channels first (scales chosen up front)
@@ -167,9 +174,10 @@ class WeightQuantization(BlockCalibration, Pass):
     granularity: str = "per_channel"
     roles: tuple[str, ...] = DEFAULT_ROLES
     keep: tuple[str, ...] = ()
+    back_off_keep: tuple[str, ...] = ()
     max_back_offs: int = 4
     back_off_scope: str = "touched"
-    ship_exact: bool = True
+    ship_exact: bool = False
     method: str = "rtn"
     awq: bool = False
     act_order: bool = True
@@ -191,6 +199,9 @@ class WeightQuantization(BlockCalibration, Pass):
     reuse: ClassVar[CalibrationCache | None] = None
     # Not config either: set on the config `shipping` returns, so the log names it for what it is
     ships: ClassVar[bool] = False
+    # Not config either: the first half of a build with back_off_keep (calibration only; its tuning would be
+    # undone)
+    calibration_only: ClassVar[bool] = False
 
     def __post_init__(self):
         check_choice("format", self.format, WEIGHT_FORMATS)
@@ -199,7 +210,11 @@ class WeightQuantization(BlockCalibration, Pass):
         check_choice("method", self.method, METHODS)
         check_choice("back_off_scope", self.back_off_scope, BACK_OFF_SCOPES)
         object.__setattr__(self, "roles", tuple(self.roles))
-        object.__setattr__(self, "keep", tuple(sorted(self.keep)))
+        for field_name in ("keep", "back_off_keep"):
+            names = getattr(self, field_name)
+            if not isinstance(names, tuple | list) or not all(isinstance(n, str) for n in names):
+                raise KilnError(f"{field_name} must be a list of module names, got {names!r}")
+            object.__setattr__(self, field_name, tuple(sorted(set(names))))
         for role in self.roles:
             check_choice("roles entry", role, QUANTIZABLE_ROLES)
         if not self.roles:
@@ -261,9 +276,10 @@ class WeightQuantization(BlockCalibration, Pass):
             target.check_weight_only(self.format)
         else:
             target.check_weight_activation(self.format)
-        unknown = sorted(set(self.keep) - set(graph.linears))
-        if unknown:
-            raise KilnError(f"keep names modules that do not exist: {', '.join(unknown[:5])}")
+        for field_name in ("keep", "back_off_keep"):
+            unknown = sorted(set(getattr(self, field_name)) - set(graph.linears))
+            if unknown:
+                raise KilnError(f"{field_name} names modules that do not exist: {', '.join(unknown[:5])}")
 
     def _selected(self, graph: ModelGraph) -> tuple[list[Linear], dict[str, str]]:
         chosen, skipped = [], {}
@@ -274,6 +290,8 @@ class WeightQuantization(BlockCalibration, Pass):
                 skipped[lin.name] = f"role {lin.role!r} not selected"
             elif lin.name in self.keep:
                 skipped[lin.name] = "kept in source precision (keep list / back-off)"
+            elif lin.name in self.back_off_keep:
+                skipped[lin.name] = "kept in source precision by the back-off (back_off_keep)"
             elif lin.quant is not None:
                 skipped[lin.name] = f"already quantized ({lin.quant.format})"
             else:
@@ -291,22 +309,28 @@ class WeightQuantization(BlockCalibration, Pass):
         return out
 
     def shipping(self, result: PassResult) -> WeightQuantization | None:
-        """A back-off step that passed the gate with blocks calibrated on an earlier attempt's inputs (touched):
-        the same keep list recalibrated from the first such block (downstream: bit for bit a full calibration's),
-        to be gated again; None when it already is a full calibration's, or ship_exact is off."""
+        """With ship_exact, a back-off step that passed the gate with blocks calibrated on an earlier attempt's
+        inputs (touched): its kept linears as `keep`, recalibrated from the first such block (downstream: bit for
+        bit a full calibration's), to be gated again; None when ship_exact is off (the touched product ships: its
+        back_off_keep config rebuilds it), or the step already is a full calibration's under `keep`."""
         cache = getattr(result, "calibration", None)
-        if not self.ship_exact or cache is None or all(block.exact for block in cache.blocks):
-            return None
-        out = replace(self, back_off_scope="downstream").reusing(cache)
+        if not self.ship_exact or cache is None or (not self.back_off_keep and all(b.exact for b in cache.blocks)):
+            return None  # (with back_off_keep: even when nothing is redone, the config that ships names them keep)
+        out = replace(self, keep=(*self.keep, *self.back_off_keep), back_off_keep=(),
+                      back_off_scope="downstream").reusing(cache)
         object.__setattr__(out, "ships", True)
         return out
 
     def _config_key(self) -> tuple:
         """Everything that decides a block's calibration except which linears are kept."""
         return (type(self), *((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
-                              if f.name not in ("keep", "max_back_offs", "back_off_scope", "ship_exact")))
+                              if f.name not in ("keep", "back_off_keep", "max_back_offs", "back_off_scope",
+                                                "ship_exact")))
 
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
+        if self.back_off_keep and self.reuse is None and ctx.runner is not None and self.needs_calibration() \
+                and (self.sequential or self.awq):
+            return self._rebuild_back_off(graph, ctx)
         start_state = graph_state(graph)  # what a back-off's cache is checked against
         result = WeightQuantResult(self.name)
         chosen, result.skipped = self._selected(graph)
@@ -340,6 +364,22 @@ class WeightQuantization(BlockCalibration, Pass):
             return result
         self._calibrate(graph, ctx, chosen, result, start_state)
         return result
+
+    def _rebuild_back_off(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
+        """What a back-off step with this back_off_keep stored, from scratch: the calibration without them (the
+        inputs every block is calibrated on), then the blocks holding them recalibrated with them kept."""
+        ctx.log(f"{self.name}: back_off_keep ({len(self.back_off_keep)} linears): calibrating without them first, "
+                "then recalibrating the blocks that hold them")
+        state = graph.snapshot()
+        base = replace(self, back_off_keep=())
+        object.__setattr__(base, "calibration_only", True)
+        cache = base.apply(graph, ctx).calibration
+        graph.restore(state)
+        try:
+            return self.reusing(cache).apply(graph, ctx)
+        finally:
+            if cache is not None:
+                cache.clear()
 
     # --- internals ---------------------------------------------------------------------------------------------
     def _act(self) -> str:
@@ -390,8 +430,8 @@ class WeightQuantization(BlockCalibration, Pass):
     def back_offs(self, graph: ModelGraph, result: PassResult) -> Iterator[Pass]:
         """Keep the 1, 2, 4, ... linears with the largest relative weight error in source precision. Each
         config reuses the calibration of the attempt before it (`result.calibration`, CalibrationCache): only
-        the blocks holding a newly kept linear are recalibrated (back_off_scope "touched"), or those and every
-        block after the first of them ("downstream")."""
+        the blocks holding a newly kept linear are recalibrated (back_off_scope "touched": they are kept as
+        back_off_keep), or those and every block after the first of them ("downstream": kept as keep)."""
         worst = sorted(result.metrics, key=lambda name: -result.metrics[name])
         cache = getattr(result, "calibration", None)
         count = 1
@@ -399,7 +439,11 @@ class WeightQuantization(BlockCalibration, Pass):
             for _ in range(self.max_back_offs):
                 if count >= len(worst):
                     break
-                yield replace(self, keep=tuple(sorted(set(self.keep) | set(worst[:count])))).reusing(cache)
+                if self.back_off_scope == "touched":
+                    step = replace(self, back_off_keep=(*self.back_off_keep, *worst[:count]))
+                else:
+                    step = replace(self, keep=(*self.keep, *worst[:count]))
+                yield step.reusing(cache)
                 count *= 2
         finally:  # the series is over (a step passed, or none did): its products are not needed any more
             if cache is not None:

@@ -390,10 +390,11 @@ def gate_passing_from(attempt_number: int, log: list[int], failing: tuple[int, .
     return gate
 
 
-def test_a_touched_step_that_passes_is_recalibrated_exactly_before_it_ships(four_blocks):
-    """The default (touched steps, ship_exact): the search steps recalibrate only their blocks; the passing
-    step is redone from its first inexact block and gated again, and what ships is bit for bit the full
-    calibration with its keep list, under the config the manifest records."""
+def test_a_touched_step_that_passes_ships_and_its_recorded_config_rebuilds_it(four_blocks):
+    """The default (touched steps): each step keeps its linears as back_off_keep and recalibrates only their
+    blocks, every block on the inputs the first attempt gave it; the step that passes ships as it is, and the
+    config the manifest records rebuilds it from scratch bit for bit (the calibration without them, then their
+    blocks)."""
     graph = load_checkpoint(four_blocks)
     tokens = token_lists(graph.spec.vocab_size)
     lines: list[str] = []
@@ -401,6 +402,46 @@ def test_a_touched_step_that_passes_is_recalibrated_exactly_before_it_ships(four
     gates: list[int] = []
     ctx.gate = gate_passing_from(3, gates)  # back-off step 2 passes
     config = WeightQuantization(format="nvfp4", method="gptq", act_order=False)
+    assert config.ship_exact is False  # the default
+    record = run_gated(config, graph, ctx)
+    assert record.decision == "backed-off" and len(record.attempts) == 3 and len(gates) == 3  # no shipping gate
+    assert record.config["keep"] == [] and len(record.config["back_off_keep"]) == 2
+    assert record.config["back_off_scope"] == "touched"
+    steps = [line for line in lines if line.startswith("back-off step")]
+    assert [s.split(":")[0] for s in steps] == ["back-off step 1", "back-off step 2"]
+    rebuilds = "what its config rebuilds (back_off_keep: every block on the inputs the calibration without them gives)"
+    full = "every block as a full calibration with this keep list gives it"  # the touched block was the last
+    assert all(s.endswith((rebuilds, full)) for s in steps)
+    kept = tuple(record.config["back_off_keep"])
+    assert all(graph.linears[k].quant is None for k in kept)
+    assert all(record.result.skipped[k] == "kept in source precision by the back-off (back_off_keep)" for k in kept)
+    from kiln.optimizer.recipes import build_pass
+
+    rebuilt = build_pass(json.loads(json.dumps(record.config)))  # as a recipe file names it
+    assert rebuilt.back_off_keep == kept and rebuilt.keep == ()
+    rebuild_lines: list[str] = []
+    full_graph = load_checkpoint(four_blocks)
+    rebuilt.apply(full_graph, context(full_graph, tokens, rebuild_lines.append))
+    assert "weight-quant: back_off_keep (2 linears): calibrating without them first, then recalibrating the blocks " \
+           "that hold them" in rebuild_lines
+    assert_identical(stored(graph), stored(full_graph))
+    # what a plain keep list gives differs (its later blocks see the kept linears' outputs): that is ship_exact's
+    plain_graph, _ = full_build(four_blocks, tokens, replace_config(config, kept))
+    assert min(graph.linears[k].layer for k in kept) < 3  # so blocks after it were calibrated otherwise
+    assert any(not torch.equal(x, stored(plain_graph)[k]) for k, x in stored(graph).items())
+
+
+def test_with_ship_exact_a_touched_step_that_passes_is_recalibrated_exactly_before_it_ships(four_blocks):
+    """ship_exact: the search steps recalibrate only their blocks; the passing step is redone from its first
+    inexact block with its kept linears as `keep`, gated again, and what ships is bit for bit the full
+    calibration with that keep list, under the config the manifest records."""
+    graph = load_checkpoint(four_blocks)
+    tokens = token_lists(graph.spec.vocab_size)
+    lines: list[str] = []
+    ctx = context(graph, tokens, lines.append)
+    gates: list[int] = []
+    ctx.gate = gate_passing_from(3, gates)  # back-off step 2 passes
+    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False, ship_exact=True)
     record = run_gated(config, graph, ctx)
     assert record.decision == "backed-off" and len(record.attempts) == 4 and len(gates) == 4
     assert "weight-quant: the back-off passed the gate; redoing its shortcuts before it ships (gated again)" in lines
@@ -409,13 +450,13 @@ def test_a_touched_step_that_passes_is_recalibrated_exactly_before_it_ships(four
     steps = [line for line in lines if line.startswith("back-off step")]
     assert [s.split(":")[0] for s in steps] == ["back-off step 1", "back-off step 2", "back-off step 2, as it ships"]
     assert steps[-1].endswith("every block as a full calibration with this keep list gives it")
-    assert "on inputs an earlier attempt gave them" in steps[1]
+    assert "what its config rebuilds" in steps[1]
     keep = tuple(record.config["keep"])
     assert len(keep) == 2 and all(graph.linears[k].quant is None for k in keep)
     from kiln.optimizer.recipes import build_pass
 
     rebuilt = build_pass(json.loads(json.dumps(record.config)))  # as a recipe file names it
-    assert rebuilt.keep == keep and rebuilt.back_off_scope == "downstream"
+    assert rebuilt.keep == keep and rebuilt.back_off_keep == () and rebuilt.back_off_scope == "downstream"
     full_graph, _ = full_build(four_blocks, tokens, rebuilt)
     assert_identical(stored(graph), stored(full_graph))
 
@@ -427,9 +468,11 @@ def test_when_the_exact_recalibration_fails_the_gate_the_back_off_goes_on(four_b
     ctx = context(graph, tokens, lines.append)
     gates: list[int] = []
     ctx.gate = gate_passing_from(2, gates, failing=(3,))  # step 1 passes touched, fails exact; step 2 passes
-    record = run_gated(WeightQuantization(format="nvfp4", method="gptq", act_order=False), graph, ctx)
+    record = run_gated(WeightQuantization(format="nvfp4", method="gptq", act_order=False, ship_exact=True), graph,
+                       ctx)
     assert "weight-quant: without its shortcuts the back-off fails the gate; backing off further" in lines
     assert record.decision == "backed-off" and len(record.config["keep"]) == 2
+    assert record.config["back_off_keep"] == [] and record.config["back_off_scope"] == "downstream"
     # step 2 reused the exact product of the failed shipping attempt; it passed, and ships (exact or redone)
     full_graph, _ = full_build(four_blocks, tokens, WeightQuantization(
         format="nvfp4", method="gptq", act_order=False, keep=tuple(record.config["keep"])))
@@ -437,7 +480,7 @@ def test_when_the_exact_recalibration_fails_the_gate_the_back_off_goes_on(four_b
 
 
 def test_with_ship_exact_off_the_touched_product_ships():
-    cfg = WeightQuantization(format="nvfp4", method="gptq", ship_exact=False)
+    cfg = WeightQuantization(format="nvfp4", method="gptq")  # ship_exact off: the default
     cache = CalibrationCache(cfg._config_key(), (), [], 1.0)
     from kiln.passes.calibration_cache import BlockProduct
 
@@ -447,11 +490,13 @@ def test_with_ship_exact_off_the_touched_product_ships():
     res = WeightQuantResult("weight-quant")
     res.calibration = cache
     assert cfg.shipping(res) is None
-    exact_cfg = WeightQuantization(format="nvfp4", method="gptq")
+    exact_cfg = WeightQuantization(format="nvfp4", method="gptq", ship_exact=True, keep=("a",), back_off_keep=("b",))
     ship = exact_cfg.shipping(res)
-    assert ship.back_off_scope == "downstream" and ship.reuse is cache and ship.keep == exact_cfg.keep
+    assert ship.back_off_scope == "downstream" and ship.reuse is cache and ship.keep == ("a", "b")
+    assert ship.back_off_keep == ()
     cache.blocks[0].exact = True
-    assert exact_cfg.shipping(res) is None  # already a full calibration's
+    assert ship.shipping(res) is None  # already a full calibration's under its keep list
+    assert exact_cfg.shipping(res).keep == ("a", "b")  # nothing to redo, but what ships names them keep
     from kiln.kernels.errors import KilnError
 
     with pytest.raises(KilnError, match="ship_exact must be true or false"):
@@ -470,6 +515,48 @@ def test_unsequential_touched_steps_are_exact(four_blocks):
     config = WeightQuantization(format="nvfp4", method="gptq", act_order=False, sequential=False)
     record = run_gated(config, graph, ctx)
     assert record.decision == "backed-off" and len(record.attempts) == 2  # no shipping attempt
-    assert record.config["back_off_scope"] == "touched"
-    full_graph, _ = full_build(four_blocks, tokens, replace_config(config, tuple(record.config["keep"])))
-    assert_identical(stored(graph), stored(full_graph))
+    assert record.config["back_off_scope"] == "touched" and len(record.config["back_off_keep"]) == 1
+    full_graph, _ = full_build(four_blocks, tokens, replace_config(config, tuple(record.config["back_off_keep"])))
+    assert_identical(stored(graph), stored(full_graph))  # the same as a plain keep list: nothing moved
+
+
+def test_back_off_keep_is_checked_and_not_part_of_the_cache_key(four_blocks):
+    from kiln.kernels.errors import KilnError
+
+    a = WeightQuantization(format="nvfp4", back_off_keep=("x", "y", "x"))
+    assert a.back_off_keep == ("x", "y") and a._config_key() == WeightQuantization(format="nvfp4")._config_key()
+    with pytest.raises(KilnError, match="back_off_keep must be a list of module names"):
+        WeightQuantization(format="nvfp4", back_off_keep="model.layers.0.mlp.up_proj")
+    graph = load_checkpoint(four_blocks)
+    with pytest.raises(KilnError, match="back_off_keep names modules that do not exist: nope"):
+        replace_config(a, (), back_off_keep=("nope",)).check(graph, get_target("hopper"))
+
+
+def test_back_off_keep_rebuilds_bit_for_bit_when_the_cache_keeps_only_some_block_inputs(four_blocks, monkeypatch):
+    """A model whose calibration states do not all fit CHECKPOINT_BYTES keeps every k-th block's inputs: a block
+    between them is reached by replaying from the one before. A back_off_keep block whose replay runs through a
+    block a later step recalibrates is recalibrated with it, so the steps' product is still what the recorded
+    config rebuilds in one go."""
+    import kiln.passes.block_calibration as block_calibration
+
+    monkeypatch.setattr(block_calibration, "CHECKPOINT_BYTES", 1)  # only block 0's inputs are kept
+    graph = load_checkpoint(four_blocks)
+    tokens = token_lists(graph.spec.vocab_size)
+    lines: list[str] = []
+    ctx = context(graph, tokens, lines.append)
+    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False)
+    state = graph.snapshot()
+    cache = config.apply(graph, ctx).calibration
+    assert [b.checkpoint is not None for b in cache.blocks] == [True, False, False, False]
+    # step 1 keeps a linear of block 2; step 2 adds one of block 1, which block 2's replayed inputs run through
+    later, earlier = "model.layers.2.mlp.up_proj", "model.layers.1.self_attn.o_proj"
+    for kept in ((later,), (later, earlier)):
+        graph.restore(state)
+        WeightQuantization(format="nvfp4", method="gptq", act_order=False, back_off_keep=kept).reusing(cache).apply(
+            graph, ctx)
+    step2 = [line for line in lines if line.startswith("back-off step 2")]
+    assert step2 and "recalibrated blocks 1..2 (" in step2[0]  # block 2 again, though its own linears are the same
+    rebuilt = load_checkpoint(four_blocks)
+    WeightQuantization(format="nvfp4", method="gptq", act_order=False, back_off_keep=(later, earlier)).apply(
+        rebuilt, context(rebuilt, tokens))
+    assert_identical(stored(graph), stored(rebuilt))
