@@ -583,7 +583,9 @@ def bounds_cases(w: Workspace, out: Callable[[str], Path]) -> list[Case]:
               "draft-vocab-negative": "{pass: draft-head, draft_vocab: -5}",
               "heal-lr-inf": "{pass: mla, kv_fraction: 0.5, heal_lr: .inf}",
               "tree-width-2.5": "{pass: draft-head, tree_width: 2.5}",
-              "seed-x": "{pass: draft-head, seed: 'x'}"}
+              "seed-x": "{pass: draft-head, seed: 'x'}",
+              "back-off-keep-unknown": "{pass: weight-quant, back_off_keep: [model.layers.99.mlp.up_proj]}",
+              "back-off-keep-string": "{pass: weight-quant, back_off_keep: model.layers.0.mlp.up_proj}"}
 
     def write_recipes() -> None:
         for name, entry in fields.items():

@@ -224,7 +224,8 @@ class BlockCalibration:
         if inexact and self.back_off_keep and self.back_off_scope == "touched":
             exactness = ("what its config rebuilds (back_off_keep: every block on the inputs the calibration "
                          "without them gives)")
-        label = f"back-off step {cache.steps}" + (", as it ships" if self.ships else "")
+        label = ("back_off_keep, rebuilt" if self.rebuilding else
+                 f"back-off step {cache.steps}" + (", as it ships" if self.ships else ""))
         ctx.log(f"{label}: kept {len(self.keep) + len(self.back_off_keep)} linears in source precision, recalibrated "
                 f"blocks {block_span(redone)} ({seconds:.1f} s, {share} of the first calibration); reused "
                 f"blocks {kept}; {exactness}")

@@ -202,6 +202,8 @@ class WeightQuantization(BlockCalibration, Pass):
     # Not config either: the first half of a build with back_off_keep (calibration only; its tuning would be
     # undone)
     calibration_only: ClassVar[bool] = False
+    # ... and its second half, which the log names as such rather than as a back-off step
+    rebuilding: ClassVar[bool] = False
 
     def __post_init__(self):
         check_choice("format", self.format, WEIGHT_FORMATS)
@@ -375,8 +377,10 @@ class WeightQuantization(BlockCalibration, Pass):
         object.__setattr__(base, "calibration_only", True)
         cache = base.apply(graph, ctx).calibration
         graph.restore(state)
+        step = self.reusing(cache)
+        object.__setattr__(step, "rebuilding", True)
         try:
-            return self.reusing(cache).apply(graph, ctx)
+            return step.apply(graph, ctx)
         finally:
             if cache is not None:
                 cache.clear()

@@ -424,6 +424,8 @@ def test_a_touched_step_that_passes_ships_and_its_recorded_config_rebuilds_it(fo
     rebuilt.apply(full_graph, context(full_graph, tokens, rebuild_lines.append))
     assert "weight-quant: back_off_keep (2 linears): calibrating without them first, then recalibrating the blocks " \
            "that hold them" in rebuild_lines
+    assert any(line.startswith("back_off_keep, rebuilt: kept 2 linears in source precision") for line in rebuild_lines)
+    assert not any(line.startswith("back-off step") for line in rebuild_lines)
     assert_identical(stored(graph), stored(full_graph))
     # what a plain keep list gives differs (its later blocks see the kept linears' outputs): that is ship_exact's
     plain_graph, _ = full_build(four_blocks, tokens, replace_config(config, kept))
@@ -537,7 +539,7 @@ def test_back_off_keep_rebuilds_bit_for_bit_when_the_cache_keeps_only_some_block
     between them is reached by replaying from the one before. A back_off_keep block whose replay runs through a
     block a later step recalibrates is recalibrated with it, so the steps' product is still what the recorded
     config rebuilds in one go."""
-    import kiln.passes.block_calibration as block_calibration
+    from kiln.passes import block_calibration
 
     monkeypatch.setattr(block_calibration, "CHECKPOINT_BYTES", 1)  # only block 0's inputs are kept
     graph = load_checkpoint(four_blocks)
