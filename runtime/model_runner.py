@@ -167,19 +167,21 @@ class ModelRunner:
         `static_shapes` (default: with "reduce-overhead"): every step runs at a bucketed shape (see
         runtime.compiled_decode), and the forward must trace as one graph (fullgraph: no host sync inside)."""
         windows = tuple({None, *self.kv_windows})
-        self.compiled = CompiledDecode(self.model, self.device, windows, mode, static_shapes)
+        compiled = CompiledDecode(self.model, self.device, windows, mode, static_shapes)
         if warmup:
             # made outside inference mode, as the caches the engine serves from are (their tensors' dispatch keys
             # are part of what a compiled graph assumes)
-            self._warm_up_decode(self.new_kv_cache(num_blocks=2 * len(kv_groups(self.kv_windows))))
+            self._warm_up_decode(compiled, self.new_kv_cache(num_blocks=2 * len(kv_groups(self.kv_windows))))
+        # set once its graphs are compiled: a warm-up that fails leaves the runner eager, not half compiled
+        self.compiled = compiled
 
     @torch.inference_mode()  # as the scheduler's steps run: grad mode is part of what a compiled graph assumes
-    def _warm_up_decode(self, cache: PagedKVCache) -> None:
+    def _warm_up_decode(self, compiled: CompiledDecode, cache: PagedKVCache) -> None:
         for seq_id in range(2):
             cache.add_sequence(seq_id)
         for batch in (1, 2):  # histories of 2 and 3 tokens: a size 1 would compile a graph of its own
             positions = cache.prepare(list(range(batch)), torch.full((batch, 1), batch))
-            self.decode_logits(torch.zeros(batch, 1, dtype=torch.long, device=self.device), positions, cache)
+            compiled(torch.zeros(batch, 1, dtype=torch.long, device=self.device), positions, cache)
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """tokens, positions: [B, 1] of the forward `cache` has prepared -> logits [B, V]; compiled after
