@@ -330,10 +330,11 @@ class WeightQuantization(BlockCalibration, Pass):
                                                 "ship_exact")))
 
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
-        if self.back_off_keep and self.reuse is None and ctx.runner is not None and self.needs_calibration() \
-                and (self.sequential or self.awq):
-            return self._rebuild_back_off(graph, ctx)
         start_state = graph_state(graph)  # what a back-off's cache is checked against
+        if self.back_off_keep and ctx.runner is not None and self.needs_calibration() and \
+                (self.sequential or self.awq) and \
+                (self.reuse is None or self.reuse.matches(self._config_key(), start_state) is not None):
+            return self._rebuild_back_off(graph, ctx)  # no calibration without them to start from
         result = WeightQuantResult(self.name)
         chosen, result.skipped = self._selected(graph)
         if not chosen:

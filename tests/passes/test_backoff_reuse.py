@@ -176,6 +176,15 @@ def test_a_cache_from_another_graph_or_config_is_not_used(four_blocks):
     third.restore(state)
     WeightQuantization(format="nvfp4", method="gptq", damping=0.02, keep=keep).reusing(cache3).apply(third, ctx3)
     assert "its config differs beyond the keep list" in lines[-2]
+    # back_off_keep is defined by the calibration without them: with no cache that holds it, it is computed first
+    lines.clear()
+    step = WeightQuantization(format="nvfp4", method="gptq", back_off_keep=("model.layers.1.mlp.down_proj",))
+    fresh = load_checkpoint(four_blocks)  # not the graph `cache` was calibrated on
+    step.reusing(cache).apply(fresh, context(fresh, tokens, lines.append))
+    assert any("calibrating without them first" in line for line in lines)
+    rebuilt = load_checkpoint(four_blocks)
+    step.apply(rebuilt, context(rebuilt, tokens))
+    assert_identical(stored(fresh), stored(rebuilt))
 
 
 def test_gated_back_offs_reuse_and_record_plain_configs(four_blocks):
