@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -139,10 +140,10 @@ class Weights:
         of fp32 sums."""
         if not self.fuse or self.packed or len(lins) < 2:
             return None
-        entries = [self.formats.get(lin.name, {"format": "dense"}) for lin in lins]
-        first = entries[0]
-        if (len({lin.in_features for lin in lins}) > 1 or len({lin.bias for lin in lins}) > 1
-                or any(e.get(k) != first.get(k) for e in entries for k in ("activation", "input_rotation"))):
+        entries = [self.formats.get(lin.name, {}) for lin in lins]
+        inputs = {(e.get("activation", ActivationFormat.NONE), json.dumps(e.get("input_rotation"), sort_keys=True))
+                  for e in entries}
+        if len({lin.in_features for lin in lins}) > 1 or len({lin.bias for lin in lins}) > 1 or len(inputs) > 1:
             return None
         scales = [self.tensors.get(f"{lin.name}.input_scale") for lin in lins]
         if any((s is None) != (scales[0] is None) or (s is not None and not torch.equal(s, scales[0]))
