@@ -75,7 +75,7 @@ class BlockCalibration:
             redone.append(layer)
             products.append(self._calibrate_block(graph, observe, layer, by_layer[layer], result, idle))
             found = getattr(observe, "checkpoint", lambda: None)()  # the inputs this block was calibrated on
-            if found is not None and found.position != (len(graph.spec.layers) if layer is None else layer):
+            if found is not None and found.position != _position(graph, layer):
                 found = None
             exact = products[-1].exact = exact and (found is None or found.faithful)
             if found is not None:

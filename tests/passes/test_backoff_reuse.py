@@ -247,19 +247,26 @@ def test_on_stories260k_a_back_off_step_is_the_full_build_with_its_keep_list(tun
     assert_identical(stored(graph), stored(full_graph))
 
 
+def first_attempt(checkpoint):
+    """The back-off tests' start: the four-block model calibrated once by the nvfp4-w4a16 recipe's calibration,
+    as (graph, tokens, log lines, context, config, the graph's state before it, the calibration cache)."""
+    graph = load_checkpoint(checkpoint)
+    tokens = token_lists(graph.spec.vocab_size)
+    lines: list[str] = []
+    ctx = context(graph, tokens, lines.append)
+    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False)
+    state = graph.snapshot()
+    cache = config.apply(graph, ctx).calibration
+    return graph, tokens, lines, ctx, config, state, cache
+
+
 def quant_of(graph, layer: int) -> dict:
     return {n: lin.quant for n, lin in graph.linears.items() if lin.layer == layer}
 
 
 def test_a_touched_step_recalibrates_only_the_blocks_with_a_newly_kept_linear(four_blocks, monkeypatch):
-    graph = load_checkpoint(four_blocks)
-    tokens = token_lists(graph.spec.vocab_size)
-    lines: list[str] = []
-    ctx = context(graph, tokens, lines.append)
-    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False)
+    graph, tokens, lines, ctx, config, state, cache = first_attempt(four_blocks)
     assert config.back_off_scope == "touched"  # the default
-    state = graph.snapshot()
-    cache = config.apply(graph, ctx).calibration
     first = {layer: quant_of(graph, layer) for layer in range(4)}
     observed: list[int] = []
     session_type = type(ctx.runner.session(graph))
@@ -341,13 +348,7 @@ def test_a_touched_step_knows_which_blocks_are_exact_and_a_downstream_one_redoes
     """Keeping a linear of block 1: block 1 is recalibrated on the inputs block 0 computes (exact), blocks 2..3
     keep products of their old inputs (not exact). A downstream attempt with the same keep list then reuses
     blocks 0..1 only and stores the full calibration's bytes."""
-    graph = load_checkpoint(four_blocks)
-    tokens = token_lists(graph.spec.vocab_size)
-    lines: list[str] = []
-    ctx = context(graph, tokens, lines.append)
-    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False)
-    state = graph.snapshot()
-    cache = config.apply(graph, ctx).calibration
+    graph, tokens, lines, ctx, config, state, cache = first_attempt(four_blocks)
     assert [b.exact for b in cache.blocks] == [True] * 4
     keep = ("model.layers.1.mlp.up_proj",)
     graph.restore(state)
@@ -551,13 +552,7 @@ def test_back_off_keep_rebuilds_bit_for_bit_when_the_cache_keeps_only_some_block
     from kiln.passes import block_calibration
 
     monkeypatch.setattr(block_calibration, "CHECKPOINT_BYTES", 1)  # only block 0's inputs are kept
-    graph = load_checkpoint(four_blocks)
-    tokens = token_lists(graph.spec.vocab_size)
-    lines: list[str] = []
-    ctx = context(graph, tokens, lines.append)
-    config = WeightQuantization(format="nvfp4", method="gptq", act_order=False)
-    state = graph.snapshot()
-    cache = config.apply(graph, ctx).calibration
+    graph, tokens, lines, ctx, _, state, cache = first_attempt(four_blocks)
     assert [b.checkpoint is not None for b in cache.blocks] == [True, False, False, False]
     # step 1 keeps a linear of block 2; step 2 adds one of block 1, which block 2's replayed inputs run through
     later, earlier = "model.layers.2.mlp.up_proj", "model.layers.1.self_attn.o_proj"
