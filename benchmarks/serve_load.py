@@ -65,7 +65,13 @@ MAX_TOKENS = (16, 64, 128)
 
 # --- the server process --------------------------------------------------------------------------------------
 class ServerProcess:
+    """`optimize serve ARTIFACT ARGS` on a free port, ready once /health answers. Its decode step is eager
+    (`--compile off`) unless ARGS names a --compile mode: the default compiles in the background, and a switch
+    to the compiled step in the middle of a measurement would mix two servers' figures."""
+
     def __init__(self, artifact: Path, args: list[str], log_dir: Path):
+        if "--compile" not in args:
+            args = [*args, "--compile", "off"]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

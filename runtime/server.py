@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -64,6 +65,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from kiln.kernels.errors import KilnError
+from kiln.runtime.background_compile import BackgroundCompile
 from kiln.runtime.engine import load
 from kiln.runtime.engine_loop import Choices, ClientGone, Delta
 from kiln.runtime.openai_api import (
@@ -166,7 +168,7 @@ def _add_routes(app: FastAPI, state: ServingState) -> None:
     async def health():
         if state.draining or not state.engine_loop.alive:
             return JSONResponse({"status": "draining" if state.draining else "engine down"}, status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", "decode": "compiled" if state.engine.compiled else "eager"}
 
     @app.get("/metrics")
     async def metrics():
@@ -296,10 +298,12 @@ class GracefulServer(uvicorn.Server):
     in-flight ones finish), then the socket closes; a second one exits at once. Uvicorn's own handlers
     would close the socket at the first signal and re-raise it afterwards (exit 143)."""
 
-    def __init__(self, config, state: ServingState, announce: Callable[[str], None]):
+    def __init__(self, config, state: ServingState, announce: Callable[[str], None],
+                 background: BackgroundCompile | None = None):
         super().__init__(config)
         self.kiln = state
         self.announce = announce
+        self.background = background  # started once the server listens, parked when it shuts down
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -334,6 +338,13 @@ class GracefulServer(uvicorn.Server):
                           f"(max-num-seqs {self.kiln.config.max_num_seqs}, max-queue {self.kiln.config.max_queue}, "
                           f"{kv_pool_line(self.kiln.scheduler.cache)}, prefix caching "
                           f"{'on' if self.kiln.config.prefix_caching else 'off'})")
+            if self.background is not None:
+                self.background.start()
+
+    async def shutdown(self, sockets=None):
+        if self.background is not None:
+            self.background.stop()
+        await super().shutdown(sockets)
 
 
 def serve(artifact: Path | str, config: ServerConfig, announce: Callable[[str], None] | None = None) -> None:
@@ -341,11 +352,16 @@ def serve(artifact: Path | str, config: ServerConfig, announce: Callable[[str], 
     artifact = Path(artifact)
     engine = load(artifact, device=config.device)
     say = announce or (lambda line: print(line, flush=True))
-    if config.compile_decode:
+    compile_mode = config.compile_mode
+    if compile_mode == "before":
         say("compiling the decode step (torch.compile; /health answers once it is done) ...")
         engine.compile_decode(mode="reduce-overhead" if engine.device.type == "cuda" else None)
     model_id = config.served_model_name or artifact.resolve().name
     app = create_app(engine, config, model_id)
+    state = app.state.kiln
+    background = None
+    if compile_mode == "background":
+        background = BackgroundCompile(engine.compile_decode, state.scheduler.has_work, say)
     drafter = app.state.kiln.scheduler.drafter
     if drafter is not None:
         say(f"speculative decoding: {type(drafter).__name__}, up to {config.draft_tokens} drafts a step"
@@ -355,10 +371,22 @@ def serve(artifact: Path | str, config: ServerConfig, announce: Callable[[str], 
                if drafter.needs_features and config.prefix_caching else ""))
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
                                lifespan="on", timeout_graceful_shutdown=30)
-    server = GracefulServer(uv_config, app.state.kiln, say)
+    server = GracefulServer(uv_config, state, say, background)
     try:
         server.run()
     except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
         if exc.code not in (0, None):
             raise KilnError(f"cannot serve on {config.host}:{config.port} (see the line above)") from None
+        _exit_if_compiling(background)
         raise
+    _exit_if_compiling(background)
+
+
+def _exit_if_compiling(background: BackgroundCompile | None) -> None:
+    """Served and drained, with a background compile still under way: end the process now (exit 0, output
+    flushed). The compile thread may be inside torch's C++ code, and the interpreter's teardown around it can
+    crash (a segfault in place of exit 0)."""
+    if background is not None and background.running:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

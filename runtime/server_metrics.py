@@ -51,6 +51,8 @@ class ServerMetrics:
                               buckets=latency[:-3], registry=r)
         self.e2e = Histogram("kiln_e2e_request_latency_seconds", "Arrival to the last token", buckets=latency,
                              registry=r)
+        self.decode_compiled = Gauge("kiln_decode_compiled", "1 once decode steps run compiled (torch.compile), "
+                                     "else 0", registry=r)
         self.waiting = Gauge("kiln_num_requests_waiting", "Requests in the wait queue", registry=r)
         self.running = Gauge("kiln_num_requests_running", "Requests in the running batch", registry=r)
         self.kv_usage = Gauge("kiln_kv_cache_usage_ratio", "KV blocks held by sequences / blocks in the pool",

@@ -26,6 +26,9 @@ from kiln.runtime.speculative import check_draft_tokens, check_tree_width
 RETRY_AFTER_SECONDS = 1
 
 
+COMPILE_MODES = ("auto", "background", "before", "off")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How `serve` runs. Every field is validated here, with the bad value named."""
@@ -39,7 +42,10 @@ class ServerConfig:
     prefix_caching: bool = True
     served_model_name: str | None = None  # None: the artifact directory's name
     num_blocks: int | None = None  # KV blocks in the pool; None: the engine's default pool size
-    compile_decode: bool = False  # Engine.compile_decode before serving (minutes of compiling at startup)
+    # torch.compile of the decode step: "background" (compiled on a second thread while requests are answered
+    # eagerly; runtime.background_compile), "before" (before the server listens: minutes of start-up), "off",
+    # or "auto": background on the CPU, off on a GPU (CUDA graphs are captured before serving: "before")
+    compile_decode: str = "auto"
     device: str = "cpu"  # "cuda": packed weights, bf16 activations, KV pool and sampling on the GPU
     # service-level objectives: /metrics then counts the finished requests that met each (kiln_slo_*)
     ttft_slo: float | None = None  # seconds from arrival to the first token
@@ -50,6 +56,13 @@ class ServerConfig:
     speculative: str | None = None
     draft_tokens: int = 4
     tree_width: int | None = None
+
+    @property
+    def compile_mode(self) -> str:
+        """`compile_decode` with "auto" resolved for the device."""
+        if self.compile_decode != "auto":
+            return self.compile_decode
+        return "background" if self.device == "cpu" else "off"
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -67,6 +80,11 @@ class ServerConfig:
                 raise KilnError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise KilnError(f"num_blocks must be >= 1, got {self.num_blocks!r}")
+        if self.compile_decode not in COMPILE_MODES:
+            raise KilnError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile_decode!r}")
+        if self.compile_decode == "background" and self.device != "cpu":
+            raise KilnError("--compile background runs on the CPU only (a GPU captures CUDA graphs, which must not "
+                            "share the device with serving): use --compile before or off")
         if self.speculative not in (None, "auto", "head", "prompt-lookup"):
             raise KilnError(f"--speculative must be auto, head or prompt-lookup, got {self.speculative!r}")
         check_draft_tokens(self.draft_tokens)
@@ -90,6 +108,7 @@ class ServingState(RequestParser):
                                    prefix_caching=config.prefix_caching, num_blocks=config.num_blocks,
                                    tokenizer=engine.tokenizer, drafter=drafter, draft_tokens=config.draft_tokens)
         self.metrics = ServerMetrics(config.ttft_slo, config.tpot_slo)
+        self.metrics.decode_compiled.set_function(lambda: float(engine.compiled))
         self.engine_loop = EngineLoop(self.scheduler, self.metrics, log)
         context = engine.spec.max_position_embeddings
         # the most tokens (prompt + output) one request may hold: the context, and what the pool holds of one

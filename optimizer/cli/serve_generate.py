@@ -79,8 +79,9 @@ def serve(
     request_timeout: Annotated[float | None, typer.Option(callback=REQUEST_TIMEOUT, help="abort a request after SEC seconds (504)")] = None,
     prefix_caching: Annotated[bool, typer.Option(help="reuse the KV blocks of shared prompt prefixes")] = True,
     served_model_name: Annotated[str | None, typer.Option(help="model id (default: the directory name)")] = None,
-    compile: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step before serving: "
-                                          "faster steps, minutes of compiling at startup")] = False,
+    compile: Annotated[str, typer.Option("--compile", help="torch.compile the decode step: "
+                                         "background (answer eagerly while it compiles), before (minutes of "
+                                         "start-up), off; auto: background on the CPU, off on a GPU")] = "auto",
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "cpu",
     ttft_slo: Annotated[float | None, typer.Option(callback=SLO, help="SLO: seconds to the first token; "
                                                    "/metrics counts the requests that met it (kiln_slo_*)")] = None,

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kiln.calibration import progress
 from kiln.calibration.data import FORWARD_BATCH_TOKENS
 from kiln.optimizer.measure.calibration_session import RuntimeCalibrationSession, RuntimeCalibrator
 from kiln.optimizer.measure.draft_training import DraftDistillation
@@ -35,6 +36,9 @@ from kiln.optimizer.measure.gate import engine_from_graph
 from kiln.optimizer.measure.kv_capture import KvCapture
 from kiln.optimizer.measure.logit_kl import LogitKl
 from kiln.passes.graph import ModelGraph
+
+GENERATE_SLICE = 64
+"""Prompts `ModelRunner.generate` decodes together: a slice at a time, so a long generation reports progress."""
 
 
 class RuntimeRunner:
@@ -80,8 +84,16 @@ class RuntimeRunner:
                  temperature: float = 0.0, seed: int | None = None,
                  stop_ids: Sequence[int] = ()) -> list[list[int]]:
         engine = engine_from_graph(graph, device=self.device)
-        return [tokens for tokens, _ in engine.generate_ids(prompts, max_new_tokens, temperature=temperature,
-                                                            seed=seed, stop_ids=stop_ids)]
+        out: list[list[int]] = []
+        # in slices, so a long generation reports progress; a slice still batches GENERATE_SLICE prompts together
+        with progress.stage("generate", total=len(prompts), unit="prompts") as task:
+            for start in range(0, len(prompts), GENERATE_SLICE):
+                part = prompts[start:start + GENERATE_SLICE]
+                out += [tokens for tokens, _ in engine.generate_ids(
+                    part, max_new_tokens, temperature=temperature,
+                    seed=None if seed is None else seed + start, stop_ids=stop_ids)]
+                task.advance(len(part))
+        return out
 
     def draft_distillation(self, graph: ModelGraph, module, init, extra_token_lists, max_batch_tokens: int = 2048):
         text = [*self._calibrator.token_lists, *extra_token_lists]  # every calibration paragraph, then the extra

@@ -47,8 +47,12 @@ class Server:
         self.stdout, self.stderr = log_dir / f"serve-{self.port}.out", log_dir / f"serve-{self.port}.err"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         with self.stdout.open("w") as out, self.stderr.open("w") as err:
+            # eager unless a test names a --compile mode: a background compile would load the CPU the other
+            # tests' timing bounds assume
+            compile_mode = () if "--compile" in args else ("--compile", "off")
             self.proc = subprocess.Popen([sys.executable, "-m", "kiln.optimizer.cli", "serve", str(artifact),
-                                          "--port", str(self.port), *args], stdout=out, stderr=err, env=env)
+                                          "--port", str(self.port), *args, *compile_mode], stdout=out, stderr=err,
+                                         env=env)
 
     def logs(self) -> str:
         return self.stdout.read_text() + self.stderr.read_text()
@@ -418,3 +422,46 @@ def test_speculative_serving_gives_the_same_greedy_text_and_counts_its_drafts(ar
         server.stop()
     code, _, stderr = cli("serve", artifact, "--speculative", "--draft", "head")
     assert code != 0 and "no draft head" in stderr and stderr.strip().count("\n") == 0
+
+
+def test_by_default_serve_compiles_its_decode_step_in_the_background_and_keeps_its_tokens(artifact, tmp_path):
+    """The CPU default (`--compile auto`): /health answers while the step is still eager, the compile runs on a
+    second thread and swaps in (health and /metrics say so), and greedy completions and concurrent ones are the
+    same text before and after."""
+    paragraphs = [p.strip() for p in EVAL_TEXT.read_text().split("\n\n")[:4]]
+    prompts = [" ".join(p.split()[:n]) for p, n in zip(paragraphs, (30, 12, 40, 20), strict=True)]
+    server = Server(artifact, tmp_path, "--compile", "auto").wait()
+
+    def complete_all() -> list[str]:
+        import concurrent.futures
+
+        with httpx.Client(timeout=60) as http, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            return list(pool.map(lambda p: http.post(f"{server.url}/v1/completions", json={
+                "prompt": p, "max_tokens": 40, "temperature": 0}).json()["choices"][0]["text"], prompts))
+
+    try:
+        assert httpx.get(f"{server.url}/health", timeout=5).json() == {"status": "ok", "decode": "eager"}
+        eager = complete_all()
+        end = time.monotonic() + 300
+        while httpx.get(f"{server.url}/health", timeout=5).json()["decode"] != "compiled":
+            assert time.monotonic() < end, f"not compiled in 300 s: {server.logs()}"
+            time.sleep(0.5)
+        assert server.metrics()["kiln_decode_compiled"] == 1
+        assert complete_all() == eager
+        logs = server.logs()
+        assert "compiling the decode step in the background" in logs and "decode step compiled in" in logs
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0
+
+
+@pytest.mark.parametrize("seconds", [0.5, 6])
+def test_sigterm_during_the_background_compile_exits_0(artifact, tmp_path, seconds):
+    """A server stopped while its decode step still compiles drains and exits 0 (the compile thread, inside
+    torch's C++ code at that moment, used to crash the interpreter's teardown)."""
+    server = Server(artifact, tmp_path, "--compile", "background").wait()
+    time.sleep(seconds)
+    assert httpx.get(f"{server.url}/health", timeout=5).json()["decode"] == "eager"  # still compiling
+    server.stop()
+    assert server.proc.returncode == 0, server.logs()
+    assert "decode step compiled" not in server.logs()
