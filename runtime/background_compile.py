@@ -6,14 +6,13 @@ the CPU).
     job.stop()           # shutting down: the compile thread parks at its next Python call
 
 `Engine.compile_decode` swaps the compiled step in only once its warm-up has compiled it, so the scheduler's
-steps run eager until then and compiled after, with nothing to coordinate. What needs care is the GIL: torch's
-tracing is pure Python, and a step of eager decoding releases and retakes the GIL at every operation, so a
+steps run eager until then and compiled after, with nothing else to coordinate. What needs care is the GIL:
+torch's tracing is pure Python, and an eager decode step releases and retakes the GIL at every operation, so a
 compile running flat out makes each eager step wait on it thousands of times (SmolLM2-135M, one thread: 16
-tokens took 10 s instead of 0.97 s). The compile thread therefore yields: a profile function in that thread
-alone sleeps YIELD_SECONDS every YIELD_EVERY_CALLS Python calls while `busy()` is true, handing the GIL to
-the engine thread. Measured on SmolLM2 under continuous load: eager steps 1.3x slower while it compiles
-(against 10x without yielding), the compile done in about 100 s instead of 24 s on an idle server
-(benchmarks/results/decode.md).
+tokens took 10 s instead of 0.97 s). So the compile thread pauses: a profile function in that thread alone
+looks at `busy()` every CHECK_EVERY_CALLS Python calls and sleeps while it is true. The compile advances
+only while the server is idle, and requests are decoded at eager speed meanwhile. A server that is never
+idle stays eager, as it would be without it. Figures: benchmarks/results/decode.md.
 """
 
 from __future__ import annotations

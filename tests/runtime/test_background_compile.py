@@ -4,6 +4,7 @@ server eager, and a server that compiled answers greedy requests with the tokens
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -16,11 +17,11 @@ from kiln.runtime.serving_state import ServerConfig
 
 def _python_work(progress: list[int], units: int) -> None:
     """A stand-in for tracing: many Python calls, each unit of them counted."""
-    def unit(i: int) -> int:
+    def unit() -> int:
         return sum(_leaf(j) for j in range(60))
 
     for i in range(units):
-        unit(i)
+        unit()
         progress.append(i)
 
 
@@ -70,7 +71,6 @@ def test_the_profile_hook_is_the_compile_threads_alone():
     job = BackgroundCompile(lambda: seen.append(threading.current_thread().name), lambda: False, lambda line: None)
     job.start()
     assert job.done.wait(10)
-    import sys
     assert seen == ["kiln-compile"] and sys.getprofile() is None
 
 
