@@ -13,6 +13,11 @@ tokens took 10 s instead of 0.97 s). So the compile thread pauses: a profile fun
 looks at `busy()` every CHECK_EVERY_CALLS Python calls and sleeps while it is true. The compile advances
 only while the server is idle, and requests are decoded at eager speed meanwhile. A server that is never
 idle stays eager, as it would be without it. Figures: benchmarks/results/decode.md.
+
+While a compile is paused in the middle of tracing, `torch.compiler.is_compiling()` (a process-wide flag) is
+true on the engine thread too. The one branch on it in the CPU path (runtime/linear.py) picks between two calls
+of the same oneDNN product, so eager steps compute what they would otherwise; a branch added there must keep
+that true.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ PARK_SECONDS = 0.1
 
 class BackgroundCompile:
     """Runs `compile` (a callable that swaps a compiled decode step in when it returns) on a daemon thread
-    that yields the GIL whenever `busy()` is true. `log` gets one line when it starts, ends or fails."""
+    that pauses whenever `busy()` is true. `log` gets one line when it starts, ends or fails."""
 
     def __init__(self, compile: Callable[[], None], busy: Callable[[], bool], log: Callable[[str], None]):
         self._compile = compile

@@ -348,7 +348,8 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(artifact: Path | str, config: ServerConfig, announce: Callable[[str], None] | None = None) -> None:
-    """Load `artifact` and serve it until SIGTERM/SIGINT has drained the requests in flight."""
+    """Load `artifact` and serve it until SIGTERM/SIGINT has drained the requests in flight. If a background
+    compile is still under way then, the process ends here with exit 0 (`_exit_if_compiling`)."""
     artifact = Path(artifact)
     engine = load(artifact, device=config.device)
     say = announce or (lambda line: print(line, flush=True))
