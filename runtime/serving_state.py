@@ -24,8 +24,6 @@ from kiln.runtime.server_metrics import ServerMetrics
 from kiln.runtime.speculative import check_draft_tokens, check_tree_width
 
 RETRY_AFTER_SECONDS = 1
-
-
 COMPILE_MODES = ("auto", "background", "before", "off")
 
 
