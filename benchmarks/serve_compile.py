@@ -37,7 +37,7 @@ def run_requests(server: ServerProcess, count: int, max_tokens: int) -> tuple[li
     with httpx.Client(timeout=600) as http:
         for _ in range(count):
             start = time.perf_counter()
-            body = {"model": server.model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
             response = http.post(f"{server.url}/v1/completions", json=body)
             response.raise_for_status()
             seconds.append(time.perf_counter() - start)
@@ -48,7 +48,6 @@ def run_requests(server: ServerProcess, count: int, max_tokens: int) -> tuple[li
 
 def measure(artifact: Path, mode: str, requests: int, max_tokens: int, timeout: float) -> dict:
     server = ServerProcess(artifact, ["--compile", mode], Path(tempfile.mkdtemp(prefix="kiln-serve-compile-")))
-    server.model = artifact.resolve().name
     ready = time.monotonic()
     try:
         loaded, texts, eager = run_requests(server, requests, max_tokens)

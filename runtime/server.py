@@ -363,7 +363,7 @@ def serve(artifact: Path | str, config: ServerConfig, announce: Callable[[str], 
     background = None
     if compile_mode == "background":
         background = BackgroundCompile(engine.compile_decode, state.scheduler.has_work, say)
-    drafter = app.state.kiln.scheduler.drafter
+    drafter = state.scheduler.drafter
     if drafter is not None:
         say(f"speculative decoding: {type(drafter).__name__}, up to {config.draft_tokens} drafts a step"
             + (f", a tree of {drafter.tree_width} per depth for greedy requests"

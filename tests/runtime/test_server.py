@@ -394,26 +394,34 @@ def test_chat_messages_use_the_chat_template_when_there_is_one(artifact):
     assert state.chat_prompt(messages) == expected
 
 
+def _four_prompts() -> list[str]:
+    """The first words of four evaluation paragraphs, of four lengths."""
+    paragraphs = [p.strip() for p in EVAL_TEXT.read_text().split("\n\n")[:4]]
+    return [" ".join(p.split()[:n]) for p, n in zip(paragraphs, (30, 12, 40, 20), strict=True)]
+
+
+def _complete_at_once(server: Server, prompts: list[str], max_tokens: int) -> list[str]:
+    """Greedy completions of `prompts`, sent together from four threads: their texts in prompt order."""
+    import concurrent.futures
+
+    with httpx.Client(timeout=60) as http, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda p: http.post(f"{server.url}/v1/completions", json={
+            "prompt": p, "max_tokens": max_tokens, "temperature": 0}).json()["choices"][0]["text"], prompts))
+
+
 def test_speculative_serving_gives_the_same_greedy_text_and_counts_its_drafts(artifact, tmp_path, cli):
     """`serve --speculative --draft prompt-lookup`: greedy completions (one alone, then four at once) are plain
     decoding's; /metrics counts verifications, drafts and acceptances. A drafter the artifact lacks is one line."""
     from kiln import runtime
 
     engine = runtime.load(artifact)
-    paragraphs = [p.strip() for p in EVAL_TEXT.read_text().split("\n\n")[:4]]
-    prompts = [" ".join(p.split()[:n]) for p, n in zip(paragraphs, (30, 12, 40, 20), strict=True)]
+    prompts = _four_prompts()
     expected = [engine.generate(p, 48, temperature=0)[0].text for p in prompts]
     server = Server(artifact, tmp_path, "--speculative", "--draft", "prompt-lookup", "--draft-tokens", "3").wait()
     try:
         got = server.post("/v1/completions", {"prompt": prompts[0], "max_tokens": 48, "temperature": 0})
         assert got.json()["choices"][0]["text"] == expected[0]
-        with httpx.Client(timeout=60) as http:
-            import concurrent.futures
-
-            with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                texts = list(pool.map(lambda p: http.post(f"{server.url}/v1/completions", json={
-                    "prompt": p, "max_tokens": 48, "temperature": 0}).json()["choices"][0]["text"], prompts))
-        assert texts == expected
+        assert _complete_at_once(server, prompts, 48) == expected
         m = server.idle_metrics()
         assert m["kiln_spec_decode_num_verifications_total"] > 0
         assert 0 < m["kiln_spec_decode_num_accepted_tokens_total"] <= m["kiln_spec_decode_num_draft_tokens_total"]
@@ -428,26 +436,17 @@ def test_by_default_serve_compiles_its_decode_step_in_the_background_and_keeps_i
     """The CPU default (`--compile auto`): /health answers while the step is still eager, the compile runs on a
     second thread and swaps in (health and /metrics say so), and greedy completions and concurrent ones are the
     same text before and after."""
-    paragraphs = [p.strip() for p in EVAL_TEXT.read_text().split("\n\n")[:4]]
-    prompts = [" ".join(p.split()[:n]) for p, n in zip(paragraphs, (30, 12, 40, 20), strict=True)]
+    prompts = _four_prompts()
     server = Server(artifact, tmp_path, "--compile", "auto").wait()
-
-    def complete_all() -> list[str]:
-        import concurrent.futures
-
-        with httpx.Client(timeout=60) as http, concurrent.futures.ThreadPoolExecutor(4) as pool:
-            return list(pool.map(lambda p: http.post(f"{server.url}/v1/completions", json={
-                "prompt": p, "max_tokens": 40, "temperature": 0}).json()["choices"][0]["text"], prompts))
-
     try:
         assert httpx.get(f"{server.url}/health", timeout=5).json() == {"status": "ok", "decode": "eager"}
-        eager = complete_all()
+        eager = _complete_at_once(server, prompts, 40)
         end = time.monotonic() + 300
         while httpx.get(f"{server.url}/health", timeout=5).json()["decode"] != "compiled":
             assert time.monotonic() < end, f"not compiled in 300 s: {server.logs()}"
             time.sleep(0.5)
         assert server.metrics()["kiln_decode_compiled"] == 1
-        assert complete_all() == eager
+        assert _complete_at_once(server, prompts, 40) == eager
         logs = server.logs()
         assert "compiling the decode step in the background" in logs and "decode step compiled in" in logs
     finally:
