@@ -174,9 +174,11 @@ class ModelRunner(Protocol):
         `stop_ids` (included) or after `max_new_tokens`."""
 
     def draft_distillation(self, graph: ModelGraph, module: Any, init: Mapping[str, Any],
-                           extra_token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 2048) -> Any:
+                           extra_token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 2048,
+                           unroll: int = 2) -> Any:
         """A draft module's self-distillation objective on every calibration paragraph plus `extra_token_lists`
-        (e.g. the graph's own generations), against the graph as it stands:
+        (e.g. the graph's own generations), against the graph as it stands, drafting `unroll` steps ahead (EAGLE-3's
+        training-time test):
         `.parameters` (tensor name -> trainable tensor, from `init`), `.loss(step)` (forward and backward on one
         batch), `len()` and `.batch_tokens(step)` (optimizer.measure.draft_training)."""
 

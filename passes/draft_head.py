@@ -206,6 +206,9 @@ class DraftHead(Pass):
     # text (its own lm_head: the target's rows there, frozen), which cuts each draft step's lm_head by
     # vocab / draft_vocab; 0: the whole vocabulary through the target's lm_head
     draft_vocab: int = 0
+    # drafting steps unrolled in training (EAGLE-3's training-time test: the head trains on its own outputs,
+    # attending as it drafts); each costs about one more forward and backward of the head; 0: draft_tokens
+    unroll: int = 0
 
     name: ClassVar[str] = "draft-head"
     exclusive: ClassVar[str | None] = "draft module"  # the runtime drafts with one; a second would replace it
@@ -229,6 +232,7 @@ class DraftHead(Pass):
         check_range("draft-head: seed", self.seed, 0, MAX_SEED, integer=True)
         check_range("draft-head: draft_vocab", self.draft_vocab, 0, 1 << 24, integer=True,
                     why="0: the whole vocabulary")
+        check_range("draft-head: unroll", self.unroll, 0, 16, integer=True, why="0: draft_tokens")
         if self.architecture not in (*ARCHITECTURES, "auto"):
             raise KilnError(f"draft-head: architecture={self.architecture!r} is not allowed; choose one of "
                             f"{', '.join(ARCHITECTURES)}, auto")
@@ -283,7 +287,8 @@ class DraftHead(Pass):
         if module.draft_vocab:
             init[module.draft_vocab], coverage = draft_vocabulary([*calibration, *generations], self.draft_vocab,
                                                                   graph.spec.vocab_size)
-        objective = ctx.runner.draft_distillation(graph, module, init, generations, self.batch_tokens)
+        unroll = self.unroll or self.draft_tokens
+        objective = ctx.runner.draft_distillation(graph, module, init, generations, self.batch_tokens, unroll)
         history = tune(list(objective.parameters.values()), objective.loss, self.train_steps, self.lr,
                        log=ctx.log)
         trained = dict(objective.parameters)
@@ -298,7 +303,7 @@ class DraftHead(Pass):
                                   + (f", reading layers {list(module.aux_layers)}" if module.aux_layers else "")
                                   + (f", drafting over {self.draft_vocab} tokens" if module.draft_vocab else ""))
         result.metrics.update({"parameters": params, "train_steps": self.train_steps, "train_tokens": tokens,
-                               "train_seconds": round(seconds, 1)})
+                               "unrolled_steps": unroll, "train_seconds": round(seconds, 1)})
         if coverage is not None:
             result.metrics.update({"draft_vocab": self.draft_vocab, "draft_vocab_coverage": round(coverage, 5)})
             result.notes.append(f"draft vocabulary: the {self.draft_vocab} of {graph.spec.vocab_size} tokens most "
@@ -308,6 +313,7 @@ class DraftHead(Pass):
             result.metrics["final_loss"] = history[-1]
         result.notes.append(f"self-distilled on the calibration text and {len(generations)} "
                             f"of the target's own continuations: {self.train_steps} steps, {tokens} tokens, "
+                            f"{unroll} drafting steps unrolled, "
                             f"{seconds:.0f} s; "
                             + ("its own final norm; its lm_head the target's rows over the draft vocabulary"
                                if module.draft_vocab else "its own final norm; the target's lm_head"

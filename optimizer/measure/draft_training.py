@@ -9,8 +9,10 @@ An EAGLE-3 head is held to the same regression, although EAGLE-3 trains on KL al
 feeds back, and pulling it toward the target's feature drafted better on stories260K
 (benchmarks/results/speculative.md).
 
-A second, unrolled step (EAGLE-3's "training-time test", simplified) feeds the head its own output features at
-every position and trains the token after: what it sees from its second draft on.
+EAGLE-3's training-time test unrolls drafting: step j (1 < j <= `unroll`) feeds the head its own output of step
+j - 1 one position earlier and trains the token after, attending as drafting does (`unroll_mask`): the first
+step's keys up to the position the draft started from (what the target verified, run with its true features),
+then one key of each later step, its own earlier drafts. Each step's terms weigh STEP_DECAY ** (j - 1).
 
 The training text is the calibration paragraphs and the target's own greedy continuations of their first 16
 tokens: the head learns the target's behaviour, which is what it must predict when drafting for it.
@@ -37,7 +39,7 @@ from kiln.runtime.spec import ExtraModuleSpec
 
 FEATURE_WEIGHT = 1.0
 NOISE = 0.2  # uniform feature noise, +-NOISE/2 in units of the features' RMS (EAGLE: U(-0.1, 0.1) on ~unit RMS)
-UNROLL_WEIGHT = 0.5
+STEP_DECAY = 0.8  # the weight of step j's terms: STEP_DECAY ** (j - 1), as EAGLE-3's training-time test
 
 
 class _Batch:
@@ -57,7 +59,11 @@ class DraftDistillation:
     `parameters`, tensor name -> trainable fp32 tensor)."""
 
     def __init__(self, graph: ModelGraph, module: ExtraModuleSpec, init: Mapping[str, torch.Tensor],
-                 token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 2048, seed: int = 0):
+                 token_lists: Sequence[Sequence[int]], max_batch_tokens: int = 2048, seed: int = 0,
+                 unroll: int = 2):
+        if unroll < 1:
+            raise KilnError(f"draft head: unroll counts the drafting steps trained, at least 1; got {unroll}")
+        self.unroll = unroll
         tensors, formats = lower_tensors(graph)
         spec = graph.spec
         weights = Weights({**tensors, **{n: t.float() for n, t in init.items()}}, formats, spec)
@@ -128,18 +134,30 @@ class DraftDistillation:
             teacher = torch.log_softmax(head(self.target.norm(feats)), dim=-1)
             scale = inputs.pow(2).mean().sqrt()
             noise = (torch.rand(inputs.shape, generator=self.generator) - 0.5) * NOISE * scale
-        # step 1: (f_t + noise, token t+1) at position t -> f̂_{t+1}, the distribution of token t+2
-        x = self.module.project((inputs + noise)[:, :-1])
-        out = self.module(x, b.tokens[:, 1:], b.positions[:, :-1])
-        valid = b.mask[:, 2:]  # token t+2 exists
-        total = self._terms(out[:, :-1], feats[:, 1:-1], teacher[:, 1:-1], valid)
-        # step 2: the head's own features at every position, the token after
-        out2 = self.module(out[:, :-1], b.tokens[:, 2:], b.positions[:, 1:-1])
-        valid2 = b.mask[:, 3:]
-        if valid2.any():
-            total = total + UNROLL_WEIGHT * self._terms(out2[:, :-1], feats[:, 2:-1], teacher[:, 2:-1], valid2)
+        total = 0.0
+        outs = self.unrolled((inputs + noise)[:, :-1], b.tokens[:, 1:], b.positions[:, :-1])
+        steps = torch.arange(b.tokens.shape[1] - 2)
+        for j, out in enumerate(outs, start=1):
+            # step j at position t drafts token t+2 from the head's step j-1 output at t-1 (t >= j-1)
+            valid = b.mask[:, 2:] & (steps >= j - 1)
+            if valid.any():
+                total = total + STEP_DECAY ** (j - 1) * self._terms(out[:, :-1], feats[:, 1:-1], teacher[:, 1:-1],
+                                                                     valid)
         total.backward()
         return float(total.detach())
+
+    def unrolled(self, inputs: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """The training-time test: the head's outputs [B, T, C] of steps 1..unroll. Step 1 reads `inputs` (the
+        target's features at positions t, before projection) and the tokens at t+1; step j > 1 at position t
+        reads step j-1's output at t-1 and the same token, its attention masked as drafting's (`unroll_mask`)."""
+        cache = _UnrollCache(inputs.shape[1])
+        out = self.module(self.module.project(inputs), next_tokens, positions, cache)
+        outs = [out]
+        for _ in range(1, self.unroll):
+            shifted = torch.cat([out.new_zeros(out[:, :1].shape), out[:, :-1]], dim=1)
+            out = self.module(shifted, next_tokens, positions, cache)
+            outs.append(out)
+        return outs
 
     def _terms(self, out: torch.Tensor, target_features: torch.Tensor, teacher: torch.Tensor,
                valid: torch.Tensor) -> torch.Tensor:
@@ -148,6 +166,38 @@ class DraftDistillation:
         scale = target_features[valid].pow(2).mean().sqrt().clamp_min(1e-6)
         regression = F.smooth_l1_loss(out[valid] / scale, target_features[valid] / scale)
         return kl + FEATURE_WEIGHT * regression
+
+
+def unroll_mask(length: int, step: int) -> torch.Tensor:
+    """[length, step * length] (True: attend): step `step`'s query at position t against the keys of steps
+    1..step, each `length` positions long, side by side. Step 1's keys up to t - (step - 1), the positions the
+    target verified before this draft began; step m's (1 < m <= step) at t - (step - m) alone, the draft's own
+    output m - 1 steps into it. Step 1 alone is causal."""
+    t = torch.arange(length)[:, None]
+    s = torch.arange(length)[None, :]
+    blocks = [s <= t - (step - 1)] + [s == t - (step - m) for m in range(2, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+class _UnrollCache:
+    """The draft layer's keys and values of the steps unrolled so far, standing in for the paged cache: each
+    step's `update` appends its own and returns all of them, and `explicit_mask` masks them as drafting would."""
+
+    decode_kernel = False
+    step_masks = None
+
+    def __init__(self, length: int):
+        self.length = length
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.explicit_mask: torch.Tensor | None = None
+
+    def update(self, layer: int, kv, positions: torch.Tensor):
+        k, v = kv
+        self.keys.append(k)
+        self.values.append(v)
+        self.explicit_mask = unroll_mask(self.length, len(self.keys)).to(k.device)
+        return torch.cat(self.keys, dim=1), torch.cat(self.values, dim=1)
 
 
 def draft_head_rows(target: Transformer, d2t: torch.Tensor) -> torch.Tensor:

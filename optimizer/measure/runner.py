@@ -95,6 +95,7 @@ class RuntimeRunner:
                 task.advance(len(part))
         return out
 
-    def draft_distillation(self, graph: ModelGraph, module, init, extra_token_lists, max_batch_tokens: int = 2048):
+    def draft_distillation(self, graph: ModelGraph, module, init, extra_token_lists, max_batch_tokens: int = 2048,
+                           unroll: int = 2):
         text = [*self._calibrator.token_lists, *extra_token_lists]  # every calibration paragraph, then the extra
-        return DraftDistillation(graph, module, init, text, max_batch_tokens)
+        return DraftDistillation(graph, module, init, text, max_batch_tokens, unroll=unroll)
