@@ -145,6 +145,9 @@ class ModelRunner(Protocol):
     calibration tokens; implemented in optimizer/measure/runner.py (passes/ never imports the runtime)."""
 
     calibration_tokens: Sequence[Sequence[int]]  # tokenized calibration paragraphs (calibration.txt)
+    # every calibration paragraph the build tokenized: what distillation fits (calibration_tokens, which
+    # observation runs on, may be the first few hundred of them)
+    all_token_lists: Sequence[Sequence[int]]
 
     def session(self, graph: ModelGraph) -> CalibrationSession:
         """Open a calibration session on the graph as it stands (observe linears' inputs; distillation)."""

@@ -271,11 +271,12 @@ class DraftHead(Pass):
         hidden = graph.spec.hidden_size
         architecture = self.resolved(graph)
         started = time.perf_counter()
-        calibration = [list(t) for t in ctx.runner.calibration_tokens]
+        calibration = [list(t) for t in ctx.runner.all_token_lists]  # every paragraph, not observation's few
         prompts = [t[:PROMPT_TOKENS] for t in calibration if len(t) >= PROMPT_TOKENS][: self.generated]
         if len(prompts) < self.generated:
             result.notes.append(f"generated {len(prompts)} continuations, not {self.generated}: the calibration text "
-                                f"has {len(prompts)} paragraphs of {PROMPT_TOKENS}+ tokens to prompt with")
+                                f"has {len(prompts)} paragraphs of {PROMPT_TOKENS}+ tokens to prompt with "
+                                f"(of {len(calibration)})")
         generations = []
         if prompts and self.generated_tokens:
             context = graph.spec.max_position_embeddings
@@ -303,7 +304,8 @@ class DraftHead(Pass):
                                   + (f", reading layers {list(module.aux_layers)}" if module.aux_layers else "")
                                   + (f", drafting over {self.draft_vocab} tokens" if module.draft_vocab else ""))
         result.metrics.update({"parameters": params, "train_steps": self.train_steps, "train_tokens": tokens,
-                               "unrolled_steps": unroll, "train_seconds": round(seconds, 1)})
+                               "generated": len(generations), "unrolled_steps": unroll,
+                               "train_seconds": round(seconds, 1)})
         if coverage is not None:
             result.metrics.update({"draft_vocab": self.draft_vocab, "draft_vocab_coverage": round(coverage, 5)})
             result.notes.append(f"draft vocabulary: the {self.draft_vocab} of {graph.spec.vocab_size} tokens most "

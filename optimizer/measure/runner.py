@@ -63,6 +63,10 @@ class RuntimeRunner:
         self._kl = LogitKl(source, self.calibration_tokens, device=self.device)
         self._fisher = FisherKl(self.calibration_tokens, device=self.device)
 
+    @property
+    def all_token_lists(self) -> list[list[int]]:
+        return self._calibrator.token_lists
+
     def session(self, graph: ModelGraph) -> RuntimeCalibrationSession:
         return self._calibrator.session(graph)
 
@@ -97,5 +101,5 @@ class RuntimeRunner:
 
     def draft_distillation(self, graph: ModelGraph, module, init, extra_token_lists, max_batch_tokens: int = 2048,
                            unroll: int = 2):
-        text = [*self._calibrator.token_lists, *extra_token_lists]  # every calibration paragraph, then the extra
+        text = [*self.all_token_lists, *extra_token_lists]  # every calibration paragraph, then the extra
         return DraftDistillation(graph, module, init, text, max_batch_tokens, unroll=unroll)

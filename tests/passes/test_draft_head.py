@@ -142,6 +142,32 @@ def test_gemma3_gets_an_mtp_head_that_drafts_losslessly(tiny_checkpoints):
     assert ids == engine.generate_ids(prompt, max_new_tokens=12) and stats.tau >= 1.0
 
 
+def test_the_head_prompts_from_every_calibration_paragraph_not_observations_first_few(generated_checkpoint):
+    """The build observes the first 256 calibration paragraphs (RuntimeRunner.calibration_tokens) but distils
+    on all of them: the head's generations prompt from all of them too."""
+    import torch
+
+    from kiln.kernels.targets import get_target
+    from kiln.optimizer.loader import load_checkpoint
+    from kiln.optimizer.measure.runner import RuntimeRunner
+    from kiln.passes.base import PassContext, Pipeline
+
+    graph = load_checkpoint(generated_checkpoint)
+    gen = torch.Generator().manual_seed(0)
+    paragraphs = [torch.randint(3, 200, (20,), generator=gen).tolist() for _ in range(12)]
+    runner = RuntimeRunner(graph, paragraphs[:3], distillation_tokens=paragraphs)
+    ctx = PassContext(get_target("hopper"), runner=runner)
+    (record,) = Pipeline([DraftHead(architecture="mtp", train_steps=1, generated=10, generated_tokens=2, min_tau=1.0,
+                                         unroll=1)]).run(
+        graph, ctx)
+    assert record.result.metrics["generated"] == 10 and record.result.metrics["unrolled_steps"] == 1
+    (record,) = Pipeline([DraftHead(architecture="mtp", train_steps=1, generated=20, generated_tokens=2, min_tau=1.0,
+                                         unroll=1)]).run(
+        load_checkpoint(generated_checkpoint), ctx)
+    assert record.result.metrics["generated"] == 12
+    assert "generated 12 continuations, not 20" in record.result.notes[0] and "(of 12)" in record.result.notes[0]
+
+
 def test_the_draft_vocabulary_is_the_most_frequent_tokens_by_hand():
     """Counts over the lists: token 5 four times, 2 three times, 9 and 7 twice (ties: the lower id), 1 once; a
     vocabulary of 3 holds {2, 5, 7} as d2t offsets from 0, 1, 2, and 9 of the 12 tokens."""
