@@ -111,7 +111,8 @@ def quality(engine, drafters: dict, prompts, args) -> dict:
     for mode in drafters:
         log(f"  speculative decoding with {mode}")
         spec, stats = decode(engine, mode, drafters, prompts, args)
-        out[mode] = {"tau": stats.tau, "acceptance": stats.acceptance,
+        out[mode] = {"tau": stats.tau, "acceptance": stats.acceptance, "steps": stats.steps,
+                     "by_position": stats.accepted_by_position,
                      "differ": [i for i, (a, b) in enumerate(zip(plain, spec, strict=True)) if a != b]}
     return out
 
@@ -223,6 +224,9 @@ def report(name: str, spec, manifest: dict, training: dict | None, quality_rows:
         lines.append(f"| {label} | {q['tau']:.3f} | {q['acceptance']:.3f} | {n - len(q['differ'])}/{n} | "
                      + " | ".join(speedup_cell(best, mode, b) for b in batches)
                      + f" | {break_even(best, mode, args.sweep)} |")
+    lines += ["", "Verification steps whose j-th draft was accepted, j = 1, 2, ... (a tree: its chosen path):", ""]
+    lines += [f"- {LABELS[mode]}: {', '.join(map(str, q['by_position'])) or 'none'} of {q['steps']} steps"
+              for mode, q in quality_rows.items()]
     for mode, q in quality_rows.items():
         if q["differ"]:
             lines += ["", f"**{mode}: {len(q['differ'])} outputs differ from plain greedy decoding: {q['differ']}**"]

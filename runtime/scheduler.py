@@ -169,7 +169,8 @@ class Scheduler:
                 "steps": self.num_steps, "prompt_tokens_computed": self.prompt_tokens_computed,
                 "generated_tokens": self.generated_tokens,
                 **({"spec_verifications": self.speculative.steps, "spec_draft_tokens": self.speculative.drafted,
-                    "spec_accepted_tokens": self.speculative.accepted, "spec_emitted_tokens": self.speculative.emitted}
+                    "spec_accepted_tokens": self.speculative.accepted, "spec_emitted_tokens": self.speculative.emitted,
+                    "spec_accepted_by_position": self.speculative.accepted_by_position}
                    if self.drafter is not None else {})}
 
     # --- one iteration -------------------------------------------------------------------------------------
@@ -467,9 +468,7 @@ class Scheduler:
                                          request.penalty)
             path, emitted = accept_row(row_logits, drafts[request.id], probs[request.id], nodes[request.id],
                                        request.params.temperature, request.params.top_p, request.generator)
-            stats.steps += 1
-            stats.drafted += len(node_tokens) - 1
-            stats.accepted += len(path)
+            stats.record(len(node_tokens) - 1, len(path))
             before = len(request.output_ids)
             for token in emitted:
                 events.append(self._append(request, token, now))

@@ -76,6 +76,10 @@ class ServerMetrics:
             ("num_accepted_tokens", "Draft tokens accepted"),
             ("num_emitted_tokens", "Tokens emitted by verifications (accepted drafts and the target's own)"))}
         self._spec_seen = dict.fromkeys(self.spec, 0)
+        self.spec_by_position = Counter("kiln_spec_decode_num_accepted_tokens_per_pos",
+                                        "Verifications whose draft at this position (1 = the first) was accepted",
+                                        ["position"], registry=r)
+        self._by_position_seen: list[int] = []
 
     def observe_state(self, scheduler) -> None:
         stats = scheduler.stats()
@@ -91,6 +95,12 @@ class ServerMetrics:
             if stats.get(key, 0) > self._spec_seen[name]:
                 self.spec[name].inc(stats[key] - self._spec_seen[name])
                 self._spec_seen[name] = stats[key]
+        by_position = stats.get("spec_accepted_by_position", [])
+        for j, count in enumerate(by_position):
+            seen = self._by_position_seen[j] if j < len(self._by_position_seen) else 0
+            if count > seen:
+                self.spec_by_position.labels(str(j + 1)).inc(count - seen)
+        self._by_position_seen = list(by_position)  # cumulative, and only ever longer
 
     def observe_finished(self, request) -> None:
         self.prompt_tokens.inc(len(request.prompt_ids))

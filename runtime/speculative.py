@@ -28,7 +28,7 @@ n-gram, as vLLM's ngram speculator) and `NgramTableDrafter` (a corpus n-gram tab
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -117,6 +117,20 @@ class SpeculativeStats:
     emitted: int = 0  # tokens emitted by verification steps
     drafted: int = 0
     accepted: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # [n]: verification steps that accepted n drafts
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verification step that checked `drafted` draft nodes and accepted `accepted` of them."""
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.accepted_lengths += [0] * (accepted + 1 - len(self.accepted_lengths))
+        self.accepted_lengths[accepted] += 1
+
+    @property
+    def accepted_by_position(self) -> list[int]:
+        """Steps whose j-th draft (j = 1, 2, ...) was accepted, as vLLM counts acceptance per position."""
+        return [sum(self.accepted_lengths[j:]) for j in range(1, len(self.accepted_lengths))]
 
     @property
     def tau(self) -> float:
@@ -314,9 +328,7 @@ def _run_wave(runner: Runner, cache, prompts, rows, max_new_tokens, drafter, k, 
                                         node_tokens, parents, penalty)
                 path, emitted = accept_row(row_logits, d, draft_probs[r], nodes[r], temperature, top_p, generator)
                 n = len(path)
-                stats.steps += 1
-                stats.drafted += len(node_tokens) - 1
-                stats.accepted += n
+                stats.record(len(node_tokens) - 1, n)
                 out = results[r][0]
                 appended, reason = _emit(emitted, out, stop_ids, max_new_tokens)
                 stats.emitted += appended

@@ -164,6 +164,7 @@ def test_greedy_speculative_is_plain_decoding_on_200_prompts(stories):
         assert spec == plain, name
         assert stats.steps > 0 and stats.emitted == sum(len(o) for o, _ in plain) - sum(
             1 for o, _ in plain if o)  # every token but each row's first came from a verification
+        assert sum(stats.accepted_lengths) == stats.steps and sum(stats.accepted_by_position) == stats.accepted
         if name == "oracle":
             assert stats.tau > 3.0 and 0 < stats.accepted < stats.drafted
         if name == "trigram":
@@ -342,3 +343,14 @@ def test_a_tight_pool_runs_rows_in_waves_with_room_for_the_tree(stories):
     plain = engine.generate_ids(prompts[:2], 16)
     spec, _ = engine.speculative_ids(prompts[:2], 16, 4, engine.drafter("head", tree_width=3))
     assert spec == plain and engine.kv_pool.num_used_blocks == 0
+
+
+def test_acceptance_by_draft_position_by_hand():
+    from kiln.runtime.speculative import SpeculativeStats
+
+    stats = SpeculativeStats()
+    for accepted in (2, 0, 4, 1):
+        stats.record(4, accepted)
+    assert stats.accepted_lengths == [1, 1, 1, 0, 1]
+    assert stats.accepted_by_position == [3, 2, 1, 1]  # 3 steps accepted a first draft, 1 all four
+    assert (stats.steps, stats.drafted, stats.accepted) == (4, 16, 7)
