@@ -77,7 +77,7 @@ class ServerMetrics:
             ("num_emitted_tokens", "Tokens emitted by verifications (accepted drafts and the target's own)"))}
         self._spec_seen = dict.fromkeys(self.spec, 0)
         self.spec_by_position = Counter("kiln_spec_decode_num_accepted_tokens_per_pos",
-                                        "Verifications whose draft at this position (1 = the first) was accepted",
+                                        "Verifications whose draft at this position (0 = the first, as vLLM) was accepted",
                                         ["position"], registry=r)
         self._by_position_seen: list[int] = []
 
@@ -99,7 +99,7 @@ class ServerMetrics:
         for j, count in enumerate(by_position):
             seen = self._by_position_seen[j] if j < len(self._by_position_seen) else 0
             if count > seen:
-                self.spec_by_position.labels(str(j + 1)).inc(count - seen)
+                self.spec_by_position.labels(str(j)).inc(count - seen)
         self._by_position_seen = list(by_position)  # cumulative, and only ever longer
 
     def observe_finished(self, request) -> None:

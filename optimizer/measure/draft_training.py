@@ -20,6 +20,7 @@ tokens: the head learns the target's behaviour, which is what it must predict wh
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Mapping, Sequence
 
@@ -168,6 +169,7 @@ class DraftDistillation:
         return kl + FEATURE_WEIGHT * regression
 
 
+@functools.lru_cache(maxsize=256)
 def unroll_mask(length: int, step: int) -> torch.Tensor:
     """[length, step * length] (True: attend): step `step`'s query at position t against the keys of steps
     1..step, each `length` positions long, side by side. Step 1's keys up to t - (step - 1), the positions the

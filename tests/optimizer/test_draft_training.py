@@ -78,3 +78,23 @@ def test_unroll_counts_at_least_one_step(four_layers):
     module = head_module(graph, "eagle3")
     with pytest.raises(KilnError, match="unroll counts the drafting steps"):
         DraftDistillation(graph, module, init_tensors(module, graph.spec.hidden_size, 0), [[1, 2, 3]], unroll=0)
+
+
+def test_a_padded_batch_unrolls_each_row_as_alone(four_layers):
+    """Rows padded at the end: every valid position's output at every step is the row's own, alone."""
+    torch.manual_seed(0)
+    module = head_module(four_layers, "eagle3")
+    objective = DraftDistillation(four_layers, module, init_tensors(module, four_layers.spec.hidden_size, 1),
+                                  [[5, 6, 7]], unroll=3)
+    lengths = (11, 7)
+    tokens = torch.randint(3, four_layers.spec.vocab_size, (2, max(lengths)))
+    tokens[1, lengths[1]:] = 0
+    positions = torch.arange(max(lengths)).expand(2, -1)
+    with torch.no_grad():
+        inputs = objective.target.features(tokens, positions, collect=objective.module.aux_layers)[1]
+        batch = objective.unrolled(inputs[:, :-1], tokens[:, 1:], positions[:, :-1])
+        for row, n in enumerate(lengths):
+            alone = objective.unrolled(inputs[row:row + 1, :n - 1], tokens[row:row + 1, 1:n], positions[:1, :n - 1])
+            for j, (b, a) in enumerate(zip(batch, alone, strict=True), start=1):
+                torch.testing.assert_close(b[row, j - 1:n - 1], a[0, j - 1:], rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, j=j, row=row: f"row {row} step {j}: {m}")

@@ -164,7 +164,6 @@ def test_greedy_speculative_is_plain_decoding_on_200_prompts(stories):
         assert spec == plain, name
         assert stats.steps > 0 and stats.emitted == sum(len(o) for o, _ in plain) - sum(
             1 for o, _ in plain if o)  # every token but each row's first came from a verification
-        assert sum(stats.accepted_lengths) == stats.steps and sum(stats.accepted_by_position) == stats.accepted
         if name == "oracle":
             assert stats.tau > 3.0 and 0 < stats.accepted < stats.drafted
         if name == "trigram":
