@@ -207,7 +207,9 @@ class DraftHead(Pass):
     # vocab / draft_vocab; 0: the whole vocabulary through the target's lm_head
     draft_vocab: int = 0
     # drafting steps unrolled in training (EAGLE-3's training-time test: the head trains on its own outputs,
-    # attending as it drafts); each costs about one more forward and backward of the head; 0: draft_tokens
+    # attending as it drafts); each costs about one more forward and backward of the head, and holds its own
+    # [batch_tokens, vocabulary] logits until the backward (a large vocabulary: use draft_vocab, or lower
+    # batch_tokens); 0: draft_tokens
     unroll: int = 0
 
     name: ClassVar[str] = "draft-head"
