@@ -169,7 +169,7 @@ class DraftDistillation:
         return kl + FEATURE_WEIGHT * regression
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=16)  # a batch's steps; masks are [T, step * T] booleans
 def unroll_mask(length: int, step: int) -> torch.Tensor:
     """[length, step * length] (True: attend): step `step`'s query at position t against the keys of steps
     1..step, each `length` positions long, side by side. Step 1's keys up to t - (step - 1), the positions the
