@@ -157,13 +157,13 @@ def test_the_head_prompts_from_every_calibration_paragraph_not_observations_firs
     paragraphs = [torch.randint(3, 200, (20,), generator=gen).tolist() for _ in range(12)]
     runner = RuntimeRunner(graph, paragraphs[:3], distillation_tokens=paragraphs)
     ctx = PassContext(get_target("hopper"), runner=runner)
-    (record,) = Pipeline([DraftHead(architecture="mtp", train_steps=1, generated=10, generated_tokens=2, min_tau=1.0,
-                                         unroll=1)]).run(
-        graph, ctx)
+    def head(generated: int) -> DraftHead:
+        return DraftHead(architecture="mtp", train_steps=1, generated=generated, generated_tokens=2, min_tau=1.0,
+                         unroll=1)
+
+    (record,) = Pipeline([head(10)]).run(graph, ctx)
     assert record.result.metrics["generated"] == 10 and record.result.metrics["unrolled_steps"] == 1
-    (record,) = Pipeline([DraftHead(architecture="mtp", train_steps=1, generated=20, generated_tokens=2, min_tau=1.0,
-                                         unroll=1)]).run(
-        load_checkpoint(generated_checkpoint), ctx)
+    (record,) = Pipeline([head(20)]).run(load_checkpoint(generated_checkpoint), ctx)
     assert record.result.metrics["generated"] == 12
     assert "generated 12 continuations, not 20" in record.result.notes[0] and "(of 12)" in record.result.notes[0]
 
