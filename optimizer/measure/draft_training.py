@@ -77,25 +77,7 @@ class DraftDistillation:
                 weights.tensors[head] = draft_head_rows(self.target, init[module.draft_vocab])
         self.module = draft_module(module, weights, self.target)
         self.spec = module
-        m = self.module
-        if module.kind == "eagle3":
-            own = {module.norms[0]: m.hidden_norm.weight, module.norms[1]: m.norm.weight,
-                   f"{module.linears['fc'].name}.weight": m.fc.weight}
-            layer_modules, norm_modules = m, (m.input_norm, m.post_norm)
-        else:
-            own = {module.norms[0]: m.enorm.weight, module.norms[1]: m.hnorm.weight,
-                   f"{module.linears['eh_proj'].name}.weight": m.eh_proj.weight}
-            layer_modules, norm_modules = m.block, (m.block.input_norm, m.block.post_norm)
-        # the layer's norms in LayerSpec order: input, MLP input, then q/k (Qwen3, Gemma); then the output norms
-        attention = layer_modules.attention
-        norm_modules = (*norm_modules, *((attention.q_norm, attention.k_norm) if attention.q_norm is not None
-                                         else ()))
-        own.update({name: norm.weight for name, norm in zip(module.layer.norms, norm_modules, strict=True)})
-        if module.layer.output_norms:
-            outs = (layer_modules.attention_out_norm, layer_modules.mlp_out_norm)
-            own.update({name: norm.weight for name, norm in zip(module.layer.output_norms, outs, strict=True)})
-        for lin in module.layer.linears():
-            own[f"{lin.name}.weight"] = _find_linear(layer_modules, lin.name, module)
+        own = trainable_tensors(module, self.module)
         # a draft vocabulary's head (the target's lm_head rows at its ids) and its d2t stay as given
         frozen = {head, module.draft_vocab} if module.draft_vocab else set()
         missing = sorted(set(init) - set(own) - frozen)
@@ -200,6 +182,31 @@ class _UnrollCache:
         self.values.append(v)
         self.explicit_mask = unroll_mask(self.length, len(self.keys)).to(k.device)
         return torch.cat(self.keys, dim=1), torch.cat(self.values, dim=1)
+
+
+def trainable_tensors(module: ExtraModuleSpec, draft: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The draft module's own tensors, by their names in the artifact: what training fits (its fc or eh_proj,
+    norms and decoder layer; not the target's embedding, nor a draft vocabulary's frozen lm_head rows)."""
+    m = draft
+    if module.kind == "eagle3":
+        own = {module.norms[0]: m.hidden_norm.weight, module.norms[1]: m.norm.weight,
+               f"{module.linears['fc'].name}.weight": m.fc.weight}
+        layer_modules, norm_modules = m, (m.input_norm, m.post_norm)
+    else:
+        own = {module.norms[0]: m.enorm.weight, module.norms[1]: m.hnorm.weight,
+               f"{module.linears['eh_proj'].name}.weight": m.eh_proj.weight}
+        layer_modules, norm_modules = m.block, (m.block.input_norm, m.block.post_norm)
+    # the layer's norms in LayerSpec order: input, MLP input, then q/k (Qwen3, Gemma); then the output norms
+    attention = layer_modules.attention
+    norm_modules = (*norm_modules, *((attention.q_norm, attention.k_norm) if attention.q_norm is not None
+                                     else ()))
+    own.update({name: norm.weight for name, norm in zip(module.layer.norms, norm_modules, strict=True)})
+    if module.layer.output_norms:
+        outs = (layer_modules.attention_out_norm, layer_modules.mlp_out_norm)
+        own.update({name: norm.weight for name, norm in zip(module.layer.output_norms, outs, strict=True)})
+    for lin in module.layer.linears():
+        own[f"{lin.name}.weight"] = _find_linear(layer_modules, lin.name, module)
+    return own
 
 
 def draft_head_rows(target: Transformer, d2t: torch.Tensor) -> torch.Tensor:
