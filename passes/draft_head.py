@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 
 from kiln.calibration.tuning import tune
-from kiln.kernels.errors import KilnError
+from kiln.kernels.errors import KilnError, clip
 from kiln.passes.base import (
     MAX_BATCH_TOKENS,
     MAX_LR,
@@ -149,13 +149,78 @@ def draft_vocabulary(token_lists: Sequence[Sequence[int]], size: int, vocab: int
     """EAGLE-3's draft vocabulary: the `size` tokens most frequent in `token_lists` (ties: the lower id; too
     few distinct tokens: the lowest unseen ids fill it), as d2t offsets (draft id i -> target id i + d2t[i], the
     ids ascending), and the fraction of the lists' tokens it holds."""
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for t in token_lists:
-        counts += torch.bincount(torch.as_tensor(t, dtype=torch.long), minlength=vocab)[:vocab]
+    counts = token_counts(token_lists, vocab)
     order = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))  # stable: ties by id
     ids = torch.tensor(sorted(order[:size]), dtype=torch.long)
     total = int(counts.sum())
     return ids - torch.arange(size), (int(counts[ids].sum()) / total if total else 0.0)
+
+
+def token_counts(token_lists: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for t in token_lists:
+        counts += torch.bincount(torch.as_tensor(t, dtype=torch.long), minlength=vocab)[:vocab]
+    return counts
+
+
+def vocabulary_coverage(token_lists: Sequence[Sequence[int]], d2t: torch.Tensor) -> float:
+    """The fraction of the lists' tokens a draft vocabulary (d2t offsets) holds."""
+    ids = torch.arange(d2t.numel()) + d2t.long()
+    counts = token_counts(token_lists, int(ids.max()) + 1 if ids.numel() else 1)
+    total = sum(len(t) for t in token_lists)
+    return int(counts[ids].sum()) / total if total else 0.0
+
+
+def resume_source(path: str, graph: ModelGraph, module: ExtraModuleSpec, verify: bool = True) -> tuple[dict, str]:
+    """(artifact `path`'s manifest, where-prefix for errors), refused in one line unless it reads (with every
+    checksum when `verify`), came from `graph`'s source config, and carries a head of exactly `module`'s
+    structure (its tree width aside: verification's, not the head's)."""
+    from kiln.runtime.artifact import read_manifest
+    from kiln.runtime.spec import spec_from_json
+
+    where = f"draft-head: init_from {clip(path)}"
+    manifest = read_manifest(path, verify=verify)
+    source = manifest["source"].get("config_sha256")
+    if source and graph.source.config_sha256 and source != graph.source.config_sha256:
+        raise KilnError(f"{where} was built from another model (its source config differs); a head drafts "
+                        "only for the model it was trained on")
+    theirs = [m for m in spec_from_json(manifest["architecture"]).extra_modules if m.kind in DRAFT_KINDS]
+    if not theirs:
+        raise KilnError(f"{where} has no draft head to start from")
+    head = dataclasses.replace(theirs[0], tree_width=module.tree_width)
+    if head != module:
+        raise KilnError(f"{where}: its head ({describe_head(head)}) is not this recipe's ({describe_head(module)}); "
+                        "set architecture and draft_vocab as its build did")
+    return manifest, where
+
+
+def resumed_head(path: str, graph: ModelGraph, module: ExtraModuleSpec,
+                 init: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
+    """The draft head of artifact `path` (`resume_source`) in place of `init`: the same names, floating tensors
+    as float32; and a note saying where it came from."""
+    from safetensors import safe_open
+
+    from kiln.runtime.artifact import WEIGHTS, artifact_file
+
+    manifest, where = resume_source(path, graph, module)
+    out = {}
+    with safe_open(artifact_file(path, manifest, WEIGHTS), framework="pt") as f:
+        for name, fresh in init.items():
+            value = f.get_tensor(name)
+            if value.shape != fresh.shape:  # the equal specs make this a corrupt file's
+                raise KilnError(f"{where}: {name} is {list(value.shape)}, this head's is {list(fresh.shape)}")
+            out[name] = value.float() if value.is_floating_point() else value.to(fresh.dtype)
+    steps = sum(int(r["config"].get("train_steps", 0)) for r in manifest["passes"]
+                if r["config"].get("pass") == "draft-head")
+    return out, (f"started from {clip(path)}'s {module.kind} head ({steps} steps in its build), not a random "
+                 "init" + (", with its draft vocabulary" if module.draft_vocab else ""))
+
+
+def describe_head(module: ExtraModuleSpec) -> str:
+    vocab = (f", drafting over {module.linears['lm_head'].out_features} tokens"
+             if module.draft_vocab and "lm_head" in module.linears else "")
+    kind = "mtp" if module.kind == "draft_head" else module.kind  # the recipe's architecture names
+    return kind + (f" reading layers {list(module.aux_layers)}" if module.aux_layers else "") + vocab
 
 
 def attach(graph: ModelGraph, module: ExtraModuleSpec, tensors: dict[str, torch.Tensor]) -> None:
@@ -211,6 +276,9 @@ class DraftHead(Pass):
     # [batch_tokens, vocabulary] logits until the backward (a large vocabulary: use draft_vocab, or lower
     # batch_tokens); 0: draft_tokens
     unroll: int = 0
+    # a Kiln artifact built from the same model whose draft head, of this recipe's shape, starts training in
+    # place of the random init (its draft vocabulary too): train_steps more steps on a head that is underfit
+    init_from: str = ""
 
     name: ClassVar[str] = "draft-head"
     exclusive: ClassVar[str | None] = "draft module"  # the runtime drafts with one; a second would replace it
@@ -235,6 +303,8 @@ class DraftHead(Pass):
         check_range("draft-head: draft_vocab", self.draft_vocab, 0, 1 << 24, integer=True,
                     why="0: the whole vocabulary")
         check_range("draft-head: unroll", self.unroll, 0, 16, integer=True, why="0: draft_tokens")
+        if not isinstance(self.init_from, str):
+            raise KilnError(f"draft-head: init_from must be an artifact's path, got {self.init_from!r}")
         if self.architecture not in (*ARCHITECTURES, "auto"):
             raise KilnError(f"draft-head: architecture={self.architecture!r} is not allowed; choose one of "
                             f"{', '.join(ARCHITECTURES)}, auto")
@@ -255,7 +325,9 @@ class DraftHead(Pass):
     def check(self, graph: ModelGraph, target) -> None:
         if not any(m.kind in DRAFT_KINDS for m in graph.spec.extra_modules):
             # refuses a shape it cannot copy, or a draft vocabulary it cannot have, before anything runs
-            head_module(graph, self.resolved(graph), self.draft_vocab)
+            module = head_module(graph, self.resolved(graph), self.draft_vocab)
+            if self.init_from:
+                resume_source(self.init_from, graph, module, verify=False)
 
     def apply(self, graph: ModelGraph, ctx: PassContext) -> PassResult:
         result = PassResult(self.name)
@@ -290,6 +362,11 @@ class DraftHead(Pass):
         if module.draft_vocab:
             init[module.draft_vocab], coverage = draft_vocabulary([*calibration, *generations], self.draft_vocab,
                                                                   graph.spec.vocab_size)
+        if self.init_from:
+            init, resumed = resumed_head(self.init_from, graph, module, init)
+            result.notes.append(resumed)
+            if module.draft_vocab:
+                coverage = vocabulary_coverage([*calibration, *generations], init[module.draft_vocab])
         unroll = self.unroll or self.draft_tokens
         objective = ctx.runner.draft_distillation(graph, module, init, generations, self.batch_tokens, unroll)
         history = tune(list(objective.parameters.values()), objective.loss, self.train_steps, self.lr,

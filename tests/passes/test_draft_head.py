@@ -192,3 +192,52 @@ def test_a_draft_vocabulary_is_eagle3s_and_smaller_than_the_vocabulary(generated
         DraftHead(architecture="eagle3", draft_vocab=graph.spec.vocab_size).check(graph, "hopper")
     with pytest.raises(KilnError, match="draft_vocab"):
         DraftHead(draft_vocab=-1)
+
+
+@needs_stories
+def test_init_from_resumes_an_artifacts_head_bit_for_bit_and_refuses_another_shape(head_artifact, plain_artifact,
+                                                                                      tmp_path):
+    """Zero more steps from the fixture's head ship that head unchanged (each tensor equal, its draft figures
+    the same); a head of another shape, an artifact without one, or one of another model is refused before
+    anything runs, and nothing is written."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from kiln.optimizer.build import build
+
+    def run(head: DraftHead, name: str):
+        return build(STORIES, "hopper", Recipe("resume", (head,)), tmp_path / name, eval_data=EVAL_TEXT,
+                     paragraphs=80)
+
+    source = str(head_artifact.path)
+    resumed = run(DraftHead(train_steps=0, generated=0, min_tau=1.0, init_from=source), "resumed")
+    theirs, ours = load_file(head_artifact.path / "model.safetensors"), load_file(resumed.path / "model.safetensors")
+    head = [n for n in theirs if n.startswith("draft_head.")]
+    assert len(head) > 8 and all(torch.equal(theirs[n], ours[n]) for n in head)
+    record = resumed.manifest["passes"][0]
+    assert any(f"{source}'s eagle3 head (150 steps in its build)" in note for note in record["result"]["notes"])
+    tau = [next(m["value"] for m in r["gate"]["metrics"] if m["name"] == "tau")
+           for r in (head_artifact.manifest["passes"][0], record)]
+    assert tau[0] == tau[1]
+
+    with pytest.raises(KilnError, match="its head \\(eagle3 reading layers \\[1, 2, 4\\]\\) is not this recipe's \\(mtp\\)"):
+        run(DraftHead(architecture="mtp", init_from=source), "mtp")
+    from tests.runtime.test_artifact_hostile import _lie
+
+    headless = shutil.copytree(head_artifact.path, tmp_path / "headless")
+
+    def drop(tensors, manifest):
+        manifest["architecture"]["extra_modules"] = []
+        for name in [n for n in tensors if n.startswith("draft_head.")]:
+            del tensors[name]
+
+    _lie(headless, edit_tensors=drop)
+    with pytest.raises(KilnError, match="has no draft head to start from"):
+        run(DraftHead(init_from=str(headless)), "none")
+    with pytest.raises(KilnError, match="was built from another model"):
+        run(DraftHead(init_from=str(plain_artifact)), "other")
+    with pytest.raises(KilnError, match="is not a Kiln artifact"):
+        run(DraftHead(init_from=str(tmp_path)), "missing")
+    assert not any((tmp_path / n).exists() for n in ("mtp", "none", "other", "missing"))
