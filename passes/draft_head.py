@@ -387,9 +387,11 @@ class DraftHead(Pass):
                                "train_seconds": round(seconds, 1)})
         if coverage is not None:
             result.metrics.update({"draft_vocab": self.draft_vocab, "draft_vocab_coverage": round(coverage, 5)})
-            result.notes.append(f"draft vocabulary: the {self.draft_vocab} of {graph.spec.vocab_size} tokens most "
-                                f"frequent in the training text, {coverage:.2%} of its tokens; a token outside it "
-                                "is never drafted (the target still emits it)")
+            chosen = (f"{clip(self.init_from)}'s" if self.init_from
+                      else "the most frequent in the training text:")
+            result.notes.append(f"draft vocabulary: {self.draft_vocab} of {graph.spec.vocab_size} tokens, {chosen} "
+                                f"{coverage:.2%} of the training text's tokens; a token outside it is never drafted "
+                                "(the target still emits it)")
         if history:
             result.metrics["final_loss"] = history[-1]
         result.notes.append(f"self-distilled on the calibration text and {len(generations)} "

@@ -173,11 +173,13 @@ def test_the_draft_vocabulary_is_the_most_frequent_tokens_by_hand():
     vocabulary of 3 holds {2, 5, 7} as d2t offsets from 0, 1, 2, and 9 of the 12 tokens."""
     import torch
 
-    from kiln.passes.draft_head import draft_vocabulary
+    from kiln.passes.draft_head import draft_vocabulary, vocabulary_coverage
 
-    d2t, coverage = draft_vocabulary([[5, 5, 2, 9, 7], [2, 5, 1, 9], [5, 2, 7]], 3, vocab=12)
+    lists = [[5, 5, 2, 9, 7], [2, 5, 1, 9], [5, 2, 7]]
+    d2t, coverage = draft_vocabulary(lists, 3, vocab=12)
     assert (torch.arange(3) + d2t).tolist() == [2, 5, 7]
-    assert coverage == pytest.approx(9 / 12)
+    assert coverage == pytest.approx(9 / 12) and vocabulary_coverage(lists, d2t) == pytest.approx(9 / 12)
+    assert vocabulary_coverage([[9, 9, 1], [11]], d2t) == 0.0  # a resumed head's vocabulary on other text
     d2t, coverage = draft_vocabulary([[3, 3]], 3, vocab=12)  # too few distinct tokens: the lowest unseen fill
     assert (torch.arange(3) + d2t).tolist() == [0, 1, 3] and coverage == 1.0
 
