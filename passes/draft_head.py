@@ -180,7 +180,7 @@ def resume_source(path: str, graph: ModelGraph, module: ExtraModuleSpec, verify:
 
     where = f"draft-head: init_from {clip(path)}"
     manifest = read_manifest(path, verify=verify)
-    source = manifest["source"].get("config_sha256")
+    source = (manifest.get("source") or {}).get("config_sha256")
     if source and graph.source.config_sha256 and source != graph.source.config_sha256:
         raise KilnError(f"{where} was built from another model (its source config differs); a head drafts "
                         "only for the model it was trained on")
@@ -205,13 +205,16 @@ def resumed_head(path: str, graph: ModelGraph, module: ExtraModuleSpec,
     manifest, where = resume_source(path, graph, module)
     out = {}
     with safe_open(artifact_file(path, manifest, WEIGHTS), framework="pt") as f:
+        stored = set(f.keys())
         for name, fresh in init.items():
+            if name not in stored:  # the structure check read the header: a head listing a tensor it lacks
+                raise KilnError(f"{where}: its weights have no {name}")
             value = f.get_tensor(name)
             if value.shape != fresh.shape:  # the equal specs make this a corrupt file's
                 raise KilnError(f"{where}: {name} is {list(value.shape)}, this head's is {list(fresh.shape)}")
             out[name] = value.float() if value.is_floating_point() else value.to(fresh.dtype)
-    steps = sum(int(r["config"].get("train_steps", 0)) for r in manifest["passes"]
-                if r["config"].get("pass") == "draft-head")
+    steps = sum(int(r.get("config", {}).get("train_steps", 0)) for r in manifest.get("passes", [])
+                if r.get("config", {}).get("pass") == "draft-head")
     return out, (f"started from {clip(path)}'s {module.kind} head ({steps} steps in its build), not a random "
                  "init" + (", with its draft vocabulary" if module.draft_vocab else ""))
 
