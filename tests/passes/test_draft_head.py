@@ -208,6 +208,7 @@ def test_init_from_resumes_an_artifacts_head_bit_for_bit_and_refuses_another_sha
     from safetensors.torch import load_file
 
     from kiln.optimizer.build import build
+    from tests.runtime.test_artifact_hostile import _lie
 
     def run(head: DraftHead, name: str):
         return build(STORIES, "hopper", Recipe("resume", (head,)), tmp_path / name, eval_data=EVAL_TEXT,
@@ -226,8 +227,6 @@ def test_init_from_resumes_an_artifacts_head_bit_for_bit_and_refuses_another_sha
 
     with pytest.raises(KilnError, match="its head \\(eagle3 reading layers \\[1, 2, 4\\]\\) is not this recipe's \\(mtp\\)"):
         run(DraftHead(architecture="mtp", init_from=source), "mtp")
-    from tests.runtime.test_artifact_hostile import _lie
-
     headless = shutil.copytree(head_artifact.path, tmp_path / "headless")
 
     def drop(tensors, manifest):
