@@ -33,6 +33,7 @@ from kiln.optimizer.build_config import BuildConfig
 from kiln.optimizer.errors import BelowFloor
 from kiln.optimizer.loader import load_checkpoint
 from kiln.optimizer.lower import Lowered, lower, write_artifact
+from kiln.optimizer.measure.draft_resume import check_init_from
 from kiln.optimizer.measure.gate import AccuracyGate, check_native_text, engine_from_graph
 from kiln.optimizer.measure.logit_kl import precision_files
 from kiln.optimizer.measure.runner import RuntimeRunner
@@ -163,6 +164,7 @@ def run_build(config: BuildConfig, log: Callable[[str], None] = lambda m: None, 
         inputs.append(graph.source.path)  # a hub id resolves to its snapshot directory
         check_output(config.output, config.overwrite, inputs)
     config.pipeline.check(graph, config.target_spec)
+    check_init_from(config.pipeline.passes, graph)
     tokenizer = load_tokenizer(graph.source.path, config.trust_remote_code)
     cap = token_cap(graph.spec.max_position_embeddings)
     gate_fn, eval_info = _gate(config, graph, tokenizer, cap, log, progress_factory)

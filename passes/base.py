@@ -185,6 +185,12 @@ class ModelRunner(Protocol):
         `.parameters` (tensor name -> trainable tensor, from `init`), `.loss(step)` (forward and backward on one
         batch), `len()` and `.batch_tokens(step)` (optimizer.measure.draft_training)."""
 
+    def resumed_head(self, path: str, graph: ModelGraph, module: Any,
+                     init: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+        """The draft head of artifact `path`, of `module`'s structure and from `graph`'s source, under `init`'s
+        names in place of it, and a note saying where it came from; a one-line KilnError when it cannot be
+        (optimizer.measure.draft_resume)."""
+
 
 @dataclass
 class PassContext:

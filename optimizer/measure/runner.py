@@ -99,6 +99,12 @@ class RuntimeRunner:
                 task.advance(len(part))
         return out
 
+    def resumed_head(self, path: str, graph: ModelGraph, module, init):
+        """The draft head of artifact `path` in place of `init`, and a note (`draft_resume.resumed_head`)."""
+        from kiln.optimizer.measure.draft_resume import resumed_head
+
+        return resumed_head(path, graph, module, init)
+
     def draft_distillation(self, graph: ModelGraph, module, init, extra_token_lists, max_batch_tokens: int = 2048,
                            unroll: int = 2):
         text = [*self.all_token_lists, *extra_token_lists]  # every calibration paragraph, then the extra
