@@ -305,14 +305,16 @@ class DraftHead(Pass):
         module = dataclasses.replace(head_module(graph, architecture, self.draft_vocab), tree_width=self.tree_width)
         init = init_tensors(module, hidden, self.seed, graph.spec.norm_offset)
         coverage = None
-        if module.draft_vocab:
-            init[module.draft_vocab], coverage = draft_vocabulary([*calibration, *generations], self.draft_vocab,
-                                                                  graph.spec.vocab_size)
         if self.init_from:
+            if module.draft_vocab:  # its shape for the template; the artifact's ids replace it
+                init[module.draft_vocab] = torch.zeros(self.draft_vocab, dtype=torch.long)
             init, resumed = ctx.runner.resumed_head(self.init_from, graph, module, init)
             result.notes.append(resumed)
             if module.draft_vocab:
                 coverage = vocabulary_coverage([*calibration, *generations], init[module.draft_vocab])
+        elif module.draft_vocab:
+            init[module.draft_vocab], coverage = draft_vocabulary([*calibration, *generations], self.draft_vocab,
+                                                                  graph.spec.vocab_size)
         unroll = self.unroll or self.draft_tokens
         objective = ctx.runner.draft_distillation(graph, module, init, generations, self.batch_tokens, unroll)
         history = tune(list(objective.parameters.values()), objective.loss, self.train_steps, self.lr,

@@ -242,3 +242,27 @@ def test_init_from_resumes_an_artifacts_head_bit_for_bit_and_refuses_another_sha
     with pytest.raises(KilnError, match="is not a Kiln artifact"):
         run(DraftHead(init_from=str(tmp_path)), "missing")
     assert not any((tmp_path / n).exists() for n in ("mtp", "none", "other", "missing"))
+
+
+@needs_stories
+def test_init_from_keeps_the_artifacts_draft_vocabulary_and_counts_its_coverage(tmp_path):
+    """A head with a draft vocabulary resumes with that vocabulary (d2t, and so the lm_head's rows, equal) and
+    reports its coverage of the same training text as its own build did."""
+    import torch
+    from safetensors.torch import load_file
+
+    from kiln.optimizer.build import build
+
+    def run(name: str, **config):
+        head = DraftHead(architecture="eagle3", draft_vocab=64, generated=4, generated_tokens=8, min_tau=1.0,
+                         **config)
+        return build(STORIES, "hopper", Recipe(name, (head,)), tmp_path / name, eval_data=EVAL_TEXT, paragraphs=16)
+
+    first = run("first", train_steps=5)
+    resumed = run("resumed", train_steps=0, init_from=str(first.path))
+    theirs, ours = load_file(first.path / "model.safetensors"), load_file(resumed.path / "model.safetensors")
+    head = [n for n in theirs if n.startswith("draft_head.")]
+    assert "draft_head.d2t" in head and all(torch.equal(theirs[n], ours[n]) for n in head)
+    coverage = [b.manifest["passes"][0]["result"]["metrics"]["draft_vocab_coverage"] for b in (first, resumed)]
+    assert 0 < coverage[0] == coverage[1] < 1
+    assert any(f"{first.path}'s {coverage[1]:.2%}" in n for n in resumed.manifest["passes"][0]["result"]["notes"])
